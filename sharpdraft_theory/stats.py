@@ -1,0 +1,197 @@
+"""Per-row sufficient statistics of attention logits, the input of every slope estimator.
+
+Calibration never keeps whole attention rows. For each sampled row (one query of one head of one
+layer, seeing ``n`` keys) it keeps:
+
+==============  ===================  ==========================================================
+field           shape                meaning
+==============  ===================  ==========================================================
+n               (rows,)              visible keys
+layer, head     (rows,)              where the row comes from
+seq             (rows,)              which corpus sequence (the bootstrap resamples these)
+top             (rows, k_max)        the k_max largest logits, descending
+alpha_grid      (n_alpha,)           query scales; must contain 1.0
+lse             (rows, n_alpha)      ``LSE_j(a z_j)`` over all visible keys, for each grid a
+tilted_mean     (rows,)              ``sum z e^z / sum e^z`` over all keys (a = 1)
+mean, var       (rows,)              plain mean and population variance of all visible logits
+==============  ===================  ==========================================================
+
+From these, the top-k mass ``M_k(a)`` is exact for every ``k <= k_max`` and grid ``a``::
+
+    ln S_T(a) = LSE(a top[:k]),   ln S_B(a) = lse(a) + log1p(-exp(ln S_T(a) - lse(a)))
+
+and the background's tilted mean, plain mean and variance follow by removing the top set.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import numpy as np
+from scipy.special import logsumexp
+
+from .atomic import atomic_path
+
+__all__ = ["RowStats", "row_stats_from_logits", "DEFAULT_ALPHA_GRID"]
+
+#: Default grid of query scales at which calibration records ``lse``: fine near 1, up to 4.
+DEFAULT_ALPHA_GRID = np.round(np.concatenate([np.arange(0.5, 2.0, 0.025), np.arange(2.0, 4.0001, 0.05)]), 6)
+
+
+@dataclass(frozen=True, eq=False)
+class RowStats:
+    n: np.ndarray
+    layer: np.ndarray
+    head: np.ndarray
+    seq: np.ndarray
+    top: np.ndarray
+    alpha_grid: np.ndarray
+    lse: np.ndarray
+    tilted_mean: np.ndarray
+    mean: np.ndarray
+    var: np.ndarray
+
+    def __post_init__(self):
+        rows = np.shape(self.n)[0] if np.ndim(self.n) else -1
+        for f in fields(self):
+            value = np.asarray(getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+            if f.name != "alpha_grid" and (value.ndim == 0 or value.shape[0] != rows):
+                raise ValueError(f"RowStats.{f.name}: expected {rows} rows, got shape {value.shape}")
+        if self.top.ndim != 2 or self.lse.shape != (rows, self.alpha_grid.size):
+            raise ValueError(f"RowStats: top must be (rows, k_max) and lse (rows, {self.alpha_grid.size}), "
+                             f"got {self.top.shape} and {self.lse.shape}")
+        if not np.any(np.isclose(self.alpha_grid, 1.0)):
+            raise ValueError("RowStats.alpha_grid must contain 1.0")
+        for name in ("top", "lse", "tilted_mean", "mean", "var"):
+            if not np.all(np.isfinite(getattr(self, name))):
+                raise ValueError(f"RowStats.{name} holds NaN or inf: the drafter produced non-finite logits")
+
+    @property
+    def rows(self) -> int:
+        return int(self.n.shape[0])
+
+    @property
+    def k_max(self) -> int:
+        return int(self.top.shape[1])
+
+    @property
+    def index_of_one(self) -> int:
+        return int(np.argmin(np.abs(self.alpha_grid - 1.0)))
+
+    def select(self, mask) -> "RowStats":
+        """The rows where ``mask`` is True (or at the given indices)."""
+        return RowStats(**{f.name: getattr(self, f.name) if f.name == "alpha_grid" else getattr(self, f.name)[mask]
+                           for f in fields(self)})
+
+    # -- derived quantities (float64) --------------------------------------------------------
+    def log_top(self, top_k: int) -> np.ndarray:
+        """``ln S_T(a)`` for every row and grid a: (rows, n_alpha)."""
+        self._check_k(top_k)
+        top = self.top[:, :top_k].astype(np.float64)
+        return logsumexp(self.alpha_grid[None, :, None] * top[:, None, :], axis=-1)
+
+    def log_odds(self, top_k: int) -> np.ndarray:
+        """Top-k log-odds ``ln S_T - ln S_B`` for every row and grid a: (rows, n_alpha)."""
+        log_t = self.log_top(top_k)
+        lse = self.lse.astype(np.float64)
+        frac = np.minimum(np.exp(log_t - lse), 1.0 - 1e-15)  # M_k; clip fp32 round-off at 1
+        return np.log(frac) - np.log1p(-frac)
+
+    def mass(self, top_k: int) -> np.ndarray:
+        """Top-k mass ``M_k(a)`` for every row and grid a: (rows, n_alpha)."""
+        return np.minimum(np.exp(self.log_top(top_k) - self.lse.astype(np.float64)), 1.0)
+
+    def background_log_sum(self, top_k: int) -> np.ndarray:
+        """``ln S_B(1)`` per row."""
+        i = self.index_of_one
+        log_t = self.log_top(top_k)[:, i]
+        lse = self.lse[:, i].astype(np.float64)
+        return lse + np.log1p(-np.minimum(np.exp(log_t - lse), 1.0 - 1e-15))
+
+    def tilted_means(self, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(zbar_T(1), zbar_B(1))`` per row: tilted means of top set and background at a = 1."""
+        top = self.top[:, :top_k].astype(np.float64)
+        w = np.exp(top - logsumexp(top, axis=1, keepdims=True))
+        zbar_t = np.sum(w * top, axis=1)
+        m = self.mass(top_k)[:, self.index_of_one]
+        zbar_b = (self.tilted_mean - m * zbar_t) / np.maximum(1.0 - m, 1e-15)
+        return zbar_t, zbar_b
+
+    def background_moments(self, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Plain mean and population variance of the background logits (top set removed)."""
+        self._check_k(top_k)
+        n = self.n.astype(np.float64)
+        top = self.top[:, :top_k].astype(np.float64)
+        nb = n - top_k
+        total = self.mean * n
+        total_sq = (self.var + self.mean.astype(np.float64) ** 2) * n
+        mean_b = (total - top.sum(axis=1)) / nb
+        var_b = (total_sq - np.sum(top**2, axis=1)) / nb - mean_b**2
+        return mean_b, np.maximum(var_b, 0.0)
+
+    def _check_k(self, top_k: int) -> None:
+        if not 1 <= top_k <= self.k_max:
+            raise ValueError(f"top_k={top_k} must be between 1 and k_max={self.k_max} of these statistics")
+        if np.any(self.n <= top_k):
+            raise ValueError(f"top_k={top_k} leaves no background in rows with n <= {top_k}")
+
+    # -- I/O ---------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, **meta) -> None:
+        """Write the statistics (and string metadata) atomically as ``.npz``."""
+        with atomic_path(path, suffix=".npz") as tmp:
+            np.savez_compressed(tmp, **{f.name: getattr(self, f.name) for f in fields(self)},
+                                **{f"meta_{k}": np.asarray(str(v)) for k, v in meta.items()})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> tuple["RowStats", dict]:
+        """Read a statistics file; returns the rows and the metadata."""
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                stats = cls(**{f.name: data[f.name] for f in fields(cls)})
+                meta = {k[5:]: str(data[k]) for k in data.files if k.startswith("meta_")}
+        except (OSError, KeyError, ValueError) as err:
+            raise ValueError(f"statistics file {str(path)!r} cannot be read: {err}") from None
+        return stats, meta
+
+    @classmethod
+    def concat(cls, parts: list["RowStats"]) -> "RowStats":
+        """Join statistics from several runs or shards (same alpha grid and k_max)."""
+        if not parts:
+            raise ValueError("no statistics to join")
+        grid = parts[0].alpha_grid
+        for p in parts[1:]:
+            if p.alpha_grid.shape != grid.shape or not np.allclose(p.alpha_grid, grid):
+                raise ValueError("statistics to join were recorded on different alpha grids")
+            if p.k_max != parts[0].k_max:
+                raise ValueError(f"statistics to join have different k_max ({parts[0].k_max} and {p.k_max})")
+        return cls(**{f.name: grid if f.name == "alpha_grid" else np.concatenate([getattr(p, f.name) for p in parts])
+                      for f in fields(cls)})
+
+
+def row_stats_from_logits(logits, *, k_max: int, alpha_grid=DEFAULT_ALPHA_GRID, layer=0, head=0, seq=0) -> RowStats:
+    """Reference (float64, numpy) reduction of whole rows to statistics; ``-inf`` = not visible.
+
+    Calibration computes the same quantities in torch chunk by chunk; this is the plain-math
+    version its tests compare against, and the way to build statistics for synthetic rows.
+    """
+    z = np.atleast_2d(np.asarray(logits, dtype=np.float64))  # (rows, n)
+    rows = z.shape[0]
+    finite = np.isfinite(z)
+    n = finite.sum(axis=1)
+    if np.any(n <= k_max):
+        raise ValueError(f"every row needs more than k_max={k_max} visible keys")
+    grid = np.asarray(alpha_grid, dtype=np.float64)
+    top = -np.sort(np.where(finite, -z, np.inf), axis=1)[:, :k_max]
+    zf = np.where(finite, z, 0.0)
+    lse = logsumexp(np.where(finite[:, None, :], grid[None, :, None] * zf[:, None, :], -np.inf), axis=-1)
+    w = np.where(finite, np.exp(z - logsumexp(z, axis=1, keepdims=True)), 0.0)
+    mean = zf.sum(axis=1) / n
+    var = np.where(finite, (zf - mean[:, None]) ** 2, 0.0).sum(axis=1) / n
+
+    def col(v):
+        return np.broadcast_to(np.asarray(v), (rows,)).copy()
+
+    return RowStats(n=n, layer=col(layer), head=col(head), seq=col(seq), top=top, alpha_grid=grid, lse=lse,
+                    tilted_mean=np.sum(w * zf, axis=1), mean=mean, var=var)
