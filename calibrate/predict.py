@@ -1,0 +1,95 @@
+"""``sharpdraft predict``: dilution and its correction under a score model, no model needed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from sharpdraft_theory import (Gaussian, TwoLevel, alpha_law, annealed_mass, exact_alpha, least_squares_slope,
+                               monte_carlo_mass, regime, tangent_slope)
+
+from .errors import UserError
+
+__all__ = ["predict"]
+
+MC_MAX_N = 1 << 22
+
+
+def _model(model: str, gap: float, sigma: float | None, top_k: int):
+    try:
+        if model == "two-level":
+            if sigma is not None:
+                raise UserError("--sigma applies to --model gaussian only; drop it or choose gaussian")
+            return TwoLevel(gap=gap, top_k=top_k)
+        if model == "gaussian":
+            if sigma is None:
+                raise UserError("--model gaussian needs --sigma (the background logits' standard deviation)")
+            if gap <= sigma**2:
+                raise UserError(f"--gap {gap:g} must exceed sigma^2 = {sigma**2:g} for the Gaussian correction "
+                                "(the top set must stand above the tilted background)")
+            return Gaussian(gap=gap, sigma=sigma, top_k=top_k)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    raise UserError(f"--model {model!r} is not known; choose two-level or gaussian")
+
+
+def predict(*, model: str, gap: float, sigma: float | None, top_k: int, n_ref: int, n: list[int],
+            mc_rows: int = 0, seed: int = 0) -> dict:
+    """Everything ``sharpdraft predict`` shows, as a JSON-ready dict.
+
+    Masses are annealed predictions, or quenched Monte Carlo means when ``mc_rows > 0``.
+    """
+    if n_ref <= top_k:
+        raise UserError(f"--n-ref {n_ref} must exceed --top-k {top_k}")
+    bad = [v for v in n if v <= top_k]
+    if bad:
+        raise UserError(f"--n {bad[0]} must exceed --top-k {top_k}")
+    if mc_rows > 0 and max(n) > MC_MAX_N:
+        raise UserError(f"--n {max(n)} is too long for --mc-rows (Monte Carlo draws n logits per row); "
+                        f"keep every --n <= {MC_MAX_N} or drop --mc-rows")
+    m = _model(model, gap, sigma, top_k)
+    lengths = np.asarray(sorted(set(n)), dtype=np.float64)
+    corr = exact_alpha(m, lengths, n_ref)
+    beta = tangent_slope(m)
+    fixed = alpha_law("log-linear", lengths, n_ref=n_ref, slope=beta)
+    n_far = max(float(lengths.max()), 2.0 * n_ref)
+    try:
+        beta_ls = least_squares_slope(m, n_ref, min(n_far, corr.horizon_n * 0.999))
+    except ValueError:  # the horizon is at or below n_ref: nothing to fit
+        beta_ls = None
+
+    def mass(length: float, alpha: float) -> float:
+        if not math.isfinite(alpha):
+            return None
+        if mc_rows > 0:
+            return float(monte_carlo_mass(m, int(length), alpha, rows=mc_rows, seed=seed)[0])
+        return float(annealed_mass(m, length, alpha))
+
+    mass_ref = mass(n_ref, 1.0)
+    regimes = regime(m, lengths, np.where(corr.reachable, corr.alpha, fixed))
+    rows = []
+    for i, length in enumerate(lengths):
+        a_exact = float(corr.alpha[i]) if corr.reachable[i] else None
+        rows.append({
+            "n": int(length),
+            "mass_unscaled": mass(length, 1.0),
+            "alpha_exact": a_exact,
+            "mass_exact": mass(length, a_exact) if a_exact is not None else None,
+            "alpha_fixed_slope": float(fixed[i]),
+            "mass_fixed_slope": mass(length, float(fixed[i])),
+            "regime": str(regimes[i]),
+            "note": None if a_exact is not None else (
+                "past the correction horizon: no query scale restores the mass"
+                if length > corr.horizon_n else "too short: even alpha = 0 leaves more than the reference mass"),
+        })
+    return {
+        "model": model, "gap": gap, "sigma": sigma, "top_k": top_k, "n_ref": n_ref,
+        "mass_model": "monte-carlo" if mc_rows > 0 else "annealed",
+        "mass_ref": mass_ref,
+        "beta_tangent": beta,
+        "beta_least_squares": beta_ls,
+        "least_squares_range": [n_ref, min(n_far, corr.horizon_n)],
+        "horizon_n": None if math.isinf(corr.horizon_n) else corr.horizon_n,
+        "rows": rows,
+    }
