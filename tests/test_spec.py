@@ -1,0 +1,149 @@
+"""The scale spec: round trips, validation that names the field, and the shipped JSON Schema in sync."""
+
+import copy
+import json
+from dataclasses import fields
+
+import jsonschema
+import numpy as np
+import pytest
+
+from sharpdraft_theory import SCHEMA, Bucket, Calibration, DrafterInfo, EstimatorResult, ScaleSpec
+from sharpdraft_theory.spec import schema_path
+
+
+def full_spec(**over) -> ScaleSpec:
+    kw = dict(
+        law="log-linear", n_ref=256, slope=[[0.1, 0.2, 0.3], [0.0, 0.1, 0.2]], top_k=4, granularity="head",
+        alpha_max=3.0,
+        drafter=DrafterInfo(kind="eagle3", path="/ckpt", num_layers=2, num_heads=3, num_kv_heads=1, head_dim=16),
+        calibration=Calibration(
+            estimator="mass-matching", corpus="pydoc", sequences=4, max_length=2048, rows=1000,
+            buckets=(Bucket(n=300.5, rows=10, mass=0.4, alpha=1.1), Bucket(n=128.0, rows=5, mass=0.6, alpha=None)),
+            results=(EstimatorResult("mass-matching", 0.2, 0.18, 0.22, {"r2": 0.98}),
+                     EstimatorResult("gaussian", None, None, None, {}, "tbar - mu - sigma^2 <= 0")),
+            tool_version="0.1.0"),
+    )
+    kw.update(over)
+    return ScaleSpec(**kw)
+
+
+@pytest.fixture(scope="module")
+def schema():
+    return json.loads(schema_path().read_text())
+
+
+def test_round_trip_through_json_and_file(tmp_path):
+    spec = full_spec()
+    assert ScaleSpec.from_json(spec.to_json()) == spec
+    spec.save(tmp_path / "s.json")
+    assert ScaleSpec.load(tmp_path / "s.json") == spec
+    assert json.loads((tmp_path / "s.json").read_text())["schema"] == SCHEMA
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temp file left behind
+
+
+def test_alpha_per_layer_and_head():
+    spec = full_spec()
+    a = spec.alpha([256, 512], layer=1)
+    assert a.shape == (2, 3)
+    np.testing.assert_allclose(a[1], 1 + np.array([0.0, 0.1, 0.2]) * np.log(2), rtol=1e-14)
+    with pytest.raises(ValueError, match="pass layer="):
+        spec.alpha([512])
+
+
+def test_valid_specs_pass_the_schema(schema):
+    for spec in (full_spec(), ScaleSpec(law="qwen-logn", n_ref=64, slope=None, top_k=1),
+                 ScaleSpec(law="ssmax", n_ref=None, slope=0.3, top_k=2),
+                 ScaleSpec(law="log-linear", n_ref=512, slope=[0.1, 0.2], top_k=4, granularity="layer")):
+        jsonschema.validate(spec.to_dict(), schema)
+
+
+def test_schema_names_every_dataclass_field(schema):
+    """The schema and the dataclasses must describe the same fields (keeps them in sync)."""
+    assert set(schema["properties"]) == {f.name for f in fields(ScaleSpec)}
+    drafter = schema["properties"]["drafter"]["anyOf"][1]
+    calibration = schema["properties"]["calibration"]["anyOf"][1]
+    assert set(drafter["properties"]) == {f.name for f in fields(DrafterInfo)}
+    assert set(calibration["properties"]) == {f.name for f in fields(Calibration)}
+    assert set(calibration["properties"]["buckets"]["items"]["properties"]) == {f.name for f in fields(Bucket)}
+    assert set(calibration["properties"]["results"]["items"]["properties"]) == {f.name for f in fields(EstimatorResult)}
+    required = {f.name for f in fields(ScaleSpec) if f.default is f.default_factory}  # no default: required
+    assert set(schema["required"]) == required
+
+
+def _set(d, path, value):
+    d = copy.deepcopy(d)
+    node = d
+    for key in path[:-1]:
+        node = node[key]
+    if value is _DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return d
+
+
+_DELETE = object()
+
+# (path to change, new value, field the error must name, fragment of the message). Each case is
+# rejected by the loader; `schema_too` says whether the JSON Schema alone can see it (the rest
+# are cross-field rules listed in the schema's description).
+MALFORMED = [
+    (("law",), "logn", "law", "expected one of", True),
+    (("schema",), "sharpdraft.scale-spec/v2", "schema", "v1 specs only", True),
+    (("n_ref",), -3, "n_ref", "expected an integer >= 2", True),
+    (("n_ref",), 3, "n_ref", "must exceed top_k=4", False),
+    (("n_ref",), "256", "n_ref", "expected an integer", True),
+    (("top_k",), 0, "top_k", "expected an integer >= 1", True),
+    (("top_k",), _DELETE, "top_k", "required field is missing", True),
+    (("slope",), 0.2, "slope", "granularity 'head' needs a non-empty list", True),
+    (("slope",), [[0.1, 0.2, 0.3], [0.1]], "slope", "same number of head slopes", False),
+    (("slope",), [[0.1, "x", 0.3], [0.0, 0.1, 0.2]], "slope[0][1]", "expected a finite number", True),
+    (("granularity",), "tensor", "granularity", "expected one of", True),
+    (("alpha_max",), 0.0, "alpha_max", "expected a number > 0", True),
+    (("alpha_max",), 0.5, "alpha_max", "log-linear needs alpha_max >= 1", False),
+    (("drafter", "kind"), "medusa", "drafter.kind", "expected one of", True),
+    (("drafter", "num_kv_heads"), 2, "drafter.num_kv_heads", "must divide num_heads=3", False),
+    (("drafter", "num_layers"), 5, "slope", "one entry per layer (5)", False),
+    (("calibration", "buckets", 0, "mass"), 1.5, "calibration.buckets[0].mass", "mass in [0, 1]", True),
+    (("calibration", "results", 0, "estimator"), "magic", "calibration.results[0].estimator", "expected one of",
+     True),
+    (("calibration", "rows"), _DELETE, "calibration.rows", "required field is missing", True),
+    (("extra_field",), 1, "extra_field", "unknown field", True),
+]
+
+
+@pytest.mark.parametrize("path,value,field,fragment,schema_too", MALFORMED,
+                         ids=[f"{'.'.join(map(str, m[0]))}={m[1]!r}"[:40] for m in MALFORMED])
+def test_malformed_spec_is_rejected_naming_the_field(schema, path, value, field, fragment, schema_too):
+    bad = _set(full_spec().to_dict(), path, value)
+    with pytest.raises(ValueError) as err:
+        ScaleSpec.from_dict(bad)
+    assert f"spec field '{field}'" in str(err.value)
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+    if schema_too:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_law_specific_rules(schema):
+    with pytest.raises(ValueError, match="spec field 'slope': qwen-logn has no slope"):
+        ScaleSpec(law="qwen-logn", n_ref=64, slope=0.1, top_k=1)
+    with pytest.raises(ValueError, match="spec field 'n_ref': expected an integer"):
+        ScaleSpec(law="log-linear", n_ref=None, slope=0.1, top_k=1)
+    for bad in ({"law": "qwen-logn", "n_ref": 64, "slope": 0.1, "top_k": 1},
+                {"law": "log-linear", "n_ref": None, "slope": 0.1, "top_k": 1}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_unreadable_and_non_json_files(tmp_path):
+    with pytest.raises(ValueError, match="cannot read it"):
+        ScaleSpec.load(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ScaleSpec.load(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        ScaleSpec.load(tmp_path / "list.json")
