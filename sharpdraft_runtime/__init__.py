@@ -1,0 +1,18 @@
+"""SharpDraft runtime: apply a scale spec to a drafter's attention queries at inference.
+
+A speculative-decoding drafter trained at a short context loses attention mass on its top keys
+as the number of visible keys ``n`` grows; SharpDraft multiplies each query by ``alpha(n)``
+(cardinality-aware query scaling, ``docs/theory.md``). This package applies a
+:class:`sharpdraft_theory.ScaleSpec` exactly, in place and at no memory cost:
+
+* :func:`alpha_for`, :func:`scale_query_`, :class:`QueryScaler` - the core, for custom attention code;
+* :func:`causal_n_visible`, :func:`mask_n_visible` - visible-key counts for causal rows and masks;
+* :func:`flex_score_mod` - the same scaling as a FlexAttention ``score_mod``;
+* :func:`enable` / :func:`disable` - transformers models, through the attention interface.
+"""
+
+from .core import QueryScaler, alpha_for, causal_n_visible, flex_score_mod, mask_n_visible, scale_query_
+from .hf import NAME, disable, enable, is_enabled, sharpdraft_attention
+
+__all__ = ["QueryScaler", "alpha_for", "scale_query_", "causal_n_visible", "mask_n_visible", "flex_score_mod",
+           "NAME", "enable", "disable", "is_enabled", "sharpdraft_attention"]

@@ -1,0 +1,311 @@
+"""Apply a scale spec to attention queries: ``q <- alpha(n) q`` with ``n`` the visible keys.
+
+SharpDraft counters attention-mass dilution in a speculative-decoding drafter by multiplying each
+query by a factor ``alpha(n)`` that grows with the number ``n`` of keys the query can see
+(cardinality-aware query scaling; ``docs/theory.md``). Logits are linear in the query and RoPE is
+a rotation, so scaling the post-RoPE query by ``alpha`` is exactly scaling the row's logits by
+``alpha``::
+
+    softmax(scaling * (alpha q) k^T) = softmax(alpha * scaling * q k^T)
+
+The laws are those of :mod:`sharpdraft_theory.laws` (the reference, float64, numpy); this module
+holds their torch form so the hot path never leaves the device, and the tests check the two agree.
+
+Cost. Scaling is done in place (``query.mul_(alpha)``), so no query-sized tensor is allocated, and
+it is skipped outright when every ``alpha`` is exactly 1, which :attr:`QueryScaler.identity_limit`
+decides on the host from the key length alone (``n <= key length``).
+
+Autograd. In-place scaling is for inference (``torch.no_grad`` / ``torch.inference_mode``). When a
+query requires grad and grad mode is on, :meth:`QueryScaler.scale_query_` scales out of place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from sharpdraft_theory import ScaleSpec
+
+__all__ = ["QueryScaler", "alpha_for", "scale_query_", "causal_n_visible", "mask_n_visible", "flex_score_mod"]
+
+
+def _law(law: str, n: torch.Tensor, n_ref: int | None, slope: torch.Tensor | None,
+         alpha_max: float | None) -> torch.Tensor:
+    """Torch form of :func:`sharpdraft_theory.laws.alpha_law` (same formulas, same order of operations).
+
+    ``n`` and ``slope`` broadcast together; the result has ``n``'s floating dtype.
+    """
+    if law == "log-linear":
+        alpha = 1.0 + slope * torch.log(torch.clamp(n, min=n_ref) / n_ref)
+    elif law == "qwen-logn":
+        alpha = torch.clamp(torch.log(torch.clamp(n, min=1.0)) / math.log(n_ref), min=1.0)
+    elif law == "llama4":
+        alpha = 1.0 + slope * torch.log(torch.floor(n / n_ref) + 1.0)
+    elif law == "ssmax":
+        alpha = slope * torch.log(torch.clamp(n, min=1.0))
+    elif law == "constant":
+        alpha = (1.0 + slope) + torch.zeros_like(n)
+    else:
+        raise ValueError(f"unknown law {law!r}")
+    if alpha_max is not None:
+        alpha = torch.clamp(alpha, max=alpha_max)
+    return alpha
+
+
+def _identity_limit(spec: ScaleSpec) -> float:
+    """Largest ``n`` such that ``alpha(m) == 1`` exactly for every ``m <= n``, layer and head.
+
+    ``-1`` when no such ``n`` exists, ``inf`` when alpha is 1 everywhere.
+    """
+    if spec.alpha_max is not None and spec.alpha_max < 1:
+        return -1
+    flat = spec.law in ("log-linear", "llama4", "constant") and not np.any(spec.slopes())
+    if flat:
+        return math.inf
+    if spec.law in ("log-linear", "qwen-logn"):
+        return spec.n_ref  # ln(max(n, n_ref) / n_ref) = 0 and ln n / ln n_ref <= 1 up to n_ref
+    if spec.law == "llama4":
+        return spec.n_ref - 1  # floor(n / n_ref) = 0 below n_ref
+    return -1  # ssmax, and constant with a non-zero slope
+
+
+class QueryScaler:
+    """A scale spec compiled for one device: slopes as tensors, the identity limit on the host.
+
+    Parameters
+    ----------
+    spec : ScaleSpec
+        The spec to apply. Per-layer and per-head specs need ``layer`` in every call.
+    device : torch.device or str, optional
+        Where the slope tensors live (that of the queries).
+    dtype : torch.dtype, optional
+        Precision of ``alpha`` (float32 by default; float64 for references). A query of lower
+        precision is multiplied in this precision and rounded once.
+
+    Examples
+    --------
+    >>> scaler = QueryScaler(ScaleSpec(law="log-linear", n_ref=512, slope=0.25, top_k=4), dtype=torch.float64)
+    >>> scaler.alpha(torch.tensor([256, 512, 1024])).tolist()
+    [1.0, 1.0, 1.1732867951399863]
+    >>> scaler.identity_limit
+    512
+    """
+
+    def __init__(self, spec: ScaleSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.spec = spec
+        self.dtype = dtype
+        self.identity_limit = _identity_limit(spec)
+        slopes = spec.slopes()
+        # (), (layers,) or (layers, heads); heads get a trailing q_len axis to broadcast into (B, H, q_len).
+        self._slopes = None if slopes is None else torch.as_tensor(slopes, dtype=dtype, device=device)
+
+    def slope(self, layer: int | None) -> torch.Tensor | None:
+        """Slope for ``layer``: shape () or (heads, 1); None for ``qwen-logn``."""
+        if self._slopes is None or self._slopes.ndim == 0:
+            return self._slopes
+        if layer is None:
+            raise ValueError(f"this spec has {self.spec.granularity} slopes: pass layer=")
+        if not 0 <= layer < self._slopes.shape[0]:
+            raise ValueError(f"layer {layer} is out of range: the spec has {self._slopes.shape[0]} layers")
+        slope = self._slopes[layer]
+        return slope[:, None] if slope.ndim == 1 else slope
+
+    def alpha(self, n_visible: torch.Tensor | int, layer: int | None = None) -> torch.Tensor:
+        """Query factors for visible-key counts.
+
+        Parameters
+        ----------
+        n_visible : Tensor of shape (q_len,), (batch, q_len) or (batch, 1 or heads, q_len), or int
+            Keys each query row sees.
+        layer : int, optional
+            Layer index (needed by per-layer and per-head specs).
+
+        Returns
+        -------
+        Tensor of shape (batch or 1, heads or 1, q_len), in ``self.dtype``
+            Broadcasts into a query of shape (batch, heads, q_len, head_dim) once given a trailing
+            axis. A per-head spec makes the heads axis full; an int ``n_visible`` gives (1, 1 or heads, 1).
+        """
+        slope = self.slope(layer)
+        device = self._slopes.device if self._slopes is not None else None
+        n = torch.as_tensor(n_visible, device=device).to(self.dtype)
+        if n.ndim > 3:
+            raise ValueError(f"n_visible must have shape (q_len,), (batch, q_len) or (batch, heads, q_len), "
+                             f"got {tuple(n.shape)}")
+        n = n.reshape(1, 1, -1) if n.ndim < 2 else n[:, None, :] if n.ndim == 2 else n  # (B|1, H|1, q_len)
+        return _law(self.spec.law, n, self.spec.n_ref, slope, self.spec.alpha_max)
+
+    def scale_query_(self, query: torch.Tensor, n_visible: torch.Tensor | int, layer: int | None = None) -> torch.Tensor:
+        """Multiply ``query`` by ``alpha(n_visible)`` in place (out of place when autograd needs it).
+
+        Parameters
+        ----------
+        query : Tensor of shape (batch, heads, q_len, head_dim)
+            Post-RoPE queries; for GQA the query heads (not the key/value heads).
+        n_visible : Tensor of shape (q_len,), (batch, q_len) or (batch, 1 or heads, q_len), or int
+            Keys each query row sees (see :func:`causal_n_visible`, :func:`mask_n_visible`).
+        layer : int, optional
+            Layer index (needed by per-layer and per-head specs).
+
+        Returns
+        -------
+        Tensor of shape (batch, heads, q_len, head_dim)
+            ``query`` itself, scaled; a new tensor only when autograd needs the original.
+        """
+        if isinstance(n_visible, int) and n_visible <= self.identity_limit:
+            return query
+        alpha = self.alpha(n_visible, layer)[..., None]  # (B|1, H|1, q_len, 1)
+        if query.requires_grad and torch.is_grad_enabled():
+            return query * alpha
+        return query.mul_(alpha)
+
+
+def _scaler(spec: ScaleSpec | QueryScaler, device, dtype=torch.float32) -> QueryScaler:
+    return spec if isinstance(spec, QueryScaler) else QueryScaler(spec, device, dtype)
+
+
+def alpha_for(spec: ScaleSpec | QueryScaler, n_visible: torch.Tensor | int, layer: int | None = None, *,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Query factors ``alpha(n)`` for a tensor of visible-key counts (see :meth:`QueryScaler.alpha`).
+
+    Parameters
+    ----------
+    spec : ScaleSpec or QueryScaler
+        The spec (a :class:`QueryScaler` skips compiling it again; ``dtype`` is then its own).
+    n_visible : Tensor of shape (q_len,), (batch, q_len) or (batch, 1 or heads, q_len), or int
+        Keys each query row sees.
+    layer : int, optional
+        Layer index (needed by per-layer and per-head specs).
+    dtype : torch.dtype, optional
+        Precision of the result.
+
+    Returns
+    -------
+    Tensor of shape (batch or 1, heads or 1, q_len)
+
+    Examples
+    --------
+    >>> spec = ScaleSpec(law="log-linear", n_ref=4, slope=((0.0, 1.0),), granularity="head", top_k=1)
+    >>> alpha_for(spec, torch.tensor([4, 8]), layer=0, dtype=torch.float64)[0].tolist()
+    [[1.0, 1.0], [1.0, 1.6931471805599454]]
+    """
+    device = n_visible.device if isinstance(n_visible, torch.Tensor) else "cpu"
+    return _scaler(spec, device, dtype).alpha(n_visible, layer)
+
+
+def scale_query_(query: torch.Tensor, n_visible: torch.Tensor | int, spec: ScaleSpec | QueryScaler,
+                 layer: int | None = None) -> torch.Tensor:
+    """Scale ``query`` of shape (batch, heads, q_len, head_dim) by ``alpha(n_visible)`` in place.
+
+    See :meth:`QueryScaler.scale_query_`; build a :class:`QueryScaler` once when calling per layer.
+    Returns ``query`` (a new tensor only when autograd needs the original).
+    """
+    return _scaler(spec, query.device).scale_query_(query, n_visible, layer)
+
+
+def causal_n_visible(q_len: int, past: int = 0, *, key_mask: torch.Tensor | None = None,
+                     sliding_window: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Visible keys of causal queries: ``n_i = past + i + 1``, less padding and keys outside the window.
+
+    Parameters
+    ----------
+    q_len : int
+        Queries in this forward (1 when decoding, the block length for a draft block).
+    past : int
+        Keys already in the cache before these queries.
+    key_mask : Tensor of shape (batch, past + q_len), optional
+        1/True for real keys, 0/False for padding (the tokenizer's ``attention_mask``); any
+        padding pattern, left padding included.
+    sliding_window : int, optional
+        A query at position ``p`` sees keys ``p - sliding_window < j <= p`` (transformers' convention).
+    device : torch.device or str, optional
+        Device of the result (default: that of ``key_mask``, else CPU).
+
+    Returns
+    -------
+    Tensor of shape (batch or 1, q_len), int64
+
+    Examples
+    --------
+    >>> causal_n_visible(3, past=2).tolist()
+    [[3, 4, 5]]
+    >>> causal_n_visible(2, past=1, key_mask=torch.tensor([[0, 1, 1]]), sliding_window=2).tolist()
+    [[1, 2]]
+    """
+    device = key_mask.device if key_mask is not None and device is None else device
+    pos = torch.arange(past, past + q_len, device=device)  # (q_len,) absolute positions
+    if key_mask is None:
+        n = pos + 1
+        return (n.clamp(max=sliding_window) if sliding_window is not None else n)[None]
+    seen = key_mask.to(torch.int64).cumsum(-1)  # (B, past + q_len): real keys at positions <= j
+    n = seen[:, pos]
+    if sliding_window is not None:
+        cut = pos - sliding_window  # keys at positions <= cut are outside the window
+        n = n - torch.where(cut >= 0, seen[:, cut.clamp(min=0)], 0)
+    return n
+
+
+def mask_n_visible(attention_mask: torch.Tensor, k_len: int | None = None) -> torch.Tensor:
+    """Visible keys per query row of a 4D attention mask (causal, cache, padding, window, blocks alike).
+
+    Parameters
+    ----------
+    attention_mask : Tensor of shape (batch, 1 or heads, q_len, >= k_len)
+        Boolean (True: the key is visible) or additive float (visible where the bias is above the
+        dtype's minimum, the value transformers uses for masked keys; ``-inf`` is masked too).
+    k_len : int, optional
+        Keys actually attended; a longer mask is cut to its first ``k_len`` columns.
+
+    Returns
+    -------
+    Tensor of shape (batch, 1 or heads, q_len), int32
+
+    Notes
+    -----
+    torch sums a boolean tensor by first casting all of it to int64 (8 bytes per mask entry). We
+    instead sum groups of 128 entries in uint8 (a group sums to at most 128, so no overflow),
+    then the group sums in int32: the temporaries are 1/128 and 1/32 of the mask's bytes, far
+    below the float copy of the mask that SDPA itself makes.
+    """
+    mask = attention_mask if k_len is None else attention_mask[..., :k_len]
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min
+    mask = mask.view(torch.uint8)
+    k = mask.shape[-1]
+    whole = k - k % _GROUP
+    n = mask[..., :whole].unflatten(-1, (whole // _GROUP, _GROUP)).sum(-1, dtype=torch.uint8).sum(-1, dtype=torch.int32)
+    if whole < k:
+        n += mask[..., whole:].sum(-1, dtype=torch.int32)
+    return n
+
+
+_GROUP = 128  # mask entries summed in uint8 before widening (must stay <= 255)
+
+
+def flex_score_mod(spec: ScaleSpec | QueryScaler, n_visible: torch.Tensor | int, layer: int | None = None):
+    """A FlexAttention ``score_mod`` that multiplies each logit by its row's ``alpha``.
+
+    Parameters
+    ----------
+    spec : ScaleSpec or QueryScaler
+        The spec to apply.
+    n_visible : Tensor of shape (q_len,), (batch, q_len) or (batch, 1 or heads, q_len), or int
+        Keys each query row sees (FlexAttention's ``score`` already includes the ``scaling``).
+    layer : int, optional
+        Layer index (needed by per-layer and per-head specs).
+
+    Returns
+    -------
+    callable ``score_mod(score, b, h, q_idx, kv_idx) -> score * alpha[b, h, q_idx]``
+        For ``torch.nn.attention.flex_attention.flex_attention(query, key, value, score_mod=...)``.
+        Use it in place of :func:`scale_query_` (not with it) where a fused kernel is wanted.
+    """
+    device = n_visible.device if isinstance(n_visible, torch.Tensor) else "cpu"
+    alpha = _scaler(spec, device).alpha(n_visible, layer)  # (B|1, H|1, q_len|1)
+    whole_batch, per_head, per_row = (size > 1 for size in alpha.shape)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * alpha[b if whole_batch else 0, h if per_head else 0, q_idx if per_row else 0]
+
+    return score_mod

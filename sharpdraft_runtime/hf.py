@@ -1,0 +1,233 @@
+"""transformers integration: a ``sharpdraft`` attention function that scales queries, then attends.
+
+Models that dispatch attention through transformers' ``AttentionInterface`` (Llama, Qwen, PARD
+drafters, DFlash) call ``fn(module, query, key, value, attention_mask, dropout, scaling, **kwargs)``
+with post-RoPE queries ``(batch, heads, q_len, head_dim)`` and post-cache keys
+``(batch, kv_heads, k_len, head_dim)``. :func:`enable` registers :func:`sharpdraft_attention`
+under the name ``"sharpdraft"``, together with a mask function of the same name (transformers
+gives an unknown name no mask at all, which would break padding), and switches the model to it.
+The function wraps the implementation the model used before (``sdpa`` or ``eager``): it counts
+the keys each query row sees, scales the query by ``alpha(n)`` (:mod:`sharpdraft_runtime.core`),
+and calls the wrapped implementation with everything else unchanged.
+
+Counting visible keys follows what the wrapped kernel attends:
+
+* a 4D mask (padding, sliding windows, cached prefill, draft blocks): keys allowed per row,
+  counted once per forward (the count rides on the mask tensor, shared by all layers);
+* no mask, SDPA, causal and ``q_len > 1``: SDPA's causal path (upper-left aligned), ``n_i = i + 1``;
+* no mask otherwise (decoding one token, non-causal blocks such as DFlash): every key, ``n = k_len``.
+
+When every row sees one number of keys and the spec has no per-head slopes, ``alpha`` is folded
+into ``scaling`` instead (no tensor op at all); when ``k_len`` is within the spec's identity limit
+the wrapped implementation is called untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from sharpdraft_theory import ScaleSpec
+from transformers import AttentionInterface, PretrainedConfig
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .core import QueryScaler, mask_n_visible
+
+__all__ = ["NAME", "WRAPPABLE", "enable", "disable", "is_enabled", "sharpdraft_attention", "sharpdraft_mask"]
+
+NAME = "sharpdraft"
+WRAPPABLE = ("sdpa", "eager")  # implementations whose mask semantics (4D bool / additive float) we count
+
+
+@dataclass
+class _Binding:
+    """What one enabled model needs at call time."""
+
+    spec: ScaleSpec  # the spec applied
+    wrapped: str  # the implementation wrapped: sdpa or eager
+    previous: str  # the implementation to restore on disable
+    scalers: dict = field(default_factory=dict)  # device -> QueryScaler
+    host_alpha: dict = field(default_factory=dict)  # (n, layer) -> float, for the last n seen
+
+    def scaler(self, device: torch.device) -> QueryScaler:
+        if device not in self.scalers:
+            self.scalers[device] = QueryScaler(self.spec, device)
+        return self.scalers[device]
+
+    def scalar_alpha(self, n: int, layer: int | None) -> float:
+        """``alpha(n)`` on the host for a spec without per-head slopes (one n shared by all layers)."""
+        key = (n, layer if self.spec.granularity == "layer" else None)
+        if key not in self.host_alpha:
+            self.host_alpha = {key: float(self.spec.alpha(n, layer=key[1]))}
+        return self.host_alpha[key]
+
+
+_BINDINGS: dict[int, _Binding] = {}  # id(config) -> binding; configs are not hashable
+_EAGER: dict[type, object] = {}  # attention module class -> its modeling file's eager_attention_forward
+
+
+def _binding(config) -> _Binding:
+    binding = _BINDINGS.get(id(config))
+    if binding is None:
+        raise RuntimeError(f"attention implementation {NAME!r} is set but no spec is bound to this model: "
+                           "call sharpdraft_runtime.enable(model, spec)")
+    return binding
+
+
+def _attention_fn(binding: _Binding, module: torch.nn.Module):
+    if binding.wrapped != "eager":
+        return ALL_ATTENTION_FUNCTIONS[binding.wrapped]
+    cls = type(module)
+    if cls not in _EAGER:
+        eager = getattr(sys.modules[cls.__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise RuntimeError(f"{cls.__name__} has no eager_attention_forward beside it to wrap; "
+                               "load the model with attn_implementation='sdpa'")
+        _EAGER[cls] = eager
+    return _EAGER[cls]
+
+
+def _n_visible(binding: _Binding, module, query: torch.Tensor, k_len: int, attention_mask, is_causal):
+    """Visible keys per row: an int shared by all rows, or a tensor of shape (B|1, 1|H, q_len)."""
+    q_len = query.shape[-2]
+    if attention_mask is not None:
+        if attention_mask.ndim != 4:
+            raise RuntimeError(f"{NAME} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
+        cached = getattr(attention_mask, "_sharpdraft_n_visible", None)  # layers share one mask per forward
+        if cached is None or cached[0] != k_len:
+            cached = (k_len, mask_n_visible(attention_mask, k_len))
+            attention_mask._sharpdraft_n_visible = cached
+        return cached[1]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if binding.wrapped == "sdpa" and causal and q_len > 1:
+        # Mirrors sdpa_attention_forward: no mask and q_len > 1 means SDPA's is_causal path, which is
+        # upper-left aligned (it crops the keys to q_len when a static cache is longer).
+        return torch.arange(1, q_len + 1, device=query.device)
+    return k_len
+
+
+def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         **kwargs):
+    """transformers attention function: scale ``query`` by ``alpha(n_visible)``, then attend.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention layer (``module.config`` bound by :func:`enable`; ``module.layer_idx`` used by
+        per-layer and per-head specs).
+    query : Tensor of shape (batch, heads, q_len, head_dim)
+        Post-RoPE queries; scaled in place under no-grad / inference mode.
+    key, value : Tensor of shape (batch, kv_heads, k_len, head_dim)
+        Post-RoPE, post-cache keys and values.
+    attention_mask : Tensor of shape (batch, 1 or heads, q_len, k_len) or None
+        The mask made by the wrapped implementation's mask function.
+    dropout, scaling, **kwargs
+        Passed to the wrapped implementation (``scaling=None``: ``head_dim ** -0.5``).
+
+    Returns
+    -------
+    attn_output : Tensor of shape (batch, q_len, heads, head_dim)
+    attn_weights : Tensor of shape (batch, heads, q_len, k_len) or None
+        Whatever the wrapped implementation returns.
+    """
+    binding = _binding(module.config)
+    attend = _attention_fn(binding, module)
+    k_len = key.shape[-2]
+    scaler = binding.scaler(query.device)
+    if k_len > scaler.identity_limit:
+        n = _n_visible(binding, module, query, k_len, attention_mask, kwargs.get("is_causal"))
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(n, int) and binding.spec.granularity != "head":
+            scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * binding.scalar_alpha(n, layer)
+        else:
+            query = scaler.scale_query_(query, n, layer)
+    return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def sharpdraft_mask(*args, config=None, **kwargs):
+    """transformers mask function: the mask of the implementation :func:`sharpdraft_attention` wraps."""
+    return ALL_MASK_ATTENTION_FUNCTIONS[_binding(config).wrapped](*args, config=config, **kwargs)
+
+
+def _configs(model: torch.nn.Module) -> dict[int, PretrainedConfig]:
+    """Every config the model's modules read their attention implementation from."""
+    found = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            found[id(config)] = config
+    return found
+
+
+def _check_shape(spec: ScaleSpec, config: PretrainedConfig) -> None:
+    if spec.granularity == "global":
+        return
+    text = config.get_text_config()
+    layers, heads = text.num_hidden_layers, text.num_attention_heads
+    slopes = spec.slopes()
+    if slopes.shape[0] != layers:
+        raise ValueError(f"spec has {spec.granularity} slopes for {slopes.shape[0]} layers, the model has {layers}")
+    if spec.granularity == "head" and slopes.shape[1] != heads:
+        raise ValueError(f"spec has slopes for {slopes.shape[1]} heads, the model has {heads} query heads")
+
+
+def enable(model, spec: ScaleSpec):
+    """Apply ``spec`` to every attention layer of a transformers model, in place.
+
+    Registers the ``"sharpdraft"`` attention and mask functions, binds ``spec`` to the model and
+    switches it to them; calling it again replaces the spec.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A model whose attention dispatches through ``AttentionInterface`` and currently uses
+        ``sdpa`` or ``eager`` attention.
+    spec : ScaleSpec
+        The scale spec; per-layer and per-head slopes must match the model's layers and heads.
+
+    Returns
+    -------
+    The same model.
+
+    Notes
+    -----
+    Queries are scaled in place: run the model under ``torch.inference_mode()`` or
+    ``torch.no_grad()``. With grad enabled the query is scaled out of place instead.
+    """
+    config = model.config
+    previous = _BINDINGS[id(config)].previous if is_enabled(model) else config._attn_implementation
+    if previous not in WRAPPABLE:
+        raise ValueError(f"{NAME} wraps {' or '.join(WRAPPABLE)} attention, the model uses {previous!r}: "
+                         f"load it with attn_implementation='sdpa'")
+    _check_shape(spec, config)
+    AttentionInterface.register(NAME, sharpdraft_attention)
+    AttentionMaskInterface.register(NAME, sharpdraft_mask)
+    binding = _Binding(spec=spec, wrapped=previous, previous=previous)
+    for key, bound in _configs(model).items():
+        if key not in _BINDINGS:
+            weakref.finalize(bound, _BINDINGS.pop, key, None)
+        _BINDINGS[key] = binding
+    model.set_attn_implementation(NAME)
+    if config._attn_implementation != NAME:
+        disable(model)
+        raise ValueError(f"{type(model).__name__} cannot switch its attention implementation at run time")
+    return model
+
+
+def disable(model):
+    """Restore the attention implementation the model had before :func:`enable`; returns the model."""
+    if not is_enabled(model):
+        raise ValueError(f"{NAME} is not enabled on this model")
+    model.set_attn_implementation(_BINDINGS[id(model.config)].previous)
+    for key in _configs(model):
+        _BINDINGS.pop(key, None)
+    return model
+
+
+def is_enabled(model) -> bool:
+    """Whether :func:`enable` has bound a spec to ``model``."""
+    return id(model.config) in _BINDINGS
