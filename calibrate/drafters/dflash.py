@@ -1,0 +1,463 @@
+"""DFlash block-diffusion drafter: a faithful, self-contained PyTorch module for z-lab/dflash's layout.
+
+DFlash (z-lab, "DFlash: Block Diffusion for Flash Speculative Decoding", arXiv:2602.06036) drafts a
+whole block in one forward. The target's hidden states at ``target_layer_ids`` (transformers'
+``hidden_states[id + 1]``, the *output* of layer ``id``) are concatenated and fused once::
+
+    c_j = hidden_norm(fc(cat(h_{id+1}[j] for id in target_layer_ids)))     # context feature, (H,)
+
+A block at position ``p`` is the anchor token ``x_p`` followed by ``block_size - 1`` mask tokens,
+embedded with the *target's* embedding, at RoPE positions ``p .. p + block_size - 1``. Each of the
+drafter's layers is a Qwen3-style decoder layer whose attention takes queries from the block and
+keys / values from ``cat(context, block)``::
+
+    q = RoPE(q_norm(q_proj(x)))                  # per head, norm before RoPE
+    k = RoPE(k_norm(k_proj(cat(c_0..c_{p-1}, x))))  # the context uses positions 0 .. p-1
+    attention is non-causal: every block query sees all p context keys and the whole block
+
+The context keys depend only on ``c`` (not on the layer's input), so they are computed once per
+sequence and shared by all blocks (:meth:`DFlashDraftModel.encode_context`), just as DFlash's own
+KV cache keeps them between steps. The output goes through ``norm`` and the target's ``lm_head``.
+
+Attention is dispatched through transformers' ``ALL_ATTENTION_FUNCTIONS[name]`` with the signature
+``fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs)``; ``module``
+has ``layer_idx`` and ``is_causal = False`` and ``kwargs["n_visible"]`` holds the (B, q) visible key
+counts, so a registered function sees post-RoPE queries and keys (and may scale the queries).
+Checked against z-lab/dflash ``dflash/model.py``; ``docs/drafters.md`` lists what was verified.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from calibrate.errors import UserError
+from sharpdraft_theory.spec import DrafterInfo
+
+from .eagle3 import (GatedMLP, RMSNorm, apply_rope, attention, check_and_fill, hidden_state_features,
+                     load_target, read_weights, rope_cos_sin)
+
+__all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load_dflash", "context_features",
+           "attention_tap", "DFLASH_DEFAULT_N_REF"]
+
+# DFlash's training length is not in its config.json (max_position_embeddings is copied from the
+# target). 3072 is SpecForge's DFlash recipe max_length [unconfirmed for z-lab's own checkpoints].
+DFLASH_DEFAULT_N_REF = 3072
+
+TAP_ATTENTION = "sharpdraft_dflash_tap"
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+def _get(d: dict, name: str, where: str, kind: type, default=None, required=False, nested=False):
+    """A field, looked up in ``dflash_config`` first when ``nested`` (DFlash allows either place)."""
+    value = (d.get("dflash_config") or {}).get(name, d.get(name)) if nested else d.get(name)
+    if value is None:
+        if required:
+            raise UserError(f"{where}: config.json has no '{name}'"
+                            + (" (top level or under dflash_config)" if nested else "") + "; is this a DFlash checkpoint?")
+        return default
+    if kind is tuple:
+        if not isinstance(value, list) or not value or not all(isinstance(i, int) for i in value):
+            raise UserError(f"{where}: config.json field '{name}' should be a list of integers, got {value!r}")
+        return tuple(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        raise UserError(f"{where}: config.json field '{name}' should be {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """Shape and constants of a DFlash draft model, read from its ``config.json``."""
+
+    hidden_size: int  # drafter width H
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # key/value heads
+    intermediate_size: int  # MLP width
+    num_hidden_layers: int  # drafter layers
+    vocab_size: int  # the target's vocabulary (embedding and lm_head are the target's)
+    block_size: int  # anchor + block_size - 1 mask tokens
+    mask_token_id: int  # token id of the mask token
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs feed fc (hidden_states[id + 1])
+    head_dim: int = 0  # width of one head; 0 in the constructor means hidden_size // heads
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon (layer norms and q_norm / k_norm)
+    rope_theta: float = 10000.0  # RoPE base (transformers' Qwen3 default when absent)
+    target_hidden_size: int = 0  # target width; 0 in the constructor means hidden_size
+    num_target_layers: int | None = None  # recorded by DFlash; checked against the target when present
+    attention_bias: bool = False  # q/k/v/o biases
+    input_embedding_scale: float = 1.0  # block embeddings are multiplied by this (DFlash option)
+    max_position_embeddings: int | None = None  # recorded only (copied from the target by DFlash)
+
+    def __post_init__(self):
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if not self.target_hidden_size:
+            object.__setattr__(self, "target_hidden_size", self.hidden_size)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
+        """Read the fields DFlash uses; raise UserError naming a missing, malformed or unsupported field."""
+        if any("DFlash2" in a for a in d.get("architectures") or ()):
+            raise UserError(f"{where}: {d['architectures']} (DFlash2, with convolutions and a candidate "
+                            f"selector) is not supported; only DFlashDraftModel")
+        types = d.get("layer_types") or ()
+        if any(t != "full_attention" for t in types) or d.get("is_causal"):
+            raise UserError(f"{where}: causal or sliding-window DFlash layers (layer_types={list(types)}, "
+                            f"is_causal={d.get('is_causal')}) are not supported; only non-causal full attention")
+        if d.get("rope_scaling"):
+            raise UserError(f"{where}: rope_scaling {d['rope_scaling']!r} is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses 'silu')")
+        req = {n: _get(d, n, where, int, required=True) for n in
+               ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")}
+        heads = req["num_attention_heads"]
+        kv = _get(d, "num_key_value_heads", where, int, default=heads)
+        if heads <= 0 or kv <= 0 or heads % kv:
+            raise UserError(f"{where}: num_key_value_heads={kv} must divide num_attention_heads={heads}")
+        bias = d.get("attention_bias", False)
+        if not isinstance(bias, bool):
+            raise UserError(f"{where}: config.json field 'attention_bias' should be true or false, got {bias!r}")
+        return cls(
+            **req, num_key_value_heads=kv,
+            block_size=_get(d, "block_size", where, int, default=16, nested=True),
+            mask_token_id=_get(d, "mask_token_id", where, int, required=True, nested=True),
+            target_layer_ids=_get(d, "target_layer_ids", where, tuple, required=True, nested=True),
+            head_dim=_get(d, "head_dim", where, int, default=0),
+            rms_norm_eps=_get(d, "rms_norm_eps", where, float, default=1e-6),
+            rope_theta=_get(d, "rope_theta", where, float, default=10000.0),
+            target_hidden_size=_get(d, "target_hidden_size", where, int, default=0),
+            num_target_layers=_get(d, "num_target_layers", where, int),
+            attention_bias=bias,
+            input_embedding_scale=_get(d, "input_embedding_scale", where, float, default=1.0, nested=True),
+            max_position_embeddings=_get(d, "max_position_embeddings", where, int),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "DFlashConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"DFlash checkpoint: {path} not found") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(d, str(path))
+
+    def to_dict(self, nested: bool = True) -> dict:
+        """``config.json`` content in z-lab/dflash's layout (draft fields under ``dflash_config``
+        when ``nested``, at the top level otherwise, as some checkpoints have them)."""
+        d = {
+            "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3", "hidden_act": "silu", "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": None,
+            "attention_bias": self.attention_bias, "tie_word_embeddings": False,
+        }
+        if self.max_position_embeddings is not None:
+            d["max_position_embeddings"] = self.max_position_embeddings
+        if self.num_target_layers is not None:
+            d["num_target_layers"] = self.num_target_layers
+        if self.target_hidden_size != self.hidden_size:
+            d["target_hidden_size"] = self.target_hidden_size
+        draft = {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
+                 "target_layer_ids": list(self.target_layer_ids)}
+        if nested:
+            d["block_size"] = draft.pop("block_size")  # z-lab keeps block_size at the top level
+            d["dflash_config"] = draft
+        else:
+            d.update(draft)
+        return d
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention dispatch
+# ----------------------------------------------------------------------------------------------
+
+def eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Plain-math attention with transformers' interface: returns ((B, q, heads, D), None).
+
+    ``attention_mask`` is None (all keys visible) or a bool mask, True where a key is visible.
+    """
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = attention(query, key, value, scaling, attention_mask, implementation="eager")
+    return out.transpose(1, 2).contiguous(), None
+
+
+def resolve_attention(name: str):
+    """The attention function registered as ``name``; ``"eager"`` is the plain-math path above."""
+    if name == "eager":
+        return eager_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f"attention implementation {name!r} is not registered with transformers' AttentionInterface")
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+class DFlashAttention(nn.Module):
+    """Block queries over context + block keys, non-causal, with per-head q_norm / k_norm before RoPE."""
+
+    is_causal = False  # read by transformers' sdpa function: no causal mask inside the block
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.config, self.layer_idx = config, layer_idx
+        self.num_key_value_groups = c.num_attention_heads // c.num_key_value_heads
+        self.scaling = c.head_dim ** -0.5
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.attn_implementation = "sdpa"
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Post-norm, post-RoPE keys and values of ``x`` (B, n, H): each (B, kv_heads, n, D)."""
+        B, n, _ = x.shape
+        c = self.config
+        key = self.k_norm(self.k_proj(x).view(B, n, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
+        value = self.v_proj(x).view(B, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return apply_rope(key, cos, sin), value
+
+    def forward(self, x, context, cos, sin, attention_mask=None, **kwargs):
+        """x (B, q, H) normed block; context (key, value) each (B, kv_heads, p, D); cos/sin of the block."""
+        B, q, _ = x.shape
+        c = self.config
+        query = self.q_norm(self.q_proj(x).view(B, q, c.num_attention_heads, c.head_dim)).transpose(1, 2)
+        query = apply_rope(query, cos, sin)  # (B, heads, q, D)
+        key, value = self.project_kv(x, cos, sin)
+        key = torch.cat((context[0], key), dim=2)  # (B, kv_heads, p + q, D): context first, then block
+        value = torch.cat((context[1], value), dim=2)
+        fn = resolve_attention(self.attn_implementation)
+        out, _ = fn(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(B, q, -1))  # out: (B, q, heads, D)
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, context, cos, sin, attention_mask=None, **kwargs):
+        h = h + self.self_attn(self.input_layernorm(h), context, cos, sin, attention_mask, **kwargs)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    """DFlash draft model with z-lab/dflash's parameter names (``fc``, ``hidden_norm``,
+    ``layers.{i}.*``, ``norm``); the embedding and ``lm_head`` are the target's."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        c = config
+        self.config = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    @property
+    def attn_implementation(self) -> str:
+        return self.layers[0].self_attn.attn_implementation
+
+    def set_attn_implementation(self, name: str) -> None:
+        """Dispatch attention to ``ALL_ATTENTION_FUNCTIONS[name]`` (or ``"eager"``, plain math)."""
+        resolve_attention(name)
+        for layer in self.layers:
+            layer.self_attn.attn_implementation = name
+
+    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def encode_context(self, features: torch.Tensor, position_ids: torch.Tensor):
+        """Per-layer context (key, value), each (B, kv_heads, n, D), post-norm and post-RoPE.
+
+        ``features`` (B, n, len(ids) * target_hidden) from :func:`context_features`; ``position_ids``
+        (B, n) their positions. A block at ``p`` uses the first ``p`` context positions.
+        """
+        ctx = self.hidden_norm(self.fc(features))  # (B, n, H)
+        cos, sin = self._rope(position_ids, ctx.dtype)
+        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+
+    def forward_block(self, noise_embedding: torch.Tensor, position_ids: torch.Tensor, context,
+                      attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Normed output hidden states (B, q, H) of a block.
+
+        ``noise_embedding`` (B, q, H): the target's embedding of anchor + mask tokens (times
+        ``input_embedding_scale``); ``position_ids`` (B, q); ``context`` from :meth:`encode_context`
+        cut to the block's prefix. Without a mask every query sees every key, so ``n_visible``
+        (passed to the attention function in ``kwargs``) is ``p + q`` for all rows.
+        """
+        B, q, _ = noise_embedding.shape
+        if attention_mask is None and "n_visible" not in kwargs:
+            kwargs["n_visible"] = torch.full((B, q), context[0][0].shape[2] + q, dtype=torch.long,
+                                             device=noise_embedding.device)
+        cos, sin = self._rope(position_ids, noise_embedding.dtype)
+        h = noise_embedding
+        for layer, ctx in zip(self.layers, context):
+            h = layer(h, ctx, cos, sin, attention_mask, **kwargs)
+        return self.norm(h)
+
+    def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
+                **kwargs) -> torch.Tensor:
+        """DFlash's own call: context features (B, p, ·) and block (B, q, H); ``position_ids``
+        (B, p + q) cover the context then the block. Returns the normed block hidden states."""
+        p = target_hidden.shape[1]
+        context = self.encode_context(target_hidden, position_ids[:, :p])
+        return self.forward_block(noise_embedding, position_ids[:, p:], context, **kwargs)
+
+    @staticmethod
+    def compute_logits(hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """Draft logits from the target's output head; DFlash drafts from rows 1..q-1 of a block."""
+        return target.get_output_embeddings()(hidden)
+
+
+def context_features(target: nn.Module, input_ids: torch.Tensor, target_layer_ids) -> torch.Tensor:
+    """cat(hidden_states[id + 1] for id in target_layer_ids): outputs of those target layers."""
+    return hidden_state_features(target, input_ids, [i + 1 for i in target_layer_ids])
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=None,
+                dtype: torch.dtype | None = None) -> DFlashDraftModel:
+    """Load a DFlash draft model from a directory with ``config.json`` and its weights.
+
+    When ``target`` is given, its width, vocabulary and depth are checked against the config.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"DFlash checkpoint {path}: not a directory")
+    config = DFlashConfig.from_json(path / "config.json")
+    weights, file = read_weights(path, "DFlash")
+    if target is not None:
+        tc = target.config
+        layers = tc.num_hidden_layers
+        bad = [i for i in config.target_layer_ids if not 0 <= i < layers]
+        if bad or (config.num_target_layers is not None and config.num_target_layers != layers):
+            raise UserError(f"DFlash checkpoint {path}: target_layer_ids {list(config.target_layer_ids)} "
+                            f"(num_target_layers={config.num_target_layers}) do not fit a target with {layers} layers")
+        if (tc.hidden_size, tc.vocab_size) != (config.target_hidden_size, config.vocab_size):
+            raise UserError(f"DFlash checkpoint {path}: expects a target with hidden size {config.target_hidden_size} "
+                            f"and vocabulary {config.vocab_size}, got {tc.hidden_size} and {tc.vocab_size}")
+        if not 0 <= config.mask_token_id < tc.vocab_size:
+            raise UserError(f"DFlash checkpoint {path}: mask_token_id {config.mask_token_id} is outside the "
+                            f"target's vocabulary of {tc.vocab_size}")
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    model.load_state_dict(check_and_fill(model, weights, file, "DFlash"), assign=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tapping through the attention interface
+# ----------------------------------------------------------------------------------------------
+
+@contextmanager
+def attention_tap(model: DFlashDraftModel, tap):
+    """Within the block, every attention call of ``model`` first calls ``tap(layer_idx, query, key,
+    scaling, n_visible)``, then the implementation that was active. Works by registering a wrapper
+    with transformers' ``AttentionInterface``: the same path a runtime query-scaling function uses."""
+    from transformers import AttentionInterface
+
+    previous = model.attn_implementation
+    inner = resolve_attention(previous)
+
+    def tapped(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        n_visible = kwargs.get("n_visible")
+        if n_visible is None:
+            n_visible = torch.full((query.shape[0], query.shape[2]), key.shape[2], dtype=torch.long, device=query.device)
+        tap(module.layer_idx, query, key, scaling, n_visible)
+        return inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    AttentionInterface.register(TAP_ATTENTION, tapped)
+    model.set_attn_implementation(TAP_ATTENTION)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+# ----------------------------------------------------------------------------------------------
+# Drafter adapter
+# ----------------------------------------------------------------------------------------------
+
+class DFlashDrafter:
+    """Drafter adapter (``calibrate.drafters.base.Drafter``) for a DFlash model and its target.
+
+    ``default_n_ref`` is :data:`DFLASH_DEFAULT_N_REF` (DFlash's config has no training length).
+    """
+
+    kind = "dflash"
+
+    def __init__(self, model: DFlashDraftModel, target: nn.Module, tokenizer, path: str | None = None):
+        c = model.config
+        self.model, self.target, self.tokenizer = model, target, tokenizer
+        self.info = DrafterInfo(kind="dflash", path=path, num_layers=c.num_hidden_layers,
+                                num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                                head_dim=c.head_dim)
+        self.default_n_ref = DFLASH_DEFAULT_N_REF
+        self.device = model.fc.weight.device
+
+    @classmethod
+    def load(cls, drafter_path: str, target_path: str | None = None, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
+        """Load the DFlash model at ``drafter_path`` and its target (None: SmolLM2, which has no
+        released DFlash drafter, so a real target path is normally needed)."""
+        if drafter_path is None:
+            raise UserError("DFlash has no built-in drafter; pass the path of a DFlash checkpoint")
+        if not Path(drafter_path).is_dir():
+            raise UserError(f"DFlash checkpoint {drafter_path}: not a directory")
+        target, tokenizer = load_target(target_path, device, dtype)
+        model = load_dflash(drafter_path, target, device=device, dtype=dtype)
+        return cls(model, target, tokenizer, str(drafter_path))
+
+    def tokenize(self, text: str) -> list[int]:
+        """Target token ids of ``text``, without special tokens."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @torch.no_grad()
+    def collect(self, input_ids: torch.Tensor, tap, positions: torch.Tensor) -> None:
+        """Place one block at each position ``p`` and call ``tap`` for every layer of every block.
+
+        Context = target features of tokens ``[0, p)`` at positions ``0 .. p-1``; block = token ``p``
+        then ``block_size - 1`` mask tokens at positions ``p .. p + block_size - 1``. Each call gets
+        query (1, heads, block_size, D), key (1, kv_heads, p + block_size, D) and ``n_visible = p +
+        block_size`` for every row (non-causal). Context keys are computed once and shared; blocks
+        run one at a time, so keys are never padded.
+        """
+        c = self.model.config
+        input_ids = input_ids.to(self.device)
+        T = input_ids.shape[1]
+        features = context_features(self.target, input_ids, c.target_layer_ids)
+        context = self.model.encode_context(features, torch.arange(T, device=self.device)[None])
+        embed = self.target.get_input_embeddings()
+        dtype = self.model.fc.weight.dtype
+        with attention_tap(self.model, tap):
+            for p in positions.tolist():
+                if not 0 <= p < T:
+                    raise ValueError(f"position {p} is outside the sequence of {T} tokens")
+                block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=self.device)
+                block[0, 0] = input_ids[0, p]
+                noise = embed(block).to(dtype) * c.input_embedding_scale
+                self.model.forward_block(noise, torch.arange(p, p + c.block_size, device=self.device)[None],
+                                         [(k[:, :, :p], v[:, :, :p]) for k, v in context])
