@@ -215,7 +215,7 @@ def test_collect_places_one_block_per_position(model, target, input_ids):
             assert torch.equal(n_visible, torch.full((1, BS), p + BS))
             assert torch.allclose(q[0].transpose(0, 1).double(), seen[layer][0], atol=1e-4)
             assert torch.allclose(k[0].transpose(0, 1).double(), seen[layer][1], atol=1e-4)
-    assert model.attn_implementation == "sdpa"  # restored after collect
+    assert model.config._attn_implementation == "sdpa"  # restored after collect
 
 
 def alpha_law(n):

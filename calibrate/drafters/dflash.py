@@ -19,7 +19,8 @@ The context keys depend only on ``c`` (not on the layer's input), so they are co
 sequence and shared by all blocks (:meth:`DFlashDraftModel.encode_context`), just as DFlash's own
 KV cache keeps them between steps. The output goes through ``norm`` and the target's ``lm_head``.
 
-Attention is dispatched through transformers' ``ALL_ATTENTION_FUNCTIONS[name]`` with the signature
+Attention is dispatched through transformers' ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
+(default ``"sdpa"``; ``"eager"`` is a plain-math path) with the signature
 ``fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs)``; ``module``
 has ``layer_idx`` and ``is_causal = False`` and ``kwargs["n_visible"]`` holds the (B, q) visible key
 counts, so a registered function sees post-RoPE queries and keys (and may scale the queries).
@@ -29,8 +30,7 @@ Checked against z-lab/dflash ``dflash/model.py``; ``docs/drafters.md`` lists wha
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,13 +43,11 @@ from .eagle3 import (GatedMLP, RMSNorm, apply_rope, attention, check_and_fill, h
                      load_target, read_weights, rope_cos_sin)
 
 __all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load_dflash", "context_features",
-           "attention_tap", "DFLASH_DEFAULT_N_REF"]
+           "DFLASH_DEFAULT_N_REF"]
 
 # DFlash's training length is not in its config.json (max_position_embeddings is copied from the
 # target). 3072 is SpecForge's DFlash recipe max_length [unconfirmed for z-lab's own checkpoints].
 DFLASH_DEFAULT_N_REF = 3072
-
-TAP_ATTENTION = "sharpdraft_dflash_tap"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,9 +71,13 @@ def _get(d: dict, name: str, where: str, kind: type, default=None, required=Fals
     return kind(value)
 
 
-@dataclass(frozen=True)
+@dataclass
 class DFlashConfig:
-    """Shape and constants of a DFlash draft model, read from its ``config.json``."""
+    """Shape and constants of a DFlash draft model, read from its ``config.json``.
+
+    Like a transformers config it carries ``_attn_implementation``, the name every attention layer
+    looks up in ``ALL_ATTENTION_FUNCTIONS`` (set it with ``DFlashDraftModel.set_attn_implementation``).
+    """
 
     hidden_size: int  # drafter width H
     num_attention_heads: int  # query heads
@@ -94,6 +96,7 @@ class DFlashConfig:
     attention_bias: bool = False  # q/k/v/o biases
     input_embedding_scale: float = 1.0  # block embeddings are multiplied by this (DFlash option)
     max_position_embeddings: int | None = None  # recorded only (copied from the target by DFlash)
+    _attn_implementation: str = field(default="sdpa", compare=False, repr=False)  # attention dispatch name
 
     def __post_init__(self):
         if not self.head_dim:
@@ -223,7 +226,6 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.attn_implementation = "sdpa"
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Post-norm, post-RoPE keys and values of ``x`` (B, n, H): each (B, kv_heads, n, D)."""
@@ -242,7 +244,7 @@ class DFlashAttention(nn.Module):
         key, value = self.project_kv(x, cos, sin)
         key = torch.cat((context[0], key), dim=2)  # (B, kv_heads, p + q, D): context first, then block
         value = torch.cat((context[1], value), dim=2)
-        fn = resolve_attention(self.attn_implementation)
+        fn = resolve_attention(c._attn_implementation)
         out, _ = fn(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(B, q, -1))  # out: (B, q, heads, D)
 
@@ -273,15 +275,10 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    @property
-    def attn_implementation(self) -> str:
-        return self.layers[0].self_attn.attn_implementation
-
     def set_attn_implementation(self, name: str) -> None:
         """Dispatch attention to ``ALL_ATTENTION_FUNCTIONS[name]`` (or ``"eager"``, plain math)."""
         resolve_attention(name)
-        for layer in self.layers:
-            layer.self_attn.attn_implementation = name
+        self.config._attn_implementation = name
 
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
@@ -369,35 +366,6 @@ def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=Non
 
 
 # ----------------------------------------------------------------------------------------------
-# Tapping through the attention interface
-# ----------------------------------------------------------------------------------------------
-
-@contextmanager
-def attention_tap(model: DFlashDraftModel, tap):
-    """Within the block, every attention call of ``model`` first calls ``tap(layer_idx, query, key,
-    scaling, n_visible)``, then the implementation that was active. Works by registering a wrapper
-    with transformers' ``AttentionInterface``: the same path a runtime query-scaling function uses."""
-    from transformers import AttentionInterface
-
-    previous = model.attn_implementation
-    inner = resolve_attention(previous)
-
-    def tapped(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        n_visible = kwargs.get("n_visible")
-        if n_visible is None:
-            n_visible = torch.full((query.shape[0], query.shape[2]), key.shape[2], dtype=torch.long, device=query.device)
-        tap(module.layer_idx, query, key, scaling, n_visible)
-        return inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-    AttentionInterface.register(TAP_ATTENTION, tapped)
-    model.set_attn_implementation(TAP_ATTENTION)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(previous)
-
-
-# ----------------------------------------------------------------------------------------------
 # Drafter adapter
 # ----------------------------------------------------------------------------------------------
 
@@ -443,8 +411,11 @@ class DFlashDrafter:
         then ``block_size - 1`` mask tokens at positions ``p .. p + block_size - 1``. Each call gets
         query (1, heads, block_size, D), key (1, kv_heads, p + block_size, D) and ``n_visible = p +
         block_size`` for every row (non-causal). Context keys are computed once and shared; blocks
-        run one at a time, so keys are never padded.
+        run one at a time, so keys are never padded. The tap is installed with
+        ``calibrate.taps.attention_tap``, the function registered for every transformers drafter.
         """
+        from calibrate.taps import attention_tap  # registers the tap with transformers' AttentionInterface
+
         c = self.model.config
         input_ids = input_ids.to(self.device)
         T = input_ids.shape[1]
