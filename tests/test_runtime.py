@@ -1,0 +1,350 @@
+"""Tests of sharpdraft_runtime against float64 references that scale the logits explicitly.
+
+The reference path never scales a query: it computes ``softmax(alpha * scaling * q k^T + mask) v``
+in float64 with ``alpha`` from ``sharpdraft_theory`` (numpy), and visible keys counted from a
+boolean mask built position by position. The runtime path scales float32 queries in place.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sharpdraft_theory import LAWS, ScaleSpec, alpha_law
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+import sharpdraft_runtime as sr
+from sharpdraft_runtime.core import QueryScaler
+
+# float32 runtime vs float64 reference. Logits here are O(10) and alpha <= ~3, so each logit
+# carries ~30 * 2**-24 ~ 2e-6 of rounding; attention outputs are convex combinations of values
+# of size O(1), hence 2e-5 absolute leaves a 10x margin. Whole-model logits pass through two
+# layers and an lm_head of width 64: budget 2e-4.
+ATOL_ATTENTION = 2e-5
+ATOL_MODEL = 2e-4
+# torch.log and numpy.log may differ in the last ulp; alpha's are O(1).
+RTOL_ALPHA = 1e-14
+
+HYPOTHESIS = settings(derandomize=True, deadline=None, max_examples=25)
+
+
+def spec_for(law: str, granularity: str = "global", layers: int = 2, heads: int = 4, n_ref: int = 8,
+             slope: float = 0.5, alpha_max: float | None = None) -> ScaleSpec:
+    """A spec whose slopes differ across layers and heads, so broadcasting mistakes show."""
+    if law == "qwen-logn":
+        value = None
+    elif granularity == "global":
+        value = slope
+    elif granularity == "layer":
+        value = tuple(slope * (1 + i) for i in range(layers))
+    else:
+        value = tuple(tuple(slope * (1 + i) * (1 + j / heads) for j in range(heads)) for i in range(layers))
+    return ScaleSpec(law=law, n_ref=n_ref, slope=value, top_k=2, granularity="global" if value is None else granularity,
+                     alpha_max=alpha_max)
+
+
+def reference_attention(query, key, value, visible, scaling, alpha):
+    """float64 ``softmax(alpha * scaling * q k^T, masked) v``.
+
+    query (B, H, q, D), key/value (B, KVH, k, D), visible bool (B, 1, q, k), alpha (B, H, q) numpy.
+    Returns (B, H, q, D) float64.
+    """
+    groups = query.shape[1] // key.shape[1]
+    q, k, v = (t.double() for t in (query, key, value))
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    logits = torch.tensor(alpha, dtype=torch.float64)[..., None] * scaling * (q @ k.transpose(-1, -2))
+    logits = logits.masked_fill(~visible, -math.inf)
+    return torch.nan_to_num(torch.softmax(logits, -1)) @ v  # rows that see nothing give 0, as SDPA does
+
+
+def visible_mask(batch_pad: list[int], past: int, q_len: int, window: int | None = None, causal: bool = True):
+    """Boolean (B, 1, q_len, past + q_len) mask built key by key: left padding, causality, window."""
+    k_len = past + q_len
+    mask = torch.zeros(len(batch_pad), 1, q_len, k_len, dtype=torch.bool)
+    for b, pad in enumerate(batch_pad):
+        for i in range(q_len):
+            p = past + i
+            for j in range(pad, k_len):
+                mask[b, 0, i, j] = (not causal or j <= p) and (window is None or j > p - window)
+    return mask
+
+
+# -- alpha: the torch laws agree with sharpdraft_theory ---------------------------------------------------------------
+
+@pytest.mark.parametrize("law", LAWS)
+@pytest.mark.parametrize("granularity", ["global", "layer", "head"])
+@pytest.mark.parametrize("alpha_max", [None, 1.7])
+def test_alpha_matches_theory(law, granularity, alpha_max):
+    spec = spec_for(law, granularity, n_ref=64, slope=0.3, alpha_max=alpha_max)
+    n = np.unique(np.geomspace(1, 1e6, 400).astype(np.int64))
+    for layer in range(2):
+        got = sr.alpha_for(spec, torch.from_numpy(n), layer=layer, dtype=torch.float64)  # (1, 1|H, len(n))
+        want = spec.alpha(n, layer=layer if granularity != "global" else None)  # (len(n),) or (len(n), H)
+        want = want.T if want.ndim == 2 else want[None]
+        np.testing.assert_allclose(got[0].numpy(), np.broadcast_to(want, got[0].shape), rtol=RTOL_ALPHA)
+
+
+@given(law=st.sampled_from(LAWS), n_ref=st.integers(3, 5000), slope=st.floats(-0.5, 2.0),
+       alpha_max=st.one_of(st.none(), st.floats(0.5, 4.0)))
+@HYPOTHESIS
+def test_identity_limit_is_exact(law, n_ref, slope, alpha_max):
+    if law == "log-linear" and alpha_max is not None and alpha_max < 1:
+        alpha_max = 1.0 / alpha_max  # log-linear specs require alpha_max >= 1
+    spec = spec_for(law, n_ref=n_ref, slope=slope, alpha_max=alpha_max)
+    limit = QueryScaler(spec).identity_limit
+    n = np.arange(1, 4 * n_ref)
+    alpha = alpha_law(law, n, n_ref=spec.n_ref, slope=spec.slope, alpha_max=alpha_max)
+    assert np.all(alpha[n <= limit] == 1.0)  # sound: skipping the multiply never changes a result
+    moves = abs(slope) > 1e-3 and (alpha_max is None or alpha_max > 1.001)  # alpha leaves 1 by more than rounding
+    if law in ("log-linear", "qwen-logn", "llama4") and moves and limit >= 0:
+        assert alpha[n == limit + 1][0] != 1.0  # tight for the laws with a reference length
+
+
+def test_log_linear_is_exactly_one_up_to_n_ref():
+    spec = spec_for("log-linear", n_ref=512, slope=0.25)
+    alpha = sr.alpha_for(spec, torch.arange(0, 513))
+    assert torch.equal(alpha, torch.ones_like(alpha))
+    assert sr.alpha_for(spec, torch.tensor([513])).item() > 1
+
+
+def test_per_layer_spec_needs_a_layer():
+    with pytest.raises(ValueError, match="pass layer="):
+        sr.alpha_for(spec_for("log-linear", "layer"), torch.tensor([5]))
+    with pytest.raises(ValueError, match="layer 7 is out of range"):
+        sr.alpha_for(spec_for("log-linear", "layer"), torch.tensor([5]), layer=7)
+
+
+# -- visible keys -----------------------------------------------------------------------------------------------------
+
+@given(pads=st.lists(st.integers(0, 12), min_size=1, max_size=3), past=st.integers(0, 20), q_len=st.integers(1, 9),
+       window=st.one_of(st.none(), st.integers(1, 15)))
+@HYPOTHESIS
+def test_causal_n_visible_counts_the_mask(pads, past, q_len, window):
+    k_len = past + q_len
+    pads = [min(p, k_len) for p in pads]
+    mask = visible_mask(pads, past, q_len, window)
+    key_mask = torch.arange(k_len)[None, :] >= torch.tensor(pads)[:, None]  # (B, k_len): False on left padding
+    got = sr.causal_n_visible(q_len, past, key_mask=key_mask, sliding_window=window)  # (B, q_len)
+    want = mask.sum(-1)[:, 0]  # (B, q_len)
+    assert torch.equal(got, want)
+    assert torch.equal(sr.mask_n_visible(mask)[:, 0].long(), want)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)  # eager's float mask
+    assert torch.equal(sr.mask_n_visible(additive)[:, 0].long(), want)
+    if not any(pads):
+        assert torch.equal(sr.causal_n_visible(q_len, past, sliding_window=window).expand_as(want), want)
+
+
+@pytest.mark.parametrize("k_len", [1, 127, 128, 129, 300, 4099])
+def test_mask_count_over_groups(k_len):
+    mask = torch.rand(2, 3, 5, k_len + 7, generator=torch.Generator().manual_seed(k_len)) < 0.9
+    assert torch.equal(sr.mask_n_visible(mask, k_len).long(), mask[..., :k_len].sum(-1))
+
+
+# -- scale_query_ against the float64 reference -----------------------------------------------------------------------
+
+@given(pads=st.lists(st.integers(0, 6), min_size=1, max_size=2), past=st.integers(0, 60), q_len=st.integers(1, 16),
+       kv_heads=st.integers(1, 2), groups=st.integers(1, 3), head_dim=st.sampled_from([8, 16]),
+       window=st.one_of(st.none(), st.integers(4, 40)), law=st.sampled_from(LAWS),
+       granularity=st.sampled_from(["global", "layer", "head"]), causal=st.booleans())
+@HYPOTHESIS
+def test_scale_query_matches_reference(pads, past, q_len, kv_heads, groups, head_dim, window, law, granularity,
+                                       causal):
+    heads, k_len, layer = kv_heads * groups, past + q_len, 1
+    spec = spec_for(law, granularity, heads=heads)
+    gen = torch.Generator().manual_seed(past * 97 + q_len)
+    query = 3 * torch.randn(len(pads), heads, q_len, head_dim, generator=gen)
+    key = 3 * torch.randn(len(pads), kv_heads, k_len, head_dim, generator=gen)
+    value = torch.randn(len(pads), kv_heads, k_len, head_dim, generator=gen)
+    visible = visible_mask(pads, past, q_len, window, causal)  # causal=False: a non-causal (DFlash) block
+    n = visible.sum(-1)  # (B, 1, q_len)
+    granularity = spec.granularity  # qwen-logn has no slope, hence always global
+    alpha = spec.alpha(n.numpy(), layer=None if granularity == "global" else layer)  # (B, 1, q[, H])
+    alpha = np.moveaxis(alpha[:, 0], -1, 1) if granularity == "head" else alpha[:, 0][:, None]  # (B, H|1, q)
+    scaling = head_dim**-0.5
+    want = reference_attention(query, key, value, visible, scaling, alpha)
+
+    scaled = sr.scale_query_(query.clone(), sr.mask_n_visible(visible), spec, layer)
+    got = torch.nn.functional.scaled_dot_product_attention(scaled, key, value, attn_mask=visible, scale=scaling,
+                                                           enable_gqa=True)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=ATOL_ATTENTION)
+
+
+def test_scale_query_is_in_place_without_grad_and_out_of_place_with_it():
+    spec = spec_for("log-linear", n_ref=4)
+    query = torch.ones(1, 2, 3, 4)
+    with torch.no_grad():
+        assert sr.scale_query_(query, torch.tensor([8, 9, 10]), spec) is query
+    assert query[0, 0, 0, 0] == pytest.approx(1 + 0.5 * math.log(2))
+
+    leaf = torch.ones(1, 2, 3, 4, requires_grad=True)
+    out = sr.scale_query_(leaf, torch.tensor([8, 9, 10]), spec)
+    assert out is not leaf and torch.equal(leaf.detach(), torch.ones(1, 2, 3, 4))
+    out.sum().backward()
+    assert leaf.grad[0, 0, 0, 0] == pytest.approx(1 + 0.5 * math.log(2))
+
+
+def test_scale_query_skips_when_alpha_is_one():
+    spec = spec_for("log-linear", n_ref=64)
+    query = torch.randn(1, 2, 3, 4)
+    before = query.clone()
+    assert sr.scale_query_(query, 64, spec) is query and torch.equal(query, before)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # unfused on CPU, same math
+def test_flex_score_mod_matches_scale_query():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    spec = spec_for("log-linear", "head", heads=4)
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, h, 6, 8, generator=gen) for h in (4, 2, 2))
+    n = torch.tensor([[9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25]])
+    got = flex_attention(query, key, value, score_mod=sr.flex_score_mod(spec, n, layer=1), enable_gqa=True)
+    want = torch.nn.functional.scaled_dot_product_attention(sr.scale_query_(query.clone(), n, spec, 1), key, value,
+                                                            enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL_ATTENTION)
+
+
+# -- transformers integration -----------------------------------------------------------------------------------------
+
+def tiny_llama(attn_implementation: str = "sdpa", cls=LlamaForCausalLM, config_cls=LlamaConfig, **extra):
+    """A 2-layer GQA decoder (4 query heads, 2 key/value heads) with random weights."""
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.25,
+                        attn_implementation=attn_implementation, **extra)
+    return cls(config).eval()
+
+
+def reference_attention_fn(spec: ScaleSpec):
+    """A float64 attention function for the interface: counts visible keys from eager's float mask."""
+
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        visible = attention_mask > torch.finfo(attention_mask.dtype).min  # (B, 1, q, k)
+        n = visible.sum(-1).numpy()  # (B, 1, q)
+        layer = None if spec.granularity == "global" else module.layer_idx
+        alpha = spec.alpha(n, layer=layer)
+        alpha = np.moveaxis(alpha[:, 0], -1, 1) if spec.granularity == "head" else alpha[:, 0][:, None]
+        out = reference_attention(query, key, value, visible, scaling, alpha)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attend
+
+
+def reference_model(model, spec):
+    """A float64 copy of ``model`` whose attention is :func:`reference_attention_fn` on eager masks."""
+    name = "sharpdraft-test-reference"
+    AttentionInterface.register(name, reference_attention_fn(spec))
+    AttentionMaskInterface.register(name, eager_mask)
+    ref = copy.deepcopy(model).double()
+    ref.set_attn_implementation(name)
+    return ref
+
+
+def run_scenario(model, scenario: str, ids: torch.Tensor):
+    """Final logits (float64) of one scenario: prefill, padded prefill, cached decoding or a draft block."""
+    batch, length = ids.shape
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if scenario == "padded":
+        mask[1:, :5] = 0  # left padding: row 1 starts 5 tokens later
+        # Padding queries see no key: their outputs are arbitrary (eager averages, SDPA zeroes), so drop them.
+        return model(ids, attention_mask=mask).logits.double() * mask[..., None]
+    if scenario == "prefill":
+        return model(ids).logits.double()
+    split = length - (1 if scenario == "decode" else 6)  # decode: 1 token at a time; block: 6 at once
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :split], cache=cache)
+    outs = []
+    for start in range(split, length, 1 if scenario == "decode" else 6):
+        stop = start + (1 if scenario == "decode" else 6)
+        outs.append(model(ids[:, start:stop], attention_mask=mask[:, :stop], cache=cache).logits)
+    return torch.cat(outs, 1).double()
+
+
+@pytest.mark.parametrize("wrapped", ["sdpa", "eager"])
+@pytest.mark.parametrize("scenario", ["prefill", "padded", "decode", "block"])
+@pytest.mark.parametrize("granularity", ["global", "head"])
+def test_enable_matches_float64_reference(wrapped, scenario, granularity):
+    model = tiny_llama(wrapped)
+    spec = spec_for("log-linear", granularity, n_ref=8, slope=0.6)
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    ref = reference_model(model, spec)
+    with torch.inference_mode():
+        want = run_scenario(ref, scenario, ids)
+        plain = run_scenario(model, scenario, ids)
+        sr.enable(model, spec)
+        got = run_scenario(model, scenario, ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL_MODEL)
+    assert (plain - want).abs().max() > 100 * ATOL_MODEL  # the scaling is visible: this test can fail
+
+
+def test_enable_sliding_window_matches_reference():
+    model = tiny_llama("sdpa", MistralForCausalLM, MistralConfig, sliding_window=12)
+    spec = spec_for("log-linear", "layer", n_ref=6, slope=0.6)
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(2))
+    ref = reference_model(model, spec)
+    with torch.inference_mode():
+        want = run_scenario(ref, "padded", ids)
+        got = run_scenario(sr.enable(model, spec), "padded", ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL_MODEL)
+
+
+def test_non_causal_block_sees_every_key():
+    """DFlash calls the interface with is_causal=False and no mask: every query sees all k_len keys."""
+    model = tiny_llama("sdpa")
+    spec = spec_for("log-linear", "head", n_ref=8, slope=0.6)
+    sr.enable(model, spec)
+    module = model.model.layers[1].self_attn
+    gen = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(2, h, 16 if h == 4 else 50, 16, generator=gen) for h in (4, 2, 2))
+    alpha = np.broadcast_to(spec.alpha(50, layer=1)[None, :, None], (2, 4, 16))
+    want = reference_attention(query, key, value, torch.ones(2, 1, 16, 50, dtype=torch.bool), 0.25, alpha)
+    with torch.inference_mode():
+        got, _ = sr.sharpdraft_attention(module, query.clone(), key, value, None, scaling=0.25, is_causal=False)
+    torch.testing.assert_close(got.transpose(1, 2).double(), want, rtol=0, atol=ATOL_ATTENTION)
+
+
+@pytest.mark.parametrize("wrapped", ["sdpa", "eager"])
+def test_alpha_one_is_bit_identical(wrapped):
+    model = tiny_llama(wrapped)
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        before = {s: run_scenario(model, s, ids) for s in ("prefill", "padded", "decode", "block")}
+        sr.enable(model, spec_for("log-linear", "head", n_ref=1000))  # n_ref above every n
+        after = {s: run_scenario(model, s, ids) for s in before}
+    for scenario in before:
+        assert torch.equal(before[scenario], after[scenario]), scenario
+
+
+def test_enable_then_disable_restores_the_model():
+    model = tiny_llama("sdpa")
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(5))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.config.to_dict()
+    with torch.inference_mode():
+        before = run_scenario(model, "padded", ids)
+        sr.enable(model, spec_for("log-linear", n_ref=8))
+        assert model.config._attn_implementation == sr.NAME and sr.is_enabled(model)
+        scaled = run_scenario(model, "padded", ids)
+        sr.disable(model)
+        after = run_scenario(model, "padded", ids)
+    assert not torch.equal(before, scaled)
+    assert torch.equal(before, after)
+    assert model.config.to_dict() == config and not sr.is_enabled(model)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_enable_rejects_bad_inputs():
+    model = tiny_llama("sdpa")
+    with pytest.raises(ValueError, match="for 3 layers, the model has 2"):
+        sr.enable(model, spec_for("log-linear", "layer", layers=3))
+    with pytest.raises(ValueError, match="for 5 heads, the model has 4"):
+        sr.enable(model, spec_for("log-linear", "head", heads=5))
+    with pytest.raises(ValueError, match="not enabled"):
+        sr.disable(model)
+    assert model.config._attn_implementation == "sdpa"
