@@ -27,7 +27,6 @@ may scale ``query`` in place (the runtime's query scaling) or only read it (cali
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
