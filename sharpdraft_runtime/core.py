@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from sharpdraft_theory import ScaleSpec
 
-__all__ = ["QueryScaler", "alpha_for", "scale_query_", "causal_n_visible", "mask_n_visible", "flex_score_mod"]
+__all__ = ["QueryScaler", "alpha_for", "scale_query_", "query_hook", "causal_n_visible", "mask_n_visible",
+           "flex_score_mod"]
 
 
 def _law(law: str, n: torch.Tensor, n_ref: int | None, slope: torch.Tensor | None,
@@ -202,6 +203,24 @@ def scale_query_(query: torch.Tensor, n_visible: torch.Tensor | int, spec: Scale
     Returns ``query`` (a new tensor only when autograd needs the original).
     """
     return _scaler(spec, query.device).scale_query_(query, n_visible, layer)
+
+
+def query_hook(spec: ScaleSpec | QueryScaler):
+    """A ``hook(layer_idx, query, key, scaling, n_visible)`` that scales ``query`` in place.
+
+    For attention code with that hook point, such as calibrate's EAGLE-3 head
+    (``Eagle3Model.forward(..., attention_hook=query_hook(spec))``): ``query`` (batch, heads, q_len,
+    head_dim) post-RoPE, ``key`` (batch, kv_heads, k_len, head_dim), ``n_visible`` (batch, q_len).
+    Returns the scaled query (the same tensor under no-grad / inference mode).
+    """
+    scalers = {}
+
+    def hook(layer_idx, query, key, scaling, n_visible):
+        if query.device not in scalers:
+            scalers[query.device] = _scaler(spec, query.device)
+        return scalers[query.device].scale_query_(query, n_visible, layer_idx)
+
+    return hook
 
 
 def causal_n_visible(q_len: int, past: int = 0, *, key_mask: torch.Tensor | None = None,

@@ -1,7 +1,7 @@
 """transformers integration: a ``sharpdraft`` attention function that scales queries, then attends.
 
 Models that dispatch attention through transformers' ``AttentionInterface`` (Llama, Qwen, PARD
-drafters, DFlash) call ``fn(module, query, key, value, attention_mask, dropout, scaling, **kwargs)``
+drafters, and calibrate's DFlash drafter, whose config is its own dataclass) call ``fn(module, query, key, value, attention_mask, dropout, scaling, **kwargs)``
 with post-RoPE queries ``(batch, heads, q_len, head_dim)`` and post-cache keys
 ``(batch, kv_heads, k_len, head_dim)``. :func:`enable` registers :func:`sharpdraft_attention`
 under the name ``"sharpdraft"``, together with a mask function of the same name (transformers
@@ -12,6 +12,7 @@ and calls the wrapped implementation with everything else unchanged.
 
 Counting visible keys follows what the wrapped kernel attends:
 
+* an ``n_visible`` keyword argument of shape (batch, q_len), when the caller passes one (DFlash does);
 * a 4D mask (padding, sliding windows, cached prefill, draft blocks): keys allowed per row,
   counted once per forward (the count rides on the mask tensor, shared by all layers);
 * no mask, SDPA, causal and ``q_len > 1``: SDPA's causal path (upper-left aligned), ``n_i = i + 1``;
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 from sharpdraft_theory import ScaleSpec
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -66,7 +67,8 @@ class _Binding:
 
 
 _BINDINGS: dict[int, _Binding] = {}  # id(config) -> binding; configs are not hashable
-_EAGER: dict[type, object] = {}  # attention module class -> its modeling file's eager_attention_forward
+_EAGER: dict[type, object] = {}  # attention module class -> the eager function of its modeling file
+_EAGER_NAMES = ("eager_attention_forward", "eager_attention")  # transformers' convention, then calibrate's DFlash
 
 
 def _binding(config) -> _Binding:
@@ -82,17 +84,19 @@ def _attention_fn(binding: _Binding, module: torch.nn.Module):
         return ALL_ATTENTION_FUNCTIONS[binding.wrapped]
     cls = type(module)
     if cls not in _EAGER:
-        eager = getattr(sys.modules[cls.__module__], "eager_attention_forward", None)
-        if eager is None:
-            raise RuntimeError(f"{cls.__name__} has no eager_attention_forward beside it to wrap; "
-                               "load the model with attn_implementation='sdpa'")
-        _EAGER[cls] = eager
+        found = [getattr(sys.modules[cls.__module__], name, None) for name in _EAGER_NAMES]
+        if not any(found):
+            raise RuntimeError(f"{cls.__name__} has no {' or '.join(_EAGER_NAMES)} beside it to wrap; "
+                               "use attn_implementation='sdpa'")
+        _EAGER[cls] = next(fn for fn in found if fn is not None)
     return _EAGER[cls]
 
 
-def _n_visible(binding: _Binding, module, query: torch.Tensor, k_len: int, attention_mask, is_causal):
+def _n_visible(binding: _Binding, module, query: torch.Tensor, k_len: int, attention_mask, kwargs):
     """Visible keys per row: an int shared by all rows, or a tensor of shape (B|1, 1|H, q_len)."""
     q_len = query.shape[-2]
+    if kwargs.get("n_visible") is not None:
+        return kwargs["n_visible"]  # (B, q_len), from a caller that knows its layout
     if attention_mask is not None:
         if attention_mask.ndim != 4:
             raise RuntimeError(f"{NAME} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
@@ -101,7 +105,8 @@ def _n_visible(binding: _Binding, module, query: torch.Tensor, k_len: int, atten
             cached = (k_len, mask_n_visible(attention_mask, k_len))
             attention_mask._sharpdraft_n_visible = cached
         return cached[1]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = kwargs.get("is_causal")
+    causal = causal if causal is not None else getattr(module, "is_causal", True)
     if binding.wrapped == "sdpa" and causal and q_len > 1:
         # Mirrors sdpa_attention_forward: no mask and q_len > 1 means SDPA's is_causal path, which is
         # upper-left aligned (it crops the keys to q_len when a static cache is longer).
@@ -139,7 +144,7 @@ def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     k_len = key.shape[-2]
     scaler = binding.scaler(query.device)
     if k_len > scaler.identity_limit:
-        n = _n_visible(binding, module, query, k_len, attention_mask, kwargs.get("is_causal"))
+        n = _n_visible(binding, module, query, k_len, attention_mask, kwargs)
         layer = getattr(module, "layer_idx", None)
         if isinstance(n, int) and binding.spec.granularity != "head":
             scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * binding.scalar_alpha(n, layer)
@@ -153,20 +158,20 @@ def sharpdraft_mask(*args, config=None, **kwargs):
     return ALL_MASK_ATTENTION_FUNCTIONS[_binding(config).wrapped](*args, config=config, **kwargs)
 
 
-def _configs(model: torch.nn.Module) -> dict[int, PretrainedConfig]:
+def _configs(model: torch.nn.Module) -> dict[int, object]:
     """Every config the model's modules read their attention implementation from."""
     found = {}
     for module in model.modules():
         config = getattr(module, "config", None)
-        if isinstance(config, PretrainedConfig):
+        if hasattr(config, "_attn_implementation"):
             found[id(config)] = config
     return found
 
 
-def _check_shape(spec: ScaleSpec, config: PretrainedConfig) -> None:
+def _check_shape(spec: ScaleSpec, config) -> None:
     if spec.granularity == "global":
         return
-    text = config.get_text_config()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers, heads = text.num_hidden_layers, text.num_attention_heads
     slopes = spec.slopes()
     if slopes.shape[0] != layers:

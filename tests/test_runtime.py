@@ -225,7 +225,10 @@ def reference_attention_fn(spec: ScaleSpec):
     """A float64 attention function for the interface: counts visible keys from eager's float mask."""
 
     def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        visible = attention_mask > torch.finfo(attention_mask.dtype).min  # (B, 1, q, k)
+        if attention_mask is None:  # a non-causal block (DFlash): every key
+            visible = torch.ones(query.shape[0], 1, query.shape[2], key.shape[2], dtype=torch.bool)
+        else:
+            visible = attention_mask > torch.finfo(attention_mask.dtype).min  # (B, 1, q, k)
         n = visible.sum(-1).numpy()  # (B, 1, q)
         layer = None if spec.granularity == "global" else module.layer_idx
         alpha = spec.alpha(n, layer=layer)
@@ -348,3 +351,52 @@ def test_enable_rejects_bad_inputs():
     with pytest.raises(ValueError, match="not enabled"):
         sr.disable(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("wrapped", ["sdpa", "eager"])
+def test_enable_on_dflash_matches_reference(tmp_path, wrapped):
+    """calibrate's DFlash drafter: own dataclass config, non-causal blocks over context + block keys."""
+    from calibrate.drafters.dflash import load_dflash
+    from calibrate.drafters.tiny import tiny_target, write_tiny_dflash
+
+    target = tiny_target(num_layers=6)
+    model = load_dflash(write_tiny_dflash(tmp_path, target, block_size=4), target).eval()
+    model.set_attn_implementation(wrapped)
+    spec = spec_for("log-linear", "head", n_ref=8, slope=0.6)
+    gen = torch.Generator().manual_seed(6)
+    context, block = torch.randn(2, 30, 192, generator=gen), torch.randn(2, 4, 64, generator=gen)  # 3 target layers
+    positions = torch.arange(34).expand(2, 34)
+    ref = copy.deepcopy(model).double()
+    AttentionInterface.register("sharpdraft-test-dflash", reference_attention_fn(spec))
+    ref.set_attn_implementation("sharpdraft-test-dflash")
+    with torch.inference_mode():
+        want = ref(block.double(), context.double(), positions)
+        plain = model(block, context, positions).double()
+        got = sr.enable(model, spec)(block, context, positions).double()
+        sr.disable(model)
+        assert torch.equal(model(block, context, positions).double(), plain)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL_MODEL)
+    assert (plain - want).abs().max() > 10 * ATOL_MODEL
+
+
+def test_query_hook_on_eagle3_head(tmp_path):
+    """calibrate's EAGLE-3 head exposes a query hook; query_hook applies the same core through it."""
+    from calibrate.drafters.eagle3 import load_eagle3_head
+    from calibrate.drafters.tiny import tiny_target, write_tiny_eagle3
+
+    target = tiny_target(num_layers=6)
+    head = load_eagle3_head(write_tiny_eagle3(tmp_path, target), target).eval()
+    spec = spec_for("log-linear", "head", layers=1, n_ref=8, slope=0.6)
+    gen = torch.Generator().manual_seed(7)
+    ids, features = torch.randint(0, 256, (2, 30), generator=gen), torch.randn(2, 30, 192, generator=gen)
+
+    def numpy_alpha(layer_idx, query, key, scaling, n_visible):  # (B, q) -> alpha (B, H, q) from the theory
+        alpha = np.moveaxis(spec.alpha(n_visible.numpy(), layer=layer_idx), -1, 1)
+        return query * torch.tensor(alpha, dtype=query.dtype)[..., None]
+
+    with torch.inference_mode():
+        want = head(ids, features, attention_hook=numpy_alpha).logits
+        got = head(ids, features, attention_hook=sr.query_hook(spec)).logits
+        plain = head(ids, features).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL_MODEL)
+    assert (plain - want).abs().max() > 10 * ATOL_MODEL
