@@ -127,6 +127,9 @@ def inspect(spec: Annotated[Path, typer.Argument(help="Scale spec JSON file to v
                       + ", ".join(f"{n}: {a:.3f}" for n, a in zip(grid, shown)))
 
 
+from .plot_cmd import plot as _plot; app.command(name="plot")(_plot)  # noqa: E402, E702
+
+
 def main() -> None:
     """Console-script entry point: run the app, turning user errors into one line and exit 1."""
     try:
