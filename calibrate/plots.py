@@ -468,7 +468,7 @@ def alpha_figure(fit: SlopeFit, *, n_ref: int, n_max: float | None = None, title
     ax.axvline(n_meas, color="0.6", ls="--", lw=0.8, label=f"last measured bucket (n ~ {n_meas:.0f})")
     _log_n_axis(ax)
     ax.set_ylabel("query scale alpha (multiplier)")
-    ax.set_title(f"Query scale that keeps the top-k mass: alpha versus n ({title})")
+    ax.set_title(f"Query scale that keeps the top-k mass: alpha versus n\n{title}")
     ax.legend(fontsize=8, loc="upper left")
     return fig
 
