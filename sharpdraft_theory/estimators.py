@@ -14,6 +14,8 @@ half-octave buckets of ``n / n_ref``; reference rows have ``n`` in ``(n_ref / 2,
 * **E2, closed form** (``closed-form``): the dilution exponent ``gamma`` is the slope of the mean
   background log-sum ``ln S_B(1)`` against ``ln n`` over buckets from the reference on;
   ``beta = gamma / mean g'(1)`` with ``g'(1) = zbar_T(1) - zbar_B(1)`` on reference rows.
+  Attention-sink rows whose background holds under 0.1% of the mass are left out of E2 and of
+  the E3 diagnostics: float32 statistics cannot resolve their background (``RowStats.tilted_means``).
 * **E3, Gaussian fit** (``gaussian``): background mean ``mu`` and variance ``s^2`` and the top
   set's softmax-weighted mean ``tbar`` on reference rows; ``beta = 1 / (tbar - mu - s^2)``.
   Goodness of fit: how far the observed tilted background mean is from the Gaussian ``mu + s^2``
@@ -59,8 +61,10 @@ class SlopeFit:
 
 
 # Per-row features, summed per group. Columns after the mass curve:
-_LOG_N, _LOG_SB, _GPRIME, _MU, _S2, _TBAR, _TILT_ERR, _LOGSUM_ERR, _LOG_N2, _MASS1_LOG_N, _COUNT = range(11)
-_N_FEAT = 11
+# _RESOLVED counts rows whose background tilted mean float32 statistics can resolve (see
+# RowStats.tilted_means); _GPRIME and _TILT_ERR are summed over those rows only.
+_LOG_N, _LOG_SB, _GPRIME, _MU, _S2, _TBAR, _TILT_ERR, _LOGSUM_ERR, _LOG_N2, _MASS1_LOG_N, _RESOLVED, _COUNT = range(12)
+_N_FEAT = 12
 
 
 class _Table:
@@ -102,16 +106,18 @@ def _row_features(s: RowStats, top_k: int) -> np.ndarray:
     mu, s2 = s.background_moments(top_k)
     n = s.n.astype(np.float64)
     f = np.empty((s.rows, _N_FEAT))
+    resolved = np.isfinite(zbar_b)
     f[:, _LOG_N] = np.log(n)
     f[:, _LOG_N2] = np.log(n) ** 2
     f[:, _MASS1_LOG_N] = mass[:, s.index_of_one] * np.log(n)
-    f[:, _LOG_SB] = log_sb
-    f[:, _GPRIME] = zbar_t - zbar_b
+    f[:, _LOG_SB] = np.where(resolved, log_sb, 0.0)
+    f[:, _RESOLVED] = resolved
+    f[:, _GPRIME] = np.where(resolved, zbar_t - zbar_b, 0.0)
     f[:, _MU] = mu
     f[:, _S2] = s2
     f[:, _TBAR] = zbar_t
-    f[:, _TILT_ERR] = zbar_b - (mu + s2)
-    f[:, _LOGSUM_ERR] = np.abs(log_sb - (np.log(n - top_k) + mu + 0.5 * s2))
+    f[:, _TILT_ERR] = np.where(resolved, zbar_b - (mu + s2), 0.0)
+    f[:, _LOGSUM_ERR] = np.where(resolved, np.abs(log_sb - (np.log(n - top_k) + mu + 0.5 * s2)), 0.0)
     f[:, _COUNT] = 1.0
     return np.concatenate([mass, f], axis=1)
 
@@ -179,13 +185,16 @@ def _estimate(tab: _Table, n_ref: int, by: list[int], weights=None) -> dict:
         unreachable = group_sum(np.ones_like(count), beyond & ~np.isfinite(a_b))
 
         # E2: dilution exponent from the background log-sum, over buckets from the reference on.
-        fit = bucket >= -1
-        mx = group_sum(feat[:, _LOG_N], fit) / group_sum(count, fit)
-        my = group_sum(feat[:, _LOG_SB], fit) / group_sum(count, fit)
+        fit = (bucket >= -1) & (feat[:, _RESOLVED] > 0)
+        n_res = np.where(fit, feat[:, _RESOLVED], 0.0)
+        mean_sb = feat[:, _LOG_SB] / np.where(fit, n_res, 1.0)
+        mx = group_sum(n_res * log_nb, fit) / group_sum(n_res, fit)
+        my = group_sum(n_res * mean_sb, fit) / group_sum(n_res, fit)
         bx = log_nb - mx[g_inv]
-        by_ = feat[:, _LOG_SB] / count - my[g_inv]
-        gamma = group_sum(count * bx * by_, fit) / group_sum(count * bx * bx, fit)
-        gprime = group_sum(feat[:, _GPRIME], ref) / ref_count
+        by_ = mean_sb - my[g_inv]
+        gamma = group_sum(n_res * bx * by_, fit) / group_sum(n_res * bx * bx, fit)
+        resolved_ref = group_sum(feat[:, _RESOLVED], ref)
+        gprime = group_sum(feat[:, _GPRIME], ref) / resolved_ref
         e2 = gamma / gprime
 
         # E3: Gaussian background fitted on reference rows.
@@ -194,11 +203,11 @@ def _estimate(tab: _Table, n_ref: int, by: list[int], weights=None) -> dict:
         tbar = group_sum(feat[:, _TBAR], ref) / ref_count
         denom = tbar - mu - s2
         e3 = np.where(denom > 0, 1.0 / denom, np.nan)
-        tilt_err = group_sum(feat[:, _TILT_ERR], ref) / ref_count
-        logsum_err = group_sum(feat[:, _LOGSUM_ERR], ref) / ref_count
+        tilt_err = group_sum(feat[:, _TILT_ERR], ref) / resolved_ref
+        logsum_err = group_sum(feat[:, _LOGSUM_ERR], ref) / resolved_ref
     out = dict(groups=groups, mass_ref=mass_ref, e1=e1, e2=e2, e3=e3, r2=r2, gamma=gamma, gprime=gprime,
                mu=mu, s2=s2, tbar=tbar, tilt_err=tilt_err, logsum_err=logsum_err, unreachable=unreachable,
-               ref_rows=ref_count, beyond_rows=group_sum(count, beyond))
+               ref_rows=ref_count, unresolved_ref_rows=ref_count - resolved_ref, beyond_rows=group_sum(count, beyond))
     if not by:
         out["buckets"] = tuple(
             Bucket(n=float(np.exp(log_nb[j])), rows=int(count[j]), mass=float(mean_curve[j, i1]),
@@ -273,7 +282,8 @@ def fit_slopes(stats: RowStats, *, n_ref: int, top_k: int, granularity: str = "g
             if point["unreachable"][0]:
                 note = "the reference mass is out of the alpha grid's reach in some buckets (left out of the fit)"
         elif key == "e2":
-            diag |= {"gamma": _finite_or_none(point["gamma"][0]), "g_prime": _finite_or_none(point["gprime"][0])}
+            diag |= {"gamma": _finite_or_none(point["gamma"][0]), "g_prime": _finite_or_none(point["gprime"][0]),
+                     "sink_rows_left_out": float(point["unresolved_ref_rows"][0])}
         else:
             diag |= {"mu": _finite_or_none(point["mu"][0]), "sigma2": _finite_or_none(point["s2"][0]),
                      "tbar": _finite_or_none(point["tbar"][0]),

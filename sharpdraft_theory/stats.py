@@ -35,6 +35,9 @@ from .atomic import atomic_path
 
 __all__ = ["RowStats", "row_stats_from_logits", "DEFAULT_ALPHA_GRID"]
 
+#: Background mass share below which float32 statistics cannot resolve the background's tilted mean.
+UNRESOLVED_SHARE = 1e-3
+
 #: Default grid of query scales at which calibration records ``lse``: fine near 1, up to 4.
 DEFAULT_ALPHA_GRID = np.round(np.concatenate([np.arange(0.5, 2.0, 0.025), np.arange(2.0, 4.0001, 0.05)]), 6)
 
@@ -111,13 +114,20 @@ class RowStats:
         return lse + np.log1p(-np.minimum(np.exp(log_t - lse), 1.0 - 1e-15))
 
     def tilted_means(self, top_k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(zbar_T(1), zbar_B(1))`` per row: tilted means of top set and background at a = 1."""
+        """``(zbar_T(1), zbar_B(1))`` per row: tilted means of top set and background at a = 1.
+
+        ``zbar_B = (zbar_all - M zbar_T) / (1 - M)`` divides by the background's share of the
+        mass. Calibration records statistics in float32, so where ``1 - M < UNRESOLVED_SHARE``
+        (attention-sink rows with nearly all mass on the top set) the quotient is round-off;
+        ``zbar_B`` is NaN there.
+        """
         top = self.top[:, :top_k].astype(np.float64)
         w = np.exp(top - logsumexp(top, axis=1, keepdims=True))
         zbar_t = np.sum(w * top, axis=1)
-        m = self.mass(top_k)[:, self.index_of_one]
-        zbar_b = (self.tilted_mean - m * zbar_t) / np.maximum(1.0 - m, 1e-15)
-        return zbar_t, zbar_b
+        share = 1.0 - self.mass(top_k)[:, self.index_of_one]
+        resolved = share >= UNRESOLVED_SHARE
+        zbar_b = (self.tilted_mean - (1.0 - share) * zbar_t) / np.where(resolved, share, 1.0)
+        return zbar_t, np.where(resolved, zbar_b, np.nan)
 
     def background_moments(self, top_k: int) -> tuple[np.ndarray, np.ndarray]:
         """Plain mean and population variance of the background logits (top set removed)."""
