@@ -128,6 +128,7 @@ def inspect(spec: Annotated[Path, typer.Argument(help="Scale spec JSON file to v
 
 
 from .plot_cmd import plot as _plot; app.command(name="plot")(_plot)  # noqa: E402, E702
+from .eval_cmd import eval_command as _eval; app.command(name="eval")(_eval)  # noqa: E402, E702
 
 
 def main() -> None:

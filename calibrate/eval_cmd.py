@@ -1,0 +1,154 @@
+"""``sharpdraft eval``: a thin typer command over ``calibrate.evaluate.evaluate``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import UserError
+
+__all__ = ["eval_command", "plot_result"]
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--lengths {text}: expected comma-separated integers, e.g. 256,512,1024,2048") from None
+    if not values or min(values) < 2:
+        raise UserError(f"--lengths {text}: expected context lengths >= 2, e.g. 256,512,1024,2048")
+    return values
+
+
+def eval_command(
+    *,
+    drafter: Annotated[str, typer.Option(help="Drafter kind: eagle3, hf or pard.")] = "eagle3",
+    drafter_path: Annotated[Optional[str], typer.Option(
+        "--drafter-path", help="Drafter checkpoint (default: the built-in SmolLM2 demo head for eagle3).")] = None,
+    target_path: Annotated[Optional[str], typer.Option(
+        "--target-path", help="Target model folder (default: built-in SmolLM2).")] = None,
+    spec: Annotated[Optional[Path], typer.Option(help="Scale spec JSON to evaluate (default: log-linear, slope 0.2, "
+                                                 "at the drafter's n_ref).")] = None,
+    lengths: Annotated[str, typer.Option(help="Context-length bucket edges; the largest is the sequence length.")]
+        = "256,512,1024,2048",
+    corpus: Annotated[str, typer.Option(help="Held-out text: pydoc:heldout, a .txt or .jsonl file, or a folder.")]
+        = "pydoc:heldout",
+    sequences: Annotated[int, typer.Option(help="At most this many sequences of the largest length.")] = 4,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Top set size for the mass (default: the spec's).")]
+        = None,
+    speculative: Annotated[bool, typer.Option("--speculative", help="Also run greedy speculative decoding: "
+                                              "acceptance length and speedup.")] = False,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per speculative prompt.")] = 32,
+    num_draft: Annotated[int, typer.Option("--num-draft", help="Draft chain length K.")] = 4,
+    device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16.")]
+        = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="Also write the JSON result here (atomically).")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Save mass and agreement versus n as a PNG here.")] = None,
+):
+    """Mass, agreement and (with --speculative) acceptance per context length: no scaling, the spec, qwen-logn."""
+    import torch
+
+    from sharpdraft_theory import ScaleSpec
+    from sharpdraft_theory.atomic import atomic_write_text
+
+    from .drafters import load_drafter, resolve_device, resolve_dtype
+    from .evaluate import default_spec, evaluate
+
+    edges = _lengths(lengths)
+    if num_draft < 1 or new_tokens < 2:
+        raise UserError("--num-draft must be >= 1 and --new-tokens >= 2")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise UserError(f"--plot {plot}: give a .png file name")
+    loaded_spec = ScaleSpec.load(spec) if spec is not None else None
+    dev = resolve_device(device)
+    with torch.inference_mode():
+        d = load_drafter(drafter, drafter_path, target_path, dev, resolve_dtype(dtype, dev))
+        if drafter == "eagle3":
+            target = d.target
+        else:
+            from .drafters.eagle3 import load_target
+
+            target, _ = load_target(target_path, dev, resolve_dtype(dtype, dev))
+        k = top_k or (loaded_spec.top_k if loaded_spec else 4)
+        if loaded_spec is None:
+            loaded_spec = default_spec(d.default_n_ref, k)
+        elif loaded_spec.top_k != k:
+            loaded_spec = ScaleSpec.from_dict({**loaded_spec.to_dict(), "top_k": k})
+        progress = None if as_json else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
+        result = evaluate(d, target, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences,
+                          speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, progress=progress)
+    result["spec_file"] = str(spec) if spec is not None else None
+    text = json.dumps(result, indent=2)
+    if out is not None:
+        atomic_write_text(out, text + "\n")
+    if plot is not None:
+        plot_result(result, plot)
+    if as_json:
+        print(text)
+        return
+    _table(result)
+
+
+def _table(result: dict) -> None:
+    v = result["variants"]
+    spec = v["spec"]
+    console.print(f"[bold]{result['drafter']['kind']}[/] drafter, n_ref = {result['drafter']['n_ref']}; "
+                  f"{result['sequences']} sequence(s) x {result['sequence_length']} tokens of {result['corpus']}; "
+                  f"spec: {spec['law']}, slope {spec['slope']}; top-{result['top_k']} mass")
+    speculative = result["speculative"] is not None
+    table = Table(title="Held-out evaluation per context-length bucket (rows with n_prev < n_visible <= n)")
+    table.add_column("n", justify="right")
+    table.add_column("variant")
+    for col in ("mass", "agreement") + (("accept len", "speedup") if speculative else ()):
+        table.add_column(col, justify="right")
+    for row in result["buckets"]:
+        for i, variant in enumerate(v):
+            cells = row[variant]
+            values = [cells["mass"], cells["agreement"]]
+            if speculative:
+                values += [cells.get("acceptance_length"), cells.get("speedup")]
+            table.add_row(str(row["n"]) if i == 0 else "", variant,
+                          *("-" if x is None else f"{x:.3f}" for x in values), end_section=i == len(v) - 1)
+    console.print(table)
+    if speculative:
+        s = result["speculative"]
+        console.print(f"Speculative decoding: {s['new_tokens']} tokens per prompt, chain of {s['num_draft']}; "
+                      "outputs identical to target-only greedy decoding: "
+                      + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
+
+
+def plot_result(result: dict, path: Path) -> None:
+    """Mass and agreement versus n (log x), one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [row["n"] for row in result["buckets"]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "mass", f"mean top-{result['top_k']} attention mass"),
+                           (axes[1], "agreement", "teacher-forced top-1 agreement")):
+        for variant, style in zip(result["variants"], ("o-", "s-", "^--")):
+            ys = [row[variant][key] for row in result["buckets"]]
+            ax.plot(n, [float("nan") if y is None else y for y in ys], style, label=variant)
+        ax.axvline(result["drafter"]["n_ref"], color="grey", lw=0.8, ls=":", label="n_ref")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("visible keys n (bucket upper edge)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{result['drafter']['kind']} drafter on {result['corpus']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""Greedy speculative decoding returns the target's greedy output, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from calibrate.drafters.eagle3 import load_eagle3_head
+from calibrate.drafters.tiny import tiny_target, write_tiny_eagle3
+from calibrate.speculative import (CausalLMChainDrafter, Eagle3ChainDrafter, greedy_generate,
+                                   speculative_generate)
+from sharpdraft_theory import ScaleSpec
+
+SPEC = ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: thread start-up and contention cost more than the work (16x slower with 2 threads
+    on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(0)
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory):
+    return load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target)
+
+
+def prompts(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (1, n), generator=g) for n in (2, 7, 30)]
+
+
+@pytest.mark.parametrize("num_draft", [1, 4])
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "spec"])
+def test_eagle3_equals_greedy(target, head, num_draft, spec):
+    for prompt in prompts(target.config.vocab_size):
+        reference = greedy_generate(target, prompt, 17).tokens
+        drafter = Eagle3ChainDrafter(head, target.config.num_hidden_layers, spec)
+        out = speculative_generate(target, drafter, prompt, 17, num_draft)
+        assert out.tokens == reference
+        assert all(0 <= a <= num_draft for a in out.accepted)
+
+
+@pytest.mark.parametrize("num_draft", [3])
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "spec"])
+def test_causal_lm_equals_greedy(target, num_draft, spec):
+    draft_model = tiny_target(3)
+    for prompt in prompts(target.config.vocab_size):
+        reference = greedy_generate(target, prompt, 13).tokens
+        drafter = CausalLMChainDrafter(draft_model, spec)
+        try:
+            out = speculative_generate(target, drafter, prompt, 13, num_draft)
+        finally:
+            drafter.close()
+        assert out.tokens == reference
+
+
+def test_self_drafting_accepts_everything(target):
+    """The target drafting for itself: every draft is accepted, K + 1 tokens per target forward."""
+    prompt = prompts(target.config.vocab_size)[1]
+    out = speculative_generate(target, CausalLMChainDrafter(target), prompt, 16, 4)
+    assert out.tokens == greedy_generate(target, prompt, 16).tokens
+    assert out.accepted == [4, 4, 4]  # 1 token from the prefill, then 5 per target forward
+    assert out.acceptance_length == 5.0
+
+
+def test_eagle3_head_cache_matches_full_pass(target, head):
+    """After decoding, the head's cached rows equal a fresh teacher-forced pass over the output."""
+    prompt = prompts(target.config.vocab_size)[2]
+    drafter = Eagle3ChainDrafter(head, target.config.num_hidden_layers)
+    out = speculative_generate(target, drafter, prompt, 12, 3)
+    full = torch.cat((prompt, torch.tensor([out.tokens[:-1]])), dim=1)
+    from calibrate.drafters.eagle3 import target_features
+
+    feats = target_features(target, full)
+    ref = head(full[:, 1:], feats[:, :-1], return_logits=False).past_key_values[0]
+    key = drafter.past[0][:, :, :drafter.rows - 1]
+    torch.testing.assert_close(key, ref[:, :, :key.shape[2]], rtol=1e-4, atol=1e-4)
+
+
+def test_bad_num_draft(target):
+    with pytest.raises(ValueError, match="num_draft"):
+        speculative_generate(target, CausalLMChainDrafter(target), prompts(256)[0], 4, 0)
