@@ -102,8 +102,8 @@ def attention_cases(device: torch.device, dtype: torch.dtype, reps: int):
 
             def prepare():
                 fresh["query"] = query.clone()  # the runtime scales in place: every call gets the same input
-                if mask is not None and hasattr(mask, "_sharpdraft_n_visible"):
-                    del mask._sharpdraft_n_visible  # count on every call (a model counts once per forward)
+                if mask is not None and hasattr(mask, "_sharpdraft"):
+                    del mask._sharpdraft  # count on every call (a model counts once per forward)
 
             def plain():
                 sdpa_attention_forward(module, fresh["query"], key, value, mask, scaling=0.125)
@@ -149,7 +149,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per arm (prefill: a quarter, at least 3)")
     parser.add_argument("--skip-model", action="store_true", help="attention cases only (no SmolLM2)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (1 by default: on a shared CPU, a stalled thread holds up the others)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)

@@ -156,7 +156,11 @@ class QueryScaler:
         """
         if isinstance(n_visible, int) and n_visible <= self.identity_limit:
             return query
-        alpha = self.alpha(n_visible, layer)[..., None]  # (B|1, H|1, q_len, 1)
+        return self.multiply_(query, self.alpha(n_visible, layer)[..., None])
+
+    @staticmethod
+    def multiply_(query: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """``query`` (B, H, q_len, D) times ``alpha`` (B|1, H|1, q_len, 1): in place, unless autograd needs ``query``."""
         if query.requires_grad and torch.is_grad_enabled():
             return query * alpha
         return query.mul_(alpha)

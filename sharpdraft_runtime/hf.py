@@ -92,19 +92,31 @@ def _attention_fn(binding: _Binding, module: torch.nn.Module):
     return _EAGER[cls]
 
 
-def _n_visible(binding: _Binding, module, query: torch.Tensor, k_len: int, attention_mask, kwargs):
-    """Visible keys per row: an int shared by all rows, or a tensor of shape (B|1, 1|H, q_len)."""
+def _mask_alpha(scaler: QueryScaler, attention_mask: torch.Tensor, k_len: int, layer: int | None) -> torch.Tensor:
+    """``alpha`` of shape (B|1, H|1, q_len, 1) for a 4D mask, computed once per forward and layer group.
+
+    All layers of a forward share one mask tensor, so the count (and, for a spec without per-layer
+    slopes, alpha itself) rides on it as ``mask._sharpdraft``; it is freed with the mask.
+    """
+    if attention_mask.ndim != 4:
+        raise RuntimeError(f"{NAME} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
+    group = None if scaler.spec.granularity == "global" else layer
+    cache = getattr(attention_mask, "_sharpdraft", None)
+    if cache is None or cache["k_len"] != k_len:
+        cache = attention_mask._sharpdraft = {"k_len": k_len, "n": mask_n_visible(attention_mask, k_len)}
+    if ("alpha", group) in cache:
+        return cache[("alpha", group)]
+    alpha = scaler.alpha(cache["n"], layer)[..., None]
+    if group is None:
+        cache[("alpha", group)] = alpha
+    return alpha
+
+
+def _n_visible(binding: _Binding, module, query: torch.Tensor, k_len: int, kwargs):
+    """Visible keys per row without a mask: an int shared by all rows, or a tensor of shape (B|1, q_len)."""
     q_len = query.shape[-2]
     if kwargs.get("n_visible") is not None:
         return kwargs["n_visible"]  # (B, q_len), from a caller that knows its layout
-    if attention_mask is not None:
-        if attention_mask.ndim != 4:
-            raise RuntimeError(f"{NAME} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
-        cached = getattr(attention_mask, "_sharpdraft_n_visible", None)  # layers share one mask per forward
-        if cached is None or cached[0] != k_len:
-            cached = (k_len, mask_n_visible(attention_mask, k_len))
-            attention_mask._sharpdraft_n_visible = cached
-        return cached[1]
     causal = kwargs.get("is_causal")
     causal = causal if causal is not None else getattr(module, "is_causal", True)
     if binding.wrapped == "sdpa" and causal and q_len > 1:
@@ -144,12 +156,15 @@ def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     k_len = key.shape[-2]
     scaler = binding.scaler(query.device)
     if k_len > scaler.identity_limit:
-        n = _n_visible(binding, module, query, k_len, attention_mask, kwargs)
         layer = getattr(module, "layer_idx", None)
-        if isinstance(n, int) and binding.spec.granularity != "head":
-            scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * binding.scalar_alpha(n, layer)
+        if attention_mask is not None and kwargs.get("n_visible") is None:
+            query = scaler.multiply_(query, _mask_alpha(scaler, attention_mask, k_len, layer))
         else:
-            query = scaler.scale_query_(query, n, layer)
+            n = _n_visible(binding, module, query, k_len, kwargs)
+            if isinstance(n, int) and binding.spec.granularity != "head":
+                scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * binding.scalar_alpha(n, layer)
+            else:
+                query = scaler.scale_query_(query, n, layer)
     return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
