@@ -90,3 +90,18 @@ def test_eagle3_head_cache_matches_full_pass(target, head):
 def test_bad_num_draft(target):
     with pytest.raises(ValueError, match="num_draft"):
         speculative_generate(target, CausalLMChainDrafter(target), prompts(256)[0], 4, 0)
+
+
+@pytest.mark.slow
+def test_smollm2_demo_head_equals_greedy():
+    """The real target and the packaged demo head: identical output, and some drafts accepted."""
+    from calibrate.drafters.eagle3 import DEMO_HEAD_DIR, Eagle3Drafter
+
+    if not (DEMO_HEAD_DIR / "config.json").is_file():
+        pytest.skip("the demo EAGLE-3 head is not built")
+    d = Eagle3Drafter.load()
+    prompt = torch.tensor([d.tokenize("The for statement is used to iterate over the elements of a sequence")])
+    reference = greedy_generate(d.target, prompt, 12).tokens
+    out = speculative_generate(d.target, Eagle3ChainDrafter(d.head, d.target.config.num_hidden_layers), prompt, 12, 4)
+    assert out.tokens == reference
+    assert out.acceptance_length > 1.0
