@@ -1,8 +1,8 @@
 """transformers integration: a ``sharpdraft`` attention function that scales queries, then attends.
 
 Models that dispatch attention through transformers' ``AttentionInterface`` (Llama, Qwen, PARD
-drafters, and calibrate's DFlash drafter, whose config is its own dataclass) call ``fn(module, query, key, value, attention_mask, dropout, scaling, **kwargs)``
-with post-RoPE queries ``(batch, heads, q_len, head_dim)`` and post-cache keys
+drafters, and calibrate's DFlash drafter, whose config is its own dataclass) call
+``fn(module, query, key, value, attention_mask, dropout, scaling, **kwargs)`` with post-RoPE queries ``(batch, heads, q_len, head_dim)`` and post-cache keys
 ``(batch, kv_heads, k_len, head_dim)``. :func:`enable` registers :func:`sharpdraft_attention`
 under the name ``"sharpdraft"``, together with a mask function of the same name (transformers
 gives an unknown name no mask at all, which would break padding), and switches the model to it.
@@ -14,7 +14,8 @@ Counting visible keys follows what the wrapped kernel attends:
 
 * an ``n_visible`` keyword argument of shape (batch, q_len), when the caller passes one (DFlash does);
 * a 4D mask (padding, sliding windows, cached prefill, draft blocks): keys allowed per row,
-  counted once per forward (the count rides on the mask tensor, shared by all layers);
+  counted once per forward (the count, and alpha for a global spec, ride on the mask tensor that
+  all layers share, and are freed with it);
 * no mask, SDPA, causal and ``q_len > 1``: SDPA's causal path (upper-left aligned), ``n_i = i + 1``;
 * no mask otherwise (decoding one token, non-causal blocks such as DFlash): every key, ``n = k_len``.
 
@@ -48,10 +49,10 @@ class _Binding:
     """What one enabled model needs at call time."""
 
     spec: ScaleSpec  # the spec applied
-    wrapped: str  # the implementation wrapped: sdpa or eager
-    previous: str  # the implementation to restore on disable
+    wrapped: str  # the implementation wrapped (sdpa or eager), restored on disable
     scalers: dict = field(default_factory=dict)  # device -> QueryScaler
-    host_alpha: dict = field(default_factory=dict)  # (n, layer) -> float, for the last n seen
+    host_n: int = -1  # the n of host_alpha
+    host_alpha: dict = field(default_factory=dict)  # layer (None for a global spec) -> alpha(host_n)
 
     def scaler(self, device: torch.device) -> QueryScaler:
         if device not in self.scalers:
@@ -60,10 +61,12 @@ class _Binding:
 
     def scalar_alpha(self, n: int, layer: int | None) -> float:
         """``alpha(n)`` on the host for a spec without per-head slopes (one n shared by all layers)."""
-        key = (n, layer if self.spec.granularity == "layer" else None)
-        if key not in self.host_alpha:
-            self.host_alpha = {key: float(self.spec.alpha(n, layer=key[1]))}
-        return self.host_alpha[key]
+        layer = layer if self.spec.granularity == "layer" else None
+        if n != self.host_n:
+            self.host_n, self.host_alpha = n, {}
+        if layer not in self.host_alpha:
+            self.host_alpha[layer] = float(self.spec.alpha(n, layer=layer))
+        return self.host_alpha[layer]
 
 
 _BINDINGS: dict[int, _Binding] = {}  # id(config) -> binding; configs are not hashable
@@ -219,14 +222,14 @@ def enable(model, spec: ScaleSpec):
     ``torch.no_grad()``. With grad enabled the query is scaled out of place instead.
     """
     config = model.config
-    previous = _BINDINGS[id(config)].previous if is_enabled(model) else config._attn_implementation
+    previous = _BINDINGS[id(config)].wrapped if is_enabled(model) else config._attn_implementation
     if previous not in WRAPPABLE:
         raise ValueError(f"{NAME} wraps {' or '.join(WRAPPABLE)} attention, the model uses {previous!r}: "
                          f"load it with attn_implementation='sdpa'")
     _check_shape(spec, config)
     AttentionInterface.register(NAME, sharpdraft_attention)
     AttentionMaskInterface.register(NAME, sharpdraft_mask)
-    binding = _Binding(spec=spec, wrapped=previous, previous=previous)
+    binding = _Binding(spec=spec, wrapped=previous)
     for key, bound in _configs(model).items():
         if key not in _BINDINGS:
             weakref.finalize(bound, _BINDINGS.pop, key, None)
@@ -242,7 +245,7 @@ def disable(model):
     """Restore the attention implementation the model had before :func:`enable`; returns the model."""
     if not is_enabled(model):
         raise ValueError(f"{NAME} is not enabled on this model")
-    model.set_attn_implementation(_BINDINGS[id(model.config)].previous)
+    model.set_attn_implementation(_BINDINGS[id(model.config)].wrapped)
     for key in _configs(model):
         _BINDINGS.pop(key, None)
     return model

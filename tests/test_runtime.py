@@ -270,9 +270,9 @@ def run_scenario(model, scenario: str, ids: torch.Tensor):
 
 
 @pytest.mark.parametrize("scenario", ["prefill", "padded", "decode", "block"])
-@pytest.mark.parametrize(("wrapped", "granularity"), [("sdpa", "global"), ("sdpa", "head"), ("eager", "global")])
+@pytest.mark.parametrize(("wrapped", "granularity"), [("sdpa", "global"), ("sdpa", "head"), ("eager", "layer")])
 def test_enable_matches_float64_reference(wrapped, scenario, granularity):
-    """Global specs fold alpha into ``scaling`` when all rows share n (decoding); head specs scale the query."""
+    """Global and layer specs fold alpha into ``scaling`` when all rows share n (decoding); head specs scale q."""
     model = tiny_llama(wrapped)
     spec = spec_for("log-linear", granularity, n_ref=8, slope=0.6)
     ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
