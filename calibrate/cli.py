@@ -127,6 +127,7 @@ def inspect(spec: Annotated[Path, typer.Argument(help="Scale spec JSON file to v
                       + ", ".join(f"{n}: {a:.3f}" for n, a in zip(grid, shown)))
 
 
+from .calibrate_cmd import calibrate as _calibrate; app.command(name="calibrate")(_calibrate)  # noqa: E402, E702
 from .plot_cmd import plot as _plot; app.command(name="plot")(_plot)  # noqa: E402, E702
 from .eval_cmd import eval_command as _eval; app.command(name="eval")(_eval)  # noqa: E402, E702
 

@@ -1,0 +1,170 @@
+"""Calibration cost against plain forward passes over the same tokens, in one run, as ratios.
+
+For each corpus sequence the script runs, alternately (so both see the same machine load):
+
+* **plain**: the drafter's forward over the sequence exactly as calibration runs it (the base
+  model, no ``lm_head``, ``use_cache=False``), with no tap;
+* **calibrate**: the same forward through the ``sharpdraft-tap`` attention function with a
+  ``RowCollector`` (rows on the log n grid, all layers and heads, reduced to statistics and
+  moved to host memory), i.e. everything ``sharpdraft calibrate`` does per sequence except
+  writing the ``.npz`` (timed separately, with the fit, at the end).
+
+Memory: on CUDA, ``torch.cuda.max_memory_allocated`` per pass (peak above what was allocated
+before the pass, and the total peak including weights). On CPU there is no allocator peak
+counter, so a thread samples the process RSS every millisecond (psutil) during each pass;
+reported are the peak RSS above the RSS before the pass, and the total peak RSS. So that RSS
+follows live memory, the script re-runs itself with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then
+maps every block over 64 KiB on its own and unmaps it when freed (by default it raises that
+threshold as large blocks are freed, keeping freed memory in its heap and RSS). Sampling can
+miss spikes shorter than a millisecond; both modes are sampled the same way. Both modes run once
+untimed at full length first, so the figures are steady-state, not the allocator's first growth.
+
+    python benchmarks/bench_calibrate.py --max-length 2048 --sequences 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import psutil
+import torch
+
+from calibrate.collect import RowCollector, log_grid
+from calibrate.corpus import pack
+from calibrate.drafters import load_drafter, resolve_device, resolve_dtype
+from sharpdraft_theory.estimators import fit_slopes
+from sharpdraft_theory.stats import RowStats
+
+
+class PeakMemory:
+    """Peak memory of a block, above the level at its start, and the absolute peak (bytes)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.extra = self.total = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return self
+        self.proc = psutil.Process()
+        self.base = self.peak = self.proc.memory_info().rss
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.total = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.running = False
+            self.thread.join()
+            self.total = max(self.peak, self.proc.memory_info().rss)
+        self.extra = self.total - self.base
+
+
+def main() -> None:
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", default="hf")
+    ap.add_argument("--drafter-path")
+    ap.add_argument("--target-path")
+    ap.add_argument("--corpus", default="pydoc")
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--sequences", type=int, default=3)
+    ap.add_argument("--n-ref", type=int, help="for the fit at the end (default max_length / 4)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--chunk", type=int)
+    args = ap.parse_args()
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    started = time.perf_counter()
+    drafter = load_drafter(args.drafter, args.drafter_path, args.target_path, device, dtype)
+    print(f"loaded {args.drafter} drafter in {time.perf_counter() - started:.1f} s on {device} ({dtype}); "
+          f"torch threads {torch.get_num_threads()}")
+    eos = getattr(drafter, "eos_token_id", None)
+    sequences = list(pack(args.corpus, drafter.tokenize, [eos] if eos is not None else drafter.tokenize("\n\n"),
+                          args.max_length, limit=args.sequences))
+    grid = log_grid(args.max_length)
+    collector = RowCollector(grid, chunk=args.chunk)
+    positions = torch.as_tensor(grid - 1)
+
+    def plain(ids):
+        drafter.collect(ids, lambda *a: None, positions)  # tap that keeps nothing: a pure forward
+    plain_forward = getattr(drafter, "model", None)
+    if plain_forward is not None:  # hf / pard: the very same call without any attention hook
+        def plain(ids):  # noqa: F811
+            with torch.no_grad():
+                plain_forward.base_model(input_ids=ids.to(drafter.device), use_cache=False)
+
+    def calibrate(ids, seq):
+        collector.start(seq)
+        drafter.collect(ids, collector, positions)
+        return collector.take()
+
+    # Warm up both modes at full length: first calls grow the allocator's pools once.
+    warm = torch.tensor([sequences[0]])
+    plain(warm)
+    calibrate(warm, 0)
+
+    times = {"plain": 0.0, "calibrate": 0.0}
+    extra = {"plain": 0, "calibrate": 0}
+    total = {"plain": 0, "calibrate": 0}
+    parts = []
+    for i, seq in enumerate(sequences):
+        ids = torch.tensor([seq])
+        for mode in ("plain", "calibrate"):
+            with PeakMemory(device) as mem:
+                t0 = time.perf_counter()
+                if mode == "plain":
+                    plain(ids)
+                else:
+                    parts.append(calibrate(ids, i))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+            times[mode] += dt
+            extra[mode] = max(extra[mode], mem.extra)
+            total[mode] = max(total[mode], mem.total)
+            print(f"  sequence {i} {mode:>9}: {dt:7.2f} s, peak +{mem.extra / 2**20:7.1f} MiB "
+                  f"(total {mem.total / 2**20:7.1f} MiB)", flush=True)
+
+    t0 = time.perf_counter()
+    stats = RowStats.concat(parts)
+    stats.save("/tmp/sharpdraft-bench-stats.npz")
+    save_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    n_ref = args.n_ref or args.max_length // 4
+    fit = fit_slopes(stats, n_ref=n_ref, top_k=4)
+    fit_s = time.perf_counter() - t0
+
+    tokens = len(sequences) * args.max_length
+    print(f"\n{len(sequences)} sequences x {args.max_length} tokens, {stats.rows:,} rows, device {device}")
+    for mode in ("plain", "calibrate"):
+        print(f"{mode:>9}: {times[mode]:8.2f} s  {tokens / times[mode]:8.0f} tokens/s  "
+              f"peak +{extra[mode] / 2**20:8.1f} MiB  total peak {total[mode] / 2**20:8.1f} MiB")
+    print(f"time ratio (calibrate / plain):            {times['calibrate'] / times['plain']:.3f}")
+    print(f"peak memory ratio, above the loaded model: {extra['calibrate'] / max(extra['plain'], 1):.3f}")
+    print(f"peak memory ratio, total:                  {total['calibrate'] / max(total['plain'], 1):.3f}")
+    print(f"(not in the ratios: saving statistics {save_s:.2f} s, fit {fit_s:.2f} s; "
+          f"mass-matching slope {fit.slopes['mass-matching']:.4f} at n_ref {n_ref})")
+
+
+if __name__ == "__main__":
+    main()

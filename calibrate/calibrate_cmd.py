@@ -1,0 +1,120 @@
+"""``sharpdraft calibrate``: a thin typer command over ``calibrate.run.run_calibration``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+__all__ = ["calibrate"]
+
+console = Console()
+
+
+def calibrate(
+    *,
+    out: Annotated[Path, typer.Option("--out", help="Where to write the scale spec (JSON).")],
+    drafter: Annotated[str, typer.Option(help="Drafter kind: hf, pard, eagle3 or dflash.")] = "hf",
+    drafter_path: Annotated[Optional[str], typer.Option(
+        "--drafter-path", help="Drafter checkpoint folder, .gguf file or hub id (default: built-in SmolLM2 for hf).")] = None,
+    target_path: Annotated[Optional[str], typer.Option(
+        "--target-path", help="Target model folder (eagle3, dflash; the tokenizer source for hf/pard without one).")] = None,
+    corpus: Annotated[str, typer.Option(help="pydoc[:train|heldout|all], a .txt or .jsonl file, or a folder.")] = "pydoc",
+    max_length: Annotated[Optional[int], typer.Option("--max-length", help="Tokens per sequence (default 4 x n_ref).")] = None,
+    sequences: Annotated[int, typer.Option(help="Sequences to read from the corpus.")] = 8,
+    n_ref: Annotated[Optional[int], typer.Option("--n-ref", help="Reference length: the drafter's training context "
+                                                  "(default: from the drafter).")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="Size of the top set whose mass the slope restores.")] = 4,
+    granularity: Annotated[str, typer.Option(help="Slope per global, layer or head.")] = "global",
+    estimator: Annotated[str, typer.Option(help="Slope written to the spec: mass-matching, closed-form or gaussian.")]
+        = "mass-matching",
+    alpha_max: Annotated[Optional[float], typer.Option("--alpha-max", help="Cap on alpha written to the spec.")] = None,
+    device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16.")]
+        = "auto",
+    chunk: Annotated[Optional[int], typer.Option(help="Query rows per chunk of the logit reduction "
+                                                 "(default: a 2 MiB logit budget); lower it on CUDA out of memory.")] = None,
+    stats: Annotated[Optional[Path], typer.Option(help="Also save the per-row statistics here (.npz).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run with the same options.")] = False,
+):
+    """Collect attention-logit statistics from a drafter over a corpus and fit the query-scaling slope."""
+    from .run import CalibrateOptions, run_calibration
+
+    opts = CalibrateOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path,
+                            corpus=corpus, max_length=max_length, sequences=sequences, n_ref=n_ref, top_k=top_k,
+                            granularity=granularity, estimator=estimator, alpha_max=alpha_max, device=device,
+                            dtype=dtype, chunk=chunk, stats=stats, resume=resume)
+    console.print(f"[bold]Calibrating[/] {drafter} drafter ({drafter_path or 'built-in'}) on {corpus}")
+    with _RichProgress() as progress:
+        try:
+            result = run_calibration(opts, progress=progress)
+        except KeyboardInterrupt:
+            console.print(f"[yellow]interrupted[/] after {progress.done} of {progress.total} sequences; "
+                          "rerun the same command with --resume to continue")
+            raise typer.Exit(130) from None
+    _summary(result, out)
+
+
+class _RichProgress:
+    """``calibrate.run.Progress`` as a rich bar: sequences, tokens/s, rows."""
+
+    def __init__(self):
+        self.bar = Progress(TextColumn("[bold]collecting"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[rate]:>8.0f} tokens/s"), TextColumn("{task.fields[rows]:>9,} rows"),
+                            TimeElapsedColumn(), console=console, transient=False)
+        self.total = self.done = 0
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def start(self, total: int, done: int, tokens_per_sequence: int) -> None:
+        self.total, self.done = total, done
+        self.tokens, self.rows, self.began = 0, 0, time.perf_counter()
+        self.task = self.bar.add_task("collect", total=total, completed=done, rate=0.0, rows=0)
+
+    def advance(self, tokens: int, rows: int) -> None:
+        self.done += 1
+        self.tokens += tokens
+        self.rows += rows
+        rate = self.tokens / max(time.perf_counter() - self.began, 1e-9)
+        self.bar.update(self.task, advance=1, rate=rate, rows=self.rows)
+
+
+def _fmt(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _summary(result, out: Path) -> None:
+    spec, fit = result.spec, result.fit
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    rate = f", {result.tokens / result.seconds:,.0f} tokens/s" if result.seconds > 0 else ""
+    console.print(f"Collected {result.stats.rows:,} rows from {spec.calibration.sequences} sequences in "
+                  f"{result.seconds:.1f} s{rate}" + (f" ({result.resumed} resumed)" if result.resumed else ""))
+    table = Table(title=f"Top-{spec.top_k} mass by context length (n_ref = {spec.n_ref}; "
+                        f"reference mass {fit.mass_ref:.4f})")
+    for col in ("n", "rows", f"mean top-{spec.top_k} mass", "fitted alpha"):
+        table.add_column(col, justify="right")
+    for b in fit.buckets:
+        style = "bold" if b.n > spec.n_ref else None
+        table.add_row(f"{b.n:,.0f}", f"{b.rows:,}", f"{b.mass:.4f}", _fmt(b.alpha, 3), style=style)
+    console.print(table)
+    slopes = Table(title="Slope beta in alpha(n) = 1 + beta ln(n / n_ref)")
+    for col in ("estimator", "slope", "95% interval", "note"):
+        slopes.add_column(col)
+    for r in fit.results:
+        mark = " [green](spec)[/]" if r.estimator == spec.calibration.estimator else ""
+        interval = f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]" if r.ci_low is not None else "-"
+        slopes.add_row(r.estimator + mark, _fmt(r.slope), interval, r.note or "")
+    console.print(slopes)
+    shape = "" if spec.granularity == "global" else f" ({spec.granularity} slopes, shape {spec.slopes().shape})"
+    console.print(f"Wrote [bold]{out}[/]{shape}")

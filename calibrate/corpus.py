@@ -1,0 +1,118 @@
+"""Calibration corpora: documents in a fixed order, packed into token sequences of one length.
+
+Sources (the ``--corpus`` option):
+
+``pydoc`` (default; also ``pydoc:train``), ``pydoc:heldout``, ``pydoc:all``
+    Python's own documentation topics, ``pydoc_data.topics.topics`` (real English prose, about
+    113k SmolLM2 tokens, shipped with every Python). The split is deterministic: topics sorted
+    by name, every 10th one (sorted indices 9, 19, 29, ...) is **held out** for evaluation;
+    calibration reads the other nine in ten (``train``) unless told otherwise.
+a ``.txt`` file
+    one document.
+a ``.jsonl`` file
+    one document per line, the string in its ``text`` field.
+a folder
+    every ``.txt`` and ``.jsonl`` file under it, in sorted path order.
+
+Packing: documents are tokenized in order, joined with the end-of-sequence token (or a blank
+line when the tokenizer has none), and cut into consecutive sequences of exactly ``max_length``
+tokens; the tail shorter than ``max_length`` is dropped. The same source, tokenizer and length
+always give the same sequences in the same order, which is what lets ``--resume`` continue a run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .errors import UserError
+
+__all__ = ["PYDOC_SPLITS", "documents", "pack", "pydoc_topics"]
+
+PYDOC_SPLITS = ("train", "heldout", "all")
+HELD_OUT_EVERY = 10  # every 10th topic (sorted by name) is held out
+
+
+def pydoc_topics(split: str = "train") -> list[tuple[str, str]]:
+    """``(name, text)`` of the pydoc topics in ``split`` (train, heldout or all), sorted by name."""
+    from pydoc_data.topics import topics
+
+    if split not in PYDOC_SPLITS:
+        raise UserError(f"--corpus pydoc:{split}: unknown split; use one of {', '.join(PYDOC_SPLITS)}")
+    named = sorted(topics.items())
+    if split == "all":
+        return named
+    held = split == "heldout"
+    return [item for i, item in enumerate(named) if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held]
+
+
+def documents(source: str) -> Iterator[str]:
+    """The documents of a corpus source (see the module docstring), in their fixed order."""
+    if source == "pydoc" or source.startswith("pydoc:"):
+        split = source.partition(":")[2] or "train"
+        for _, text in pydoc_topics(split):
+            yield text
+        return
+    path = Path(source)
+    if not path.exists():
+        raise UserError(f"--corpus {source}: no such file or folder (use pydoc, a .txt or .jsonl file, or a folder)")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl"))
+        if not files:
+            raise UserError(f"--corpus {source}: the folder holds no .txt or .jsonl files")
+    elif path.suffix in (".txt", ".jsonl"):
+        files = [path]
+    else:
+        raise UserError(f"--corpus {source}: expected a .txt or .jsonl file or a folder, got a {path.suffix or 'bare'} file")
+    for file in files:
+        yield from _file_documents(file)
+
+
+def _file_documents(file: Path) -> Iterator[str]:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"--corpus: cannot read {file} as UTF-8 text ({err})") from None
+    if file.suffix == ".txt":
+        if text.strip():
+            yield text
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"--corpus: {file} line {lineno} is not JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise UserError(f"--corpus: {file} line {lineno} has no string 'text' field")
+        if record["text"].strip():
+            yield record["text"]
+
+
+def pack(source: str, tokenize: Callable[[str], list[int]], separator: list[int], max_length: int,
+         limit: int | None = None) -> Iterator[list[int]]:
+    """Token sequences of exactly ``max_length`` from ``source``, at most ``limit`` of them.
+
+    Tokenizes lazily: a large corpus is read only as far as the sequences asked for.
+    Raises ``UserError`` when the corpus holds no full sequence.
+    """
+    buffer: list[int] = []
+    produced = 0
+    seen = 0
+    for doc in documents(source):
+        if limit is not None and produced >= limit:
+            return
+        if seen:
+            buffer.extend(separator)
+        buffer.extend(tokenize(doc))
+        seen += 1
+        while len(buffer) >= max_length and (limit is None or produced < limit):
+            yield buffer[:max_length]
+            buffer = buffer[max_length:]
+            produced += 1
+    if produced == 0:
+        what = "it holds no text" if seen == 0 else f"its {len(buffer)} tokens do not fill one"
+        raise UserError(f"--corpus {source}: {what} sequence of --max-length {max_length}; "
+                        "use a larger corpus or a smaller --max-length")

@@ -1,0 +1,234 @@
+"""The calibrate job as a library function: corpus -> drafter -> row statistics -> slope -> spec.
+
+``run_calibration(CalibrateOptions(...))`` is what ``sharpdraft calibrate`` runs:
+
+1. load the drafter (``calibrate.drafters.load_drafter``) and settle ``n_ref`` (the drafter's
+   default unless given) and ``max_length`` (``4 * n_ref`` unless given);
+2. pack the corpus into ``sequences`` token sequences of ``max_length`` (``calibrate.corpus``);
+3. per sequence, run the drafter with a ``RowCollector`` tap that keeps the rows whose visible-key
+   count lies on a log-spaced grid (8 per octave from 32 to ``max_length``), all layers and
+   heads, reduced at once to per-row statistics (``calibrate.collect``);
+4. fit the slope with the E1/E2/E3 estimators (``sharpdraft_theory.estimators.fit_slopes``) and
+   write the spec with its calibration record.
+
+Progress is saved as it goes: after each sequence its statistics are written atomically to
+``<out>.partial/seq-NNNNN.npz``, next to ``run.json`` holding the run's parameters. A killed run
+rerun with ``resume=True`` (``--resume``) checks the parameters match, keeps the saved sequences
+and collects the rest; since sequences and their order are fixed, the spec equals that of one
+uninterrupted run. The folder is removed once the spec is written. The fit's own parameters
+(``n_ref``, ``top_k``, granularity, estimator) may change between the killed run and the resumed one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from sharpdraft_theory import __version__
+from sharpdraft_theory.estimators import ESTIMATORS, SlopeFit, fit_slopes
+from sharpdraft_theory.spec import GRANULARITIES, Calibration, ScaleSpec
+from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, RowStats
+from sharpdraft_theory.atomic import atomic_write_text
+
+from .collect import DEFAULT_K_MAX, RowCollector, log_grid
+from .corpus import pack
+from .drafters import load_drafter, resolve_device, resolve_dtype
+from .errors import UserError
+
+__all__ = ["CalibrateOptions", "CalibrateResult", "Progress", "run_calibration", "partial_dir"]
+
+GRID_PER_OCTAVE = 8  # sampled n per doubling
+GRID_N_MIN = 32  # shortest sampled n
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    """Everything ``sharpdraft calibrate`` takes (the CLI's options, same names)."""
+
+    out: Path  # where the spec goes
+    drafter: str = "hf"  # hf, pard, eagle3 or dflash
+    drafter_path: str | None = None  # checkpoint folder, .gguf file or hub id; None: built-in default
+    target_path: str | None = None  # target model (eagle3, dflash) or tokenizer source (hf, pard)
+    corpus: str = "pydoc"  # pydoc[:train|heldout|all], a .txt / .jsonl file or a folder
+    max_length: int | None = None  # tokens per sequence; None: 4 * n_ref
+    sequences: int = 8  # sequences to read
+    n_ref: int | None = None  # reference length; None: the drafter's default
+    top_k: int = 4  # size of the top set whose mass the slope restores
+    granularity: str = "global"  # global, layer or head
+    estimator: str = "mass-matching"  # which estimator's slope the spec uses
+    alpha_max: float | None = None  # cap written to the spec
+    device: str = "auto"  # auto, cpu, cuda[:N]
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16
+    chunk: int | None = None  # query rows per chunk of the reduction; None: a 2 MiB logit budget
+    stats: Path | None = None  # also save the per-row statistics here (.npz)
+    resume: bool = False  # continue an interrupted run
+    bootstrap: int = 200  # bootstrap resamples for the intervals
+
+
+class Progress(Protocol):
+    def start(self, total: int, done: int, tokens_per_sequence: int) -> None:
+        """``total`` sequences, of which ``done`` are already saved (resume)."""
+
+    def advance(self, tokens: int, rows: int) -> None:
+        """One more sequence collected: its tokens and rows."""
+
+
+@dataclass
+class CalibrateResult:
+    spec: ScaleSpec  # what was written to ``out``
+    fit: SlopeFit  # every estimator's result, per-bucket details
+    stats: RowStats  # all rows
+    seconds: float  # wall time of collection in this run (resumed sequences excluded)
+    tokens: int  # tokens collected in this run
+    resumed: int  # sequences taken from a previous run's partial files
+    notes: list[str] = field(default_factory=list)  # things the user should know
+
+
+def partial_dir(out: Path) -> Path:
+    """Folder of an interrupted run's saved sequences: ``<out>.partial``."""
+    out = Path(out)
+    return out.with_name(out.name + ".partial")
+
+
+def run_calibration(opts: CalibrateOptions, *, drafter=None, progress: Progress | None = None) -> CalibrateResult:
+    """Run a calibration (module docstring); ``drafter`` reuses an already loaded adapter."""
+    _check_options(opts)
+    device = resolve_device(opts.device)
+    dtype = resolve_dtype(opts.dtype, device)
+    if drafter is None:
+        drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, device, dtype)
+    n_ref = opts.n_ref or drafter.default_n_ref
+    max_length = opts.max_length or 4 * n_ref
+    if n_ref < GRID_N_MIN:
+        raise UserError(f"--n-ref {n_ref}: too short; the shortest sampled length is {GRID_N_MIN}")
+    if n_ref >= max_length:
+        raise UserError(f"--n-ref {n_ref} >= --max-length {max_length}: no rows beyond n_ref to fit; "
+                        f"use --max-length {4 * n_ref} or a smaller --n-ref")
+    k_max = max(DEFAULT_K_MAX, opts.top_k)
+    grid = log_grid(max_length, per_octave=GRID_PER_OCTAVE, n_min=max(GRID_N_MIN, 2 * k_max))
+    notes: list[str] = []
+
+    params = {"drafter": opts.drafter, "drafter_path": opts.drafter_path, "target_path": opts.target_path,
+              "corpus": opts.corpus, "max_length": max_length, "dtype": str(dtype).removeprefix("torch."),
+              "k_max": k_max, "grid": grid.tolist(), "alpha_grid": DEFAULT_ALPHA_GRID.tolist()}
+    partial = _open_partial(partial_dir(opts.out), params, opts.resume, notes)
+
+    eos = getattr(drafter, "eos_token_id", None)
+    separator = [eos] if eos is not None else drafter.tokenize("\n\n")
+    sequences = list(pack(opts.corpus, drafter.tokenize, separator, max_length, limit=opts.sequences))
+    if len(sequences) < opts.sequences:
+        notes.append(f"the corpus holds only {len(sequences)} sequences of {max_length} tokens "
+                     f"(asked for {opts.sequences})")
+    collector = RowCollector(grid, k_max=k_max, alpha_grid=DEFAULT_ALPHA_GRID, chunk=opts.chunk)
+    positions = torch.as_tensor(grid - 1)
+    parts, resumed, tokens, seconds = [], 0, 0, 0.0
+    saved = [partial / f"seq-{i:05d}.npz" for i in range(len(sequences))]
+    done = sum(p.is_file() for p in saved)
+    if progress is not None:
+        progress.start(len(sequences), done, max_length)
+    for i, ids in enumerate(sequences):
+        if saved[i].is_file():
+            parts.append(_load_part(saved[i]))
+            resumed += 1
+            continue
+        started = time.perf_counter()
+        collector.start(i)
+        try:
+            drafter.collect(torch.tensor([ids]), collector, positions)
+        except torch.cuda.OutOfMemoryError:
+            raise UserError(f"CUDA out of memory in sequence {i} ({max_length} tokens, chunk "
+                            f"{opts.chunk or 'auto'}): pass a smaller --chunk (query rows per chunk, e.g. 8) "
+                            "or --max-length; then --resume keeps the sequences already done") from None
+        part = collector.take()
+        part.save(saved[i])
+        parts.append(part)
+        seconds += time.perf_counter() - started
+        tokens += len(ids)
+        if progress is not None:
+            progress.advance(len(ids), part.rows)
+
+    stats = RowStats.concat(parts)
+    if opts.stats is not None:
+        stats.save(opts.stats, **{k: json.dumps(v) for k, v in params.items()})
+    try:
+        fit = fit_slopes(stats, n_ref=n_ref, top_k=opts.top_k, granularity=opts.granularity,
+                         bootstrap=opts.bootstrap, seed=0)
+    except ValueError as err:
+        raise UserError(f"cannot fit the slope: {err}") from None
+    spec = _make_spec(opts, drafter, fit, stats, n_ref, max_length, len(sequences))
+    spec.save(opts.out)
+    shutil.rmtree(partial, ignore_errors=True)
+    return CalibrateResult(spec=spec, fit=fit, stats=stats, seconds=seconds, tokens=tokens, resumed=resumed,
+                           notes=notes)
+
+
+def _check_options(opts: CalibrateOptions) -> None:
+    if opts.sequences < 1:
+        raise UserError(f"--sequences {opts.sequences}: need at least 1")
+    if opts.top_k < 1:
+        raise UserError(f"--top-k {opts.top_k}: need at least 1")
+    if opts.max_length is not None and opts.max_length < 2 * GRID_N_MIN:
+        raise UserError(f"--max-length {opts.max_length}: need at least {2 * GRID_N_MIN} tokens")
+    if opts.granularity not in GRANULARITIES:
+        raise UserError(f"--granularity {opts.granularity}: expected one of {', '.join(GRANULARITIES)}")
+    if opts.estimator not in ESTIMATORS:
+        raise UserError(f"--estimator {opts.estimator}: expected one of {', '.join(ESTIMATORS)}")
+    if opts.chunk is not None and opts.chunk < 1:
+        raise UserError(f"--chunk {opts.chunk}: need at least 1 query row per chunk")
+    if opts.alpha_max is not None and opts.alpha_max < 1:
+        raise UserError(f"--alpha-max {opts.alpha_max}: must be at least 1")
+
+
+def _open_partial(folder: Path, params: dict, resume: bool, notes: list[str]) -> Path:
+    """Create (or, resuming, check) the partial folder; return it."""
+    run_file = folder / "run.json"
+    if run_file.is_file():
+        if not resume:
+            raise UserError(f"{folder} holds an interrupted run: pass --resume to continue it, "
+                            "or delete the folder to start over")
+        try:
+            before = json.loads(run_file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise UserError(f"{run_file}: cannot read it ({err}); delete {folder} to start over") from None
+        for key, value in params.items():
+            if before.get(key) != value:
+                shown = "(differs)" if key in ("grid", "alpha_grid") else f"{before.get(key)!r}, now {value!r}"
+                raise UserError(f"--resume: {key} does not match the interrupted run in {folder}: was {shown}; "
+                                "rerun with the same options, or delete the folder to start over")
+        return folder
+    if resume:
+        notes.append(f"nothing to resume at {folder}: started from the beginning")
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_file, json.dumps(params, indent=1))
+    return folder
+
+
+def _load_part(path: Path) -> RowStats:
+    try:
+        part, _ = RowStats.load(path)
+    except ValueError as err:
+        raise UserError(f"--resume: {err}; delete {path} to collect that sequence again") from None
+    return part
+
+
+def _make_spec(opts: CalibrateOptions, drafter, fit: SlopeFit, stats: RowStats, n_ref: int, max_length: int,
+               sequences: int) -> ScaleSpec:
+    slope = np.asarray(fit.slopes[opts.estimator], dtype=np.float64)
+    if not np.all(np.isfinite(slope)):
+        result = fit.result(opts.estimator)
+        others = [r.estimator for r in fit.results if r.slope is not None and r.estimator != opts.estimator]
+        raise UserError(f"the {opts.estimator} estimator is undefined on this data ({result.note or 'no finite slope'})"
+                        + (f"; try --estimator {others[0]}" if others else ""))
+    calibration = Calibration(estimator=opts.estimator, corpus=opts.corpus, sequences=sequences,
+                              max_length=max_length, rows=stats.rows, buckets=fit.buckets, results=fit.results,
+                              tool_version=__version__)
+    return ScaleSpec(law="log-linear", n_ref=n_ref, slope=float(slope) if slope.ndim == 0 else slope.tolist(),
+                     top_k=opts.top_k, granularity=opts.granularity, alpha_max=opts.alpha_max,
+                     drafter=drafter.info, calibration=calibration)
