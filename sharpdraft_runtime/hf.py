@@ -14,8 +14,9 @@ Counting visible keys follows what the wrapped kernel attends:
 
 * an ``n_visible`` keyword argument of shape (batch, q_len), when the caller passes one (DFlash does);
 * a 4D mask (padding, sliding windows, cached prefill, draft blocks): keys allowed per row,
-  counted once per forward (the count, and alpha for a global spec, ride on the mask tensor that
-  all layers share, and are freed with it);
+  counted in each layer (two narrow reductions over the mask, see
+  :func:`~sharpdraft_runtime.core.mask_n_visible`; nothing is kept between layers, so no byte
+  outlives the layer's own temporaries);
 * no mask, SDPA, causal and ``q_len > 1``: SDPA's causal path (upper-left aligned), ``n_i = i + 1``;
 * no mask otherwise (decoding one token, non-causal blocks such as DFlash): every key, ``n = k_len``.
 
@@ -95,26 +96,6 @@ def _attention_fn(binding: _Binding, module: torch.nn.Module):
     return _EAGER[cls]
 
 
-def _mask_alpha(scaler: QueryScaler, attention_mask: torch.Tensor, k_len: int, layer: int | None) -> torch.Tensor:
-    """``alpha`` of shape (B|1, H|1, q_len, 1) for a 4D mask, computed once per forward and layer group.
-
-    All layers of a forward share one mask tensor, so the count (and, for a spec without per-layer
-    slopes, alpha itself) rides on it as ``mask._sharpdraft``; it is freed with the mask.
-    """
-    if attention_mask.ndim != 4:
-        raise RuntimeError(f"{NAME} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
-    group = None if scaler.spec.granularity == "global" else layer
-    cache = getattr(attention_mask, "_sharpdraft", None)
-    if cache is None or cache["k_len"] != k_len:
-        cache = attention_mask._sharpdraft = {"k_len": k_len, "n": mask_n_visible(attention_mask, k_len)}
-    if ("alpha", group) in cache:
-        return cache[("alpha", group)]
-    alpha = scaler.alpha(cache["n"], layer)[..., None]
-    if group is None:
-        cache[("alpha", group)] = alpha
-    return alpha
-
-
 def _n_visible(binding: _Binding, module, query: torch.Tensor, k_len: int, kwargs):
     """Visible keys per row without a mask: an int shared by all rows, or a tensor of shape (B|1, q_len)."""
     q_len = query.shape[-2]
@@ -161,7 +142,9 @@ def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if k_len > scaler.identity_limit:
         layer = getattr(module, "layer_idx", None)
         if attention_mask is not None and kwargs.get("n_visible") is None:
-            query = scaler.multiply_(query, _mask_alpha(scaler, attention_mask, k_len, layer))
+            if attention_mask.ndim != 4:
+                raise RuntimeError(f"{NAME} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
+            query = scaler.scale_query_(query, mask_n_visible(attention_mask, k_len), layer)
         else:
             n = _n_visible(binding, module, query, k_len, kwargs)
             if isinstance(n, int) and binding.spec.granularity != "head":
