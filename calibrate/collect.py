@@ -148,9 +148,10 @@ class RowCollector:
     """An ``AttentionTap`` that keeps rows on the n grid and accumulates their statistics.
 
     Call ``start(seq)`` before each sequence, run the drafter with this object as its tap, then
-    ``take()`` the sequence's ``RowStats``. Rows are kept where ``n_visible`` is on ``grid`` (one
-    row per n per head for causal prefill; every query of a block for block drafters whose
-    blocks are placed at grid lengths).
+    ``take()`` the sequence's ``RowStats``. Causal calls (``n_visible`` varies along the query)
+    keep the rows whose ``n_visible`` is on ``grid``: one row per n per head in a prefill. A
+    call whose queries all see the same keys is a non-causal block (DFlash places one block at
+    each sampled position) and is kept whole.
 
     Parameters
     ----------
@@ -192,12 +193,15 @@ class RowCollector:
     def __call__(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
                  n_visible: torch.Tensor) -> None:
         with torch.no_grad(), _cpu_threads(query.device, _CPU_THREADS):
-            batch, heads, _, head_dim = query.shape
+            batch, heads, q_len, head_dim = query.shape
             kv_heads = key.shape[1]
             group = heads // kv_heads
             grid_t = self._device_tensors(query.device)
             for b in range(batch):
-                keep = torch.isin(n_visible[b], grid_t).nonzero()[:, 0]  # query positions to keep
+                if q_len > 1 and bool((n_visible[b] == n_visible[b, 0]).all()):
+                    keep = torch.arange(q_len, device=query.device)  # a non-causal block: all of it
+                else:
+                    keep = torch.isin(n_visible[b], grid_t).nonzero()[:, 0]  # query positions on the grid
                 if keep.numel() == 0:
                     continue
                 n_rows = n_visible[b, keep]
