@@ -42,6 +42,7 @@ def eval_command(
     corpus: Annotated[str, typer.Option(help="Held-out text: pydoc:heldout, a .txt or .jsonl file, or a folder.")]
         = "pydoc:heldout",
     sequences: Annotated[int, typer.Option(help="At most this many sequences of the largest length.")] = 4,
+    skip: Annotated[int, typer.Option(help="Sequences of the corpus to pass over first.")] = 0,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Top set size for the mass (default: the spec's).")]
         = None,
     speculative: Annotated[bool, typer.Option("--speculative", help="Also run greedy speculative decoding: "
@@ -51,6 +52,8 @@ def eval_command(
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16.")]
         = "auto",
+    threads: Annotated[int, typer.Option(help="CPU threads for torch (0: torch's default). On a busy machine 1 is "
+                                         "often fastest: decoding one token is too little work to share.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     out: Annotated[Optional[Path], typer.Option(help="Also write the JSON result here (atomically).")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Save mass and agreement versus n as a PNG here.")] = None,
@@ -65,6 +68,10 @@ def eval_command(
     from .evaluate import default_spec, evaluate
 
     edges = _lengths(lengths)
+    if threads < 0:
+        raise UserError(f"--threads {threads}: expected 0 (torch's default) or a positive count")
+    if threads:
+        torch.set_num_threads(threads)
     if num_draft < 1 or new_tokens < 2:
         raise UserError("--num-draft must be >= 1 and --new-tokens >= 2")
     if plot is not None and plot.suffix.lower() != ".png":
@@ -85,7 +92,7 @@ def eval_command(
         elif loaded_spec.top_k != k:
             loaded_spec = ScaleSpec.from_dict({**loaded_spec.to_dict(), "top_k": k})
         progress = None if as_json else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
-        result = evaluate(d, target, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences,
+        result = evaluate(d, target, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, progress=progress)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)
@@ -103,7 +110,8 @@ def _table(result: dict) -> None:
     v = result["variants"]
     spec = v["spec"]
     console.print(f"[bold]{result['drafter']['kind']}[/] drafter, n_ref = {result['drafter']['n_ref']}; "
-                  f"{result['sequences']} sequence(s) x {result['sequence_length']} tokens of {result['corpus']}; "
+                  f"{result['sequences']} sequence(s) x {result['sequence_length']} tokens of {result['corpus']}"
+                  + (f" after {result['skip']}" if result["skip"] else "") + "; "
                   f"spec: {spec['law']}, slope {spec['slope']}; top-{result['top_k']} mass")
     speculative = result["speculative"] is not None
     table = Table(title="Held-out evaluation per context-length bucket (rows with n_prev < n_visible <= n)")

@@ -230,7 +230,7 @@ def _runner(drafter, target):
 # ----------------------------------------------------------------------------------------------
 
 def evaluate(drafter, target, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pydoc:heldout",
-             sequences: int = 4, rows_per_bucket: int = 96, speculative: bool = False,
+             sequences: int = 4, skip: int = 0, rows_per_bucket: int = 96, speculative: bool = False,
              new_tokens: int = 32, num_draft: int = 4, progress=None) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
@@ -246,6 +246,8 @@ def evaluate(drafter, target, *, spec: ScaleSpec, lengths: list[int], corpus: st
         Held-out text (``calibrate.corpus`` source); default the pydoc held-out split.
     sequences : int
         At most this many sequences of ``max(lengths)`` tokens.
+    skip : int
+        Sequences to pass over first (e.g. those of ``pydoc:train`` a demo head was trained on).
     """
     if drafter.kind not in ("eagle3", "hf", "pard"):
         raise UserError(f"--drafter {drafter.kind}: eval supports eagle3, hf and pard")
@@ -254,7 +256,10 @@ def evaluate(drafter, target, *, spec: ScaleSpec, lengths: list[int], corpus: st
     specs = variant_specs(spec, n_ref)
     tokenizer = drafter.tokenizer
     eos = tokenizer.eos_token_id
-    texts = list(pack(corpus, drafter.tokenize, [] if eos is None else [eos], int(edges[-1]), sequences))
+    texts = list(pack(corpus, drafter.tokenize, [] if eos is None else [eos], int(edges[-1]), skip + sequences))[skip:]
+    if not texts:
+        raise UserError(f"--skip {skip}: {corpus} holds no more than {skip} sequences of {edges[-1]} tokens; "
+                        "lower --skip or the largest length")
     runner = _runner(drafter, target)
     device = drafter.device
     meters = {v: MassMeter(edges, spec.top_k, rows_per_bucket) for v in specs}
@@ -280,7 +285,8 @@ def evaluate(drafter, target, *, spec: ScaleSpec, lengths: list[int], corpus: st
             del row["acceptance_prompts"]
     return {
         "drafter": {"kind": drafter.kind, "path": drafter.info.path, "n_ref": n_ref},
-        "corpus": corpus, "sequences": len(texts), "sequence_length": int(edges[-1]), "top_k": spec.top_k,
+        "corpus": corpus, "skip": skip, "sequences": len(texts), "sequence_length": int(edges[-1]),
+        "top_k": spec.top_k,
         "variants": {v: (None if s is None else {"law": s.law, "n_ref": s.n_ref, "slope": _slope(s)})
                      for v, s in specs.items()},
         "speculative": None if not speculative else {"new_tokens": new_tokens, "num_draft": num_draft,

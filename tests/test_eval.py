@@ -139,3 +139,8 @@ def test_cli_user_errors(args, message):
     result = CliRunner().invoke(app, ["eval", *args])
     assert isinstance(result.exception, UserError)
     assert message in str(result.exception)
+
+
+def test_skip_past_the_corpus(eagle3, corpus):
+    with pytest.raises(UserError, match="--skip 50"):
+        evaluate(eagle3, eagle3.target, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, skip=50)
