@@ -271,8 +271,7 @@ def evaluate(drafter, target, *, spec: ScaleSpec, lengths: list[int], corpus: st
             if progress:
                 progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {variant}")
             runner.run(ids, prepared, s, meters[variant], agreements[variant])
-    buckets = [{"n": int(n), "rows": int(agreements["none"].totals[b]), "acceptance_prompts": 0}
-               for b, n in enumerate(edges)]
+    buckets = [{"n": int(n), "rows": int(agreements["none"].totals[b])} for b, n in enumerate(edges)]
     for variant in specs:
         mass, agree = meters[variant].result(), agreements[variant].result()
         for b, row in enumerate(buckets):
@@ -280,9 +279,6 @@ def evaluate(drafter, target, *, spec: ScaleSpec, lengths: list[int], corpus: st
     all_identical = None
     if speculative:
         all_identical = _speculative(runner, target, texts, edges, specs, buckets, new_tokens, num_draft, progress)
-    for row in buckets:
-        if not speculative:
-            del row["acceptance_prompts"]
     return {
         "drafter": {"kind": drafter.kind, "path": drafter.info.path, "n_ref": n_ref},
         "corpus": corpus, "skip": skip, "sequences": len(texts), "sequence_length": int(edges[-1]),
