@@ -9,9 +9,11 @@ What it does, seeded and deterministic given the same torch build and thread cou
 
 1. Target features. The pydoc **train** split (``calibrate.corpus``, the calibration split; the
    held-out topics are never read) is packed into sequences of ``--seq-len`` (2048) tokens; over
-   the first ``--sequences`` (16, about 33k tokens: the CPU budget) SmolLM2 runs once each, keeping ``hidden_states[2, 15, 27]`` (the EAGLE-3 features) and the
-   final normed state (the teacher). Cached in fp16 under ``.cache/`` (about 150 MB).
-2. Draft vocabulary. The ``--draft-vocab`` (4096) most frequent target tokens of the train split,
+   the first ``--sequences`` (16, about 33k tokens: the CPU budget) SmolLM2 runs once each,
+   keeping ``hidden_states[2, 15, 27]`` (the EAGLE-3 features) and the final normed state (the
+   teacher). Cached in fp16 under ``.cache/`` (about 150 MB; delete it after changing the data
+   options).
+2. Draft vocabulary. The ``--draft-vocab`` (4096) most frequent target tokens of those sequences,
    sorted by target id: ``d2t[i] = target_id - i``, ``t2d[target_id] = True``, as EAGLE-3 builds it.
 3. Training. Each example is a window of ``n_ref`` consecutive head rows taken at a random offset
    inside a 2048-token sequence, with its **true** position ids. The head's attention span is
@@ -27,7 +29,7 @@ What it does, seeded and deterministic given the same torch build and thread cou
 4. Save ``config.json`` (``max_position_embeddings = n_ref``) and ``model.safetensors`` in fp16
    without ``embed_tokens`` (the target's embedding is shared), plus the training log as JSON.
 
-Usage (about 30 minutes on 2 busy CPU cores)::
+Usage (about 23 minutes on 2 busy CPU cores: 15 for the features, 8 for training)::
 
     python scripts/train_demo_eagle3.py --out calibrate/assets/eagle3-smollm2
 """
