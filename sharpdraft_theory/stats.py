@@ -56,6 +56,7 @@ class RowStats:
     var: np.ndarray
 
     def __post_init__(self):
+        object.__setattr__(self, "_log_top_cache", {})
         rows = np.shape(self.n)[0] if np.ndim(self.n) else -1
         for f in fields(self):
             value = np.asarray(getattr(self, f.name))
@@ -90,10 +91,19 @@ class RowStats:
 
     # -- derived quantities (float64) --------------------------------------------------------
     def log_top(self, top_k: int) -> np.ndarray:
-        """``ln S_T(a)`` for every row and grid a: (rows, n_alpha)."""
-        self._check_k(top_k)
-        top = self.top[:, :top_k].astype(np.float64)
-        return logsumexp(self.alpha_grid[None, :, None] * top[:, None, :], axis=-1)
+        """``ln S_T(a)`` for every row and grid a: (rows, n_alpha). Cached per ``top_k``.
+
+        ``top`` is sorted descending, so the largest term of ``a * top`` is ``a * top[0]`` for
+        ``a >= 0`` and ``a * top[k-1]`` otherwise; the sum is taken relative to it.
+        """
+        if top_k not in self._log_top_cache:
+            self._check_k(top_k)
+            top = self.top[:, :top_k].astype(np.float64)  # (rows, k)
+            a = self.alpha_grid[None, :, None]  # (1, n_alpha, 1)
+            lead = np.where(a >= 0, top[:, None, :1], top[:, None, -1:])  # (rows, n_alpha, 1)
+            rel = np.exp(a * (top[:, None, :] - lead)).sum(axis=-1)  # (rows, n_alpha), in [1, k]
+            self._log_top_cache[top_k] = a[..., 0] * lead[..., 0] + np.log(rel)
+        return self._log_top_cache[top_k]
 
     def log_odds(self, top_k: int) -> np.ndarray:
         """Top-k log-odds ``ln S_T - ln S_B`` for every row and grid a: (rows, n_alpha)."""
