@@ -11,12 +11,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from calibrate.drafters.dflash import (DFlashConfig, DFlashDrafter, context_features, load_dflash)
-from calibrate.drafters.tiny import tiny_target, write_tiny_dflash
+from calibrate.drafters.tiny import corrupt_checkpoint, tiny_target, write_tiny_dflash
 from calibrate.errors import UserError
 
 T, BS = 20, 4
@@ -126,26 +126,14 @@ def test_draft_fields_at_top_level_are_read_too(target, tmp_path):
     assert load_dflash(path, target).config == DFlashConfig.from_json(path / "config.json")
 
 
-def _corrupt(ckpt, tmp_path, edit_weights=None, edit_config=None):
-    saved = load_file(str(ckpt / "model.safetensors"))
-    cfg = json.loads((ckpt / "config.json").read_text())
-    if edit_weights:
-        edit_weights(saved)
-    if edit_config:
-        edit_config(cfg)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    save_file(saved, str(tmp_path / "model.safetensors"))
-    return tmp_path
-
-
 def test_missing_key_names_it(ckpt, target, tmp_path):
-    path = _corrupt(ckpt, tmp_path, lambda s: s.pop("layers.1.self_attn.k_norm.weight"))
+    path = corrupt_checkpoint(ckpt, tmp_path, lambda s: s.pop("layers.1.self_attn.k_norm.weight"))
     with pytest.raises(UserError, match=r"missing weight 'layers\.1\.self_attn\.k_norm\.weight' \(expected shape \(16,\)\)"):
         load_dflash(path, target)
 
 
 def test_wrong_shape_names_key_and_shapes(ckpt, target, tmp_path):
-    path = _corrupt(ckpt, tmp_path, lambda s: s.__setitem__("fc.weight", torch.zeros(64, 128)))
+    path = corrupt_checkpoint(ckpt, tmp_path, lambda s: s.__setitem__("fc.weight", torch.zeros(64, 128)))
     with pytest.raises(UserError, match=r"'fc\.weight' has shape \(64, 128\), expected \(64, 192\)") as e:
         load_dflash(path, target)
     assert str(path) in str(e.value)
@@ -158,7 +146,7 @@ def test_wrong_shape_names_key_and_shapes(ckpt, target, tmp_path):
     (lambda c: c.__setitem__("layer_types", ["sliding_attention", "full_attention"]), "sliding-window"),
 ])
 def test_bad_config_is_a_user_error(ckpt, target, tmp_path, edit, message):
-    path = _corrupt(ckpt, tmp_path, edit_config=edit)
+    path = corrupt_checkpoint(ckpt, tmp_path, edit_config=edit)
     with pytest.raises(UserError, match=message):
         load_dflash(path, target)
 

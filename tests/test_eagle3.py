@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from calibrate.drafters import eagle3
 from calibrate.drafters.eagle3 import (Eagle3Config, Eagle3Drafter, feature_layer_ids, load_eagle3_head,
                                        target_features)
-from calibrate.drafters.tiny import tiny_target, write_tiny_eagle3
+from calibrate.drafters.tiny import corrupt_checkpoint, tiny_target, write_tiny_eagle3
 from calibrate.errors import UserError
 
 T = 24  # tokens per test sequence
@@ -135,29 +135,21 @@ def test_load_variants_give_same_outputs(variant, ckpt, head, target, tmp_path, 
     assert torch.equal(a, b)
 
 
-def _corrupt(ckpt, tmp_path, edit):
-    saved = load_file(str(ckpt / "model.safetensors"))
-    edit(saved)
-    (tmp_path / "config.json").write_text((ckpt / "config.json").read_text())
-    save_file(saved, str(tmp_path / "model.safetensors"))
-    return tmp_path
-
-
 def test_missing_key_names_it(ckpt, target, tmp_path):
-    path = _corrupt(ckpt, tmp_path, lambda s: s.pop("midlayer.self_attn.k_proj.weight"))
+    path = corrupt_checkpoint(ckpt, tmp_path, lambda s: s.pop("midlayer.self_attn.k_proj.weight"))
     with pytest.raises(UserError, match=r"missing weight 'midlayer\.self_attn\.k_proj\.weight' \(expected shape \(32, 128\)\)"):
         load_eagle3_head(path, target)
 
 
 def test_wrong_shape_names_key_and_shapes(ckpt, target, tmp_path):
-    path = _corrupt(ckpt, tmp_path, lambda s: s.__setitem__("fc.weight", torch.zeros(64, 128)))
+    path = corrupt_checkpoint(ckpt, tmp_path, lambda s: s.__setitem__("fc.weight", torch.zeros(64, 128)))
     with pytest.raises(UserError, match=r"'fc\.weight' has shape \(64, 128\), expected \(64, 192\)") as e:
         load_eagle3_head(path, target)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
 def test_missing_d2t_with_pruned_vocab(ckpt, target, tmp_path):
-    path = _corrupt(ckpt, tmp_path, lambda s: s.pop("d2t"))
+    path = corrupt_checkpoint(ckpt, tmp_path, lambda s: s.pop("d2t"))
     with pytest.raises(UserError, match="missing weight 'd2t'"):
         load_eagle3_head(path, target)
 

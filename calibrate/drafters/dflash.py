@@ -29,8 +29,8 @@ Checked against z-lab/dflash ``dflash/model.py``; ``docs/drafters.md`` lists wha
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,8 +39,8 @@ from torch import nn
 from calibrate.errors import UserError
 from sharpdraft_theory.spec import DrafterInfo
 
-from .eagle3 import (GatedMLP, RMSNorm, apply_rope, attention, check_and_fill, hidden_state_features,
-                     load_target, read_weights, rope_cos_sin)
+from .eagle3 import (GatedMLP, RMSNorm, apply_rope, attention, check_and_fill, config_field, hidden_state_features,
+                     load_target, read_config, read_weights, rope_cos_sin)
 
 __all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load_dflash", "context_features",
            "DFLASH_DEFAULT_N_REF"]
@@ -49,27 +49,13 @@ __all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load_dflash", "
 # target). 3072 is SpecForge's DFlash recipe max_length [unconfirmed for z-lab's own checkpoints].
 DFLASH_DEFAULT_N_REF = 3072
 
+_SECTION = "dflash_config"  # DFlash draft fields may sit here or at the top level of config.json
+_field = partial(config_field, what="DFlash")
+
 
 # ----------------------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------------------
-
-def _get(d: dict, name: str, where: str, kind: type, default=None, required=False, nested=False):
-    """A field, looked up in ``dflash_config`` first when ``nested`` (DFlash allows either place)."""
-    value = (d.get("dflash_config") or {}).get(name, d.get(name)) if nested else d.get(name)
-    if value is None:
-        if required:
-            raise UserError(f"{where}: config.json has no '{name}'"
-                            + (" (top level or under dflash_config)" if nested else "") + "; is this a DFlash checkpoint?")
-        return default
-    if kind is tuple:
-        if not isinstance(value, list) or not value or not all(isinstance(i, int) for i in value):
-            raise UserError(f"{where}: config.json field '{name}' should be a list of integers, got {value!r}")
-        return tuple(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
-        raise UserError(f"{where}: config.json field '{name}' should be {kind.__name__}, got {value!r}")
-    return kind(value)
-
 
 @dataclass
 class DFlashConfig:
@@ -118,10 +104,10 @@ class DFlashConfig:
             raise UserError(f"{where}: rope_scaling {d['rope_scaling']!r} is not supported")
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses 'silu')")
-        req = {n: _get(d, n, where, int, required=True) for n in
+        req = {n: _field(d, n, int, where, required=True) for n in
                ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")}
         heads = req["num_attention_heads"]
-        kv = _get(d, "num_key_value_heads", where, int, default=heads)
+        kv = _field(d, "num_key_value_heads", int, where, default=heads)
         if heads <= 0 or kv <= 0 or heads % kv:
             raise UserError(f"{where}: num_key_value_heads={kv} must divide num_attention_heads={heads}")
         bias = d.get("attention_bias", False)
@@ -129,29 +115,22 @@ class DFlashConfig:
             raise UserError(f"{where}: config.json field 'attention_bias' should be true or false, got {bias!r}")
         return cls(
             **req, num_key_value_heads=kv,
-            block_size=_get(d, "block_size", where, int, default=16, nested=True),
-            mask_token_id=_get(d, "mask_token_id", where, int, required=True, nested=True),
-            target_layer_ids=_get(d, "target_layer_ids", where, tuple, required=True, nested=True),
-            head_dim=_get(d, "head_dim", where, int, default=0),
-            rms_norm_eps=_get(d, "rms_norm_eps", where, float, default=1e-6),
-            rope_theta=_get(d, "rope_theta", where, float, default=10000.0),
-            target_hidden_size=_get(d, "target_hidden_size", where, int, default=0),
-            num_target_layers=_get(d, "num_target_layers", where, int),
+            block_size=_field(d, "block_size", int, where, default=16, section=_SECTION),
+            mask_token_id=_field(d, "mask_token_id", int, where, required=True, section=_SECTION),
+            target_layer_ids=_field(d, "target_layer_ids", tuple, where, required=True, section=_SECTION),
+            head_dim=_field(d, "head_dim", int, where, default=0),
+            rms_norm_eps=_field(d, "rms_norm_eps", float, where, default=1e-6),
+            rope_theta=_field(d, "rope_theta", float, where, default=10000.0),
+            target_hidden_size=_field(d, "target_hidden_size", int, where, default=0),
+            num_target_layers=_field(d, "num_target_layers", int, where),
             attention_bias=bias,
-            input_embedding_scale=_get(d, "input_embedding_scale", where, float, default=1.0, nested=True),
-            max_position_embeddings=_get(d, "max_position_embeddings", where, int),
+            input_embedding_scale=_field(d, "input_embedding_scale", float, where, default=1.0, section=_SECTION),
+            max_position_embeddings=_field(d, "max_position_embeddings", int, where),
         )
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DFlashConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"DFlash checkpoint: {path} not found") from None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_dict(d, str(path))
+        return cls.from_dict(read_config(path, "DFlash"), str(path))
 
     def to_dict(self, nested: bool = True) -> dict:
         """``config.json`` content in z-lab/dflash's layout (draft fields under ``dflash_config``

@@ -55,18 +55,40 @@ optional in-place change of ``query``) or a replacement query of the same shape.
 # Config
 # ----------------------------------------------------------------------------------------------
 
-def _field(d: dict, name: str, kind: type, where: str, default=None, required: bool = False):
-    if name not in d or d[name] is None:
+def config_field(d: dict, name: str, kind: type, where: str, default=None, required: bool = False,
+                 what: str = "EAGLE-3", section: str | None = None):
+    """A typed field of a drafter's ``config.json``; a missing or mistyped one is a one-line UserError.
+
+    ``kind`` is bool, int, float or tuple (a non-empty list of integers). With ``section`` the
+    field is looked up in that sub-object first, then at the top level (DFlash allows either).
+    """
+    value = (d.get(section) or {}).get(name, d.get(name)) if section else d.get(name)
+    if value is None:
         if required:
-            raise UserError(f"{where}: config.json has no '{name}'; is this an EAGLE-3 checkpoint?")
+            raise UserError(f"{where}: config.json has no '{name}'"
+                            + (f" (top level or under {section})" if section else "") + f"; is this a {what} checkpoint?")
         return default
-    value = d[name]
+    if kind is tuple:
+        if not isinstance(value, list) or not value or not all(isinstance(i, int) for i in value):
+            raise UserError(f"{where}: config.json field '{name}' should be a list of integers, got {value!r}")
+        return tuple(value)
     ok = isinstance(value, bool) if kind is bool else (
         isinstance(value, (int, float)) and not isinstance(value, bool)
         and (kind is float or float(value).is_integer()))
     if not ok:
         raise UserError(f"{where}: config.json field '{name}' should be {kind.__name__}, got {value!r}")
     return kind(value)
+
+
+def read_config(path: str | Path, what: str) -> dict:
+    """The parsed ``config.json`` at ``path``; a missing or malformed file is a one-line UserError."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{what} checkpoint: {path} not found") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
 @dataclass(frozen=True)
@@ -97,10 +119,10 @@ class Eagle3Config:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "Eagle3Config":
         """Read the fields EAGLE-3 uses; raise UserError naming a missing or malformed field."""
-        req = {name: _field(d, name, int, where, required=True) for name in
+        req = {name: config_field(d, name, int, where, required=True) for name in
                ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")}
         heads = req["num_attention_heads"]
-        kv_heads = _field(d, "num_key_value_heads", int, where, default=heads)
+        kv_heads = config_field(d, "num_key_value_heads", int, where, default=heads)
         if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
             raise UserError(f"{where}: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
         if d.get("hidden_act", "silu") != "silu":
@@ -119,27 +141,20 @@ class Eagle3Config:
         return cls(
             **req,
             num_key_value_heads=kv_heads,
-            draft_vocab_size=_field(d, "draft_vocab_size", int, where, default=req["vocab_size"]),
-            max_position_embeddings=_field(d, "max_position_embeddings", int, where, default=2048),
-            rms_norm_eps=_field(d, "rms_norm_eps", float, where, default=1e-6),
-            rope_theta=_field(d, "rope_theta", float, where, default=10000.0),
+            draft_vocab_size=config_field(d, "draft_vocab_size", int, where, default=req["vocab_size"]),
+            max_position_embeddings=config_field(d, "max_position_embeddings", int, where, default=2048),
+            rms_norm_eps=config_field(d, "rms_norm_eps", float, where, default=1e-6),
+            rope_theta=config_field(d, "rope_theta", float, where, default=10000.0),
             rope_linear_factor=factor,
-            target_hidden_size=_field(d, "target_hidden_size", int, where, default=0),
-            head_dim=_field(d, "head_dim", int, where, default=0),
-            norm_before_residual=_field(d, "norm_before_residual", bool, where, default=False),
+            target_hidden_size=config_field(d, "target_hidden_size", int, where, default=0),
+            head_dim=config_field(d, "head_dim", int, where, default=0),
+            norm_before_residual=config_field(d, "norm_before_residual", bool, where, default=False),
             aux_layer_ids=tuple(aux) if aux is not None else None,
         )
 
     @classmethod
     def from_json(cls, path: str | Path) -> "Eagle3Config":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"EAGLE-3 checkpoint: {path} not found") from None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_dict(d, str(path))
+        return cls.from_dict(read_config(path, "EAGLE-3"), str(path))
 
     def to_dict(self) -> dict:
         """``config.json`` content in the layout EAGLE's training script writes."""

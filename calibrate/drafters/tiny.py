@@ -23,10 +23,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-__all__ = ["tiny_target", "write_tiny_eagle3", "write_tiny_dflash"]
+__all__ = ["tiny_target", "write_tiny_eagle3", "write_tiny_dflash", "corrupt_checkpoint"]
 
 
 def tiny_target(seed: int = 0, num_layers: int = 8, vocab_size: int = 256):
@@ -123,3 +123,23 @@ def write_tiny_dflash(directory, target, seed: int = 0, *, num_layers: int = 2, 
     with torch.device("meta"):
         model = DFlashDraftModel(config)
     return _write(directory, config.to_dict(nested=nested), _random_state(model, seed))
+
+
+def corrupt_checkpoint(src: Path, dst: Path, edit_weights=None, edit_config=None) -> Path:
+    """Copy the checkpoint at ``src`` (config.json + model.safetensors) to ``dst``, editing it on the way.
+
+    ``edit_weights(state_dict)`` and ``edit_config(config_dict)`` change their argument in place;
+    tests use this to build malformed checkpoints (a missing key, a wrong shape, a bad field).
+    """
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    weights = load_file(str(Path(src) / "model.safetensors"))
+    config = json.loads((Path(src) / "config.json").read_text())
+    if edit_weights:
+        edit_weights(weights)
+    if edit_config:
+        edit_config(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(dst / "model.safetensors"))
+    return dst
+
