@@ -371,7 +371,7 @@ class DFlashDrafter:
         """Load the DFlash model at ``drafter_path`` and its target (None: SmolLM2, which has no
         released DFlash drafter, so a real target path is normally needed)."""
         if drafter_path is None:
-            raise UserError("DFlash has no built-in drafter; pass the path of a DFlash checkpoint")
+            raise UserError("DFlash has no built-in drafter; pass a DFlash checkpoint folder with --drafter-path")
         if not Path(drafter_path).is_dir():
             raise UserError(f"DFlash checkpoint {drafter_path}: not a directory")
         target, tokenizer = load_target(target_path, device, dtype)
