@@ -373,7 +373,7 @@ def dilution_law(fit: SlopeFit, n, *, n_ref: int, top_k: int, gamma: float = 1.0
     ``gamma = 1`` is the i.i.d. law (``dilution_mass``); theory.md section 5 generalises it to a
     measured exponent.
     """
-    return expit(logit(fit.mass_ref) - gamma * log_ratio(n, n_ref, top_k))
+    return dilution_mass(fit.mass_ref, n, n_ref, top_k, gamma=gamma)
 
 
 def measured_dilution_figure(stats: RowStats, fit: SlopeFit, *, n_ref: int, top_k: int,

@@ -20,8 +20,11 @@ from .models import ScoreModel
 __all__ = ["dilution_mass", "annealed_log_odds", "annealed_mass", "monte_carlo_mass"]
 
 
-def dilution_mass(mass_ref, n, n_ref: int, top_k: int) -> np.ndarray:
+def dilution_mass(mass_ref, n, n_ref: int, top_k: int, gamma=1.0) -> np.ndarray:
     """Top-k mass at ``n`` predicted from the mass ``mass_ref`` at ``n_ref`` (no scaling).
+
+    The log-odds fall by ``gamma ln r``: ``gamma = 1`` under an i.i.d. background (A2);
+    theory.md section 5 measures ``gamma`` on real attention.
 
     Examples
     --------
@@ -31,8 +34,8 @@ def dilution_mass(mass_ref, n, n_ref: int, top_k: int) -> np.ndarray:
     m0 = np.asarray(mass_ref, dtype=np.float64)
     if np.any((m0 <= 0) | (m0 >= 1)):
         raise ValueError(f"mass_ref must lie in (0, 1), got {mass_ref}")
-    r = np.exp(log_ratio(n, n_ref, top_k))
-    return m0 / (m0 + (1.0 - m0) * r)
+    r_gamma = np.exp(np.asarray(gamma, dtype=np.float64) * log_ratio(n, n_ref, top_k))
+    return m0 / (m0 + (1.0 - m0) * r_gamma)
 
 
 def annealed_log_odds(model: ScoreModel, n, alpha=1.0) -> np.ndarray:

@@ -220,3 +220,10 @@ def test_unknown_law_and_missing_parameters():
         alpha_law("logn", [1])
     with pytest.raises(ValueError, match="needs n_ref"):
         alpha_law("log-linear", [1], slope=0.1)
+
+
+@given(st.floats(0.01, 0.99), top_ks, n_refs, growth, st.floats(0.0, 2.0))
+def test_dilution_exponent_scales_the_log_odds_drop(m0, k, n_ref, f, gamma):
+    n = n_ref * f
+    m = dilution_mass(m0, n, n_ref, k, gamma=gamma)
+    assert np.log(m / (1 - m)) == pytest.approx(np.log(m0 / (1 - m0)) - gamma * log_ratio(n, n_ref, k), abs=1e-9)
