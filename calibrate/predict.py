@@ -59,25 +59,28 @@ def predict(*, model: str, gap: float, sigma: float | None, top_k: int, n_ref: i
     except ValueError:  # the horizon is at or below n_ref: nothing to fit
         beta_ls = None
 
-    def mass(length: float, alpha: float) -> float:
-        if not math.isfinite(alpha):
-            return None
+    def masses(length: float, *alphas: float | None) -> list[float | None]:
+        """Mass at ``length`` for each alpha (None stays None); Monte Carlo draws the rows once."""
+        finite = [a for a in alphas if a is not None]
         if mc_rows > 0:
-            return float(monte_carlo_mass(m, int(length), alpha, rows=mc_rows, seed=seed)[0])
-        return float(annealed_mass(m, length, alpha))
+            values = iter(monte_carlo_mass(m, int(length), finite, rows=mc_rows, seed=seed)[0].tolist())
+        else:
+            values = iter(annealed_mass(m, length, np.asarray(finite)).tolist())
+        return [None if a is None else next(values) for a in alphas]
 
-    mass_ref = mass(n_ref, 1.0)
+    (mass_ref,) = masses(n_ref, 1.0)
     regimes = regime(m, lengths, np.where(corr.reachable, corr.alpha, fixed))
     rows = []
     for i, length in enumerate(lengths):
         a_exact = float(corr.alpha[i]) if corr.reachable[i] else None
+        unscaled, exact, fixed_mass = masses(length, 1.0, a_exact, float(fixed[i]))
         rows.append({
             "n": int(length),
-            "mass_unscaled": mass(length, 1.0),
+            "mass_unscaled": unscaled,
             "alpha_exact": a_exact,
-            "mass_exact": mass(length, a_exact) if a_exact is not None else None,
+            "mass_exact": exact,
             "alpha_fixed_slope": float(fixed[i]),
-            "mass_fixed_slope": mass(length, float(fixed[i])),
+            "mass_fixed_slope": fixed_mass,
             "regime": str(regimes[i]),
             "note": None if a_exact is not None else (
                 "past the correction horizon: no query scale restores the mass"
