@@ -4,7 +4,11 @@ This module is the edge between files and figures: a setting missing from a file
 range raises ``UserError`` naming the option that fixes it (``sharpdraft plot`` passes the
 options through); the figure modules take plain arguments.
 
-Calibration stores its run parameters beside the rows, one JSON-encoded string per key.
+``sharpdraft calibrate --stats FILE`` stores beside the rows what they were collected and fitted
+with, one JSON-encoded string per key: ``n_ref``, ``top_k``, ``drafter`` (the kind),
+``drafter_path``, ``target_path``, ``corpus``, ``max_length``, ``sequences``, ``dtype``,
+``granularity``, ``estimator`` and ``tool_version``; the alpha grid and ``k_max`` are the arrays'
+own. Files written before these keys were stored lack ``n_ref`` and need it given.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ __all__ = ["STANDARD_FIGURES", "load_stats", "describe_stats", "write_standard_f
 STANDARD_FIGURES = ("dilution.png", "alpha.png", "slope_heatmap.png")
 
 DEFAULT_TOP_K = 4  # calibration's default --top-k, for files that do not store theirs
-_DESCRIBED = ("drafter", "drafter_path", "corpus", "max_length", "dtype")  # stored keys describe_stats shows
+_DESCRIBED = ("drafter", "drafter_path", "corpus", "sequences", "max_length", "dtype", "granularity", "estimator",
+              "tool_version")  # stored keys describe_stats shows, in order
 
 
 def _meta_value(text: str):
