@@ -58,6 +58,9 @@ def calibrate(
                           "rerun the same command with --resume to continue")
             raise typer.Exit(130) from None
     _summary(result, out)
+    if stats is not None:
+        console.print(f"Wrote [bold]{stats}[/] (per-row statistics and the run's settings; "
+                      f"`sharpdraft plot {stats}` draws them)")
 
 
 class _RichProgress:

@@ -155,8 +155,8 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None, progress: Progress 
             progress.advance(len(ids), part.rows)
 
     stats = RowStats.concat(parts)
-    if opts.stats is not None:
-        stats.save(opts.stats, **{k: json.dumps(v) for k, v in params.items()})
+    if opts.stats is not None:  # the rows and what they were collected and fitted with: readers need no flags
+        stats.save(opts.stats, **_stats_meta(opts, params, n_ref, len(sequences)))
     try:
         fit = fit_slopes(stats, n_ref=n_ref, top_k=opts.top_k, granularity=opts.granularity,
                          bootstrap=opts.bootstrap, seed=0)
@@ -216,6 +216,18 @@ def _load_part(path: Path) -> RowStats:
     except ValueError as err:
         raise UserError(f"--resume: {err}; delete {path} to collect that sequence again") from None
     return part
+
+
+def _stats_meta(opts: CalibrateOptions, params: dict, n_ref: int, sequences: int) -> dict[str, str]:
+    """Metadata of the ``--stats`` file, each value JSON-encoded (``calibrate.plots.load_stats`` decodes it).
+
+    The collection parameters and the fit's settings; not the grids nor ``k_max``, which the
+    arrays themselves hold (``stats.n``, ``stats.alpha_grid``, ``stats.top``).
+    """
+    meta = {k: v for k, v in params.items() if k not in ("grid", "alpha_grid", "k_max")}
+    meta.update(sequences=sequences, n_ref=n_ref, top_k=opts.top_k, granularity=opts.granularity,
+                estimator=opts.estimator, tool_version=__version__)
+    return {k: json.dumps(v) for k, v in meta.items()}
 
 
 def _make_spec(opts: CalibrateOptions, drafter, fit: SlopeFit, stats: RowStats, n_ref: int, max_length: int,

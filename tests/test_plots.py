@@ -123,10 +123,32 @@ def test_horizon_is_drawn_when_inside_the_range():
     assert any(t.startswith("correction horizon n = ") for t in texts)
 
 
+def _pngs(folder):
+    return [(folder / name).read_bytes() for name in plots.STANDARD_FIGURES]
+
+
 def test_n_ref_and_top_k_from_options_override_the_file(stats_file, tmp_path):
-    res = runner.invoke(app, ["plot", str(stats_file), "--out", str(tmp_path), "--n-ref", "256", "--top-k", "2",
+    """Options beat the stored n_ref = 128, top_k = 4: the figures equal those of a file storing 256 and 2."""
+    stored = tmp_path / "stored" / stats_file.name  # same name and drafter: same figure titles
+    stored.parent.mkdir()
+    RowStats.load(stats_file)[0].save(stored, n_ref=256, top_k=2, drafter="synthetic")
+    runs = {"override": [str(stats_file), "--n-ref", "256", "--top-k", "2"], "stored": [str(stored)],
+            "plain": [str(stats_file)]}
+    for name, args in runs.items():
+        res = runner.invoke(app, ["plot", *args, "--out", str(tmp_path / name), "--bootstrap", "0"])
+        assert res.exit_code == 0, res.output
+    assert _pngs(tmp_path / "override") == _pngs(tmp_path / "stored")
+    # this test can fail: without the options every figure is drawn at n_ref = 128, top_k = 4
+    assert all(a != b for a, b in zip(_pngs(tmp_path / "override"), _pngs(tmp_path / "plain")))
+
+
+def test_a_file_without_metadata_plots_with_the_options(stats_file, tmp_path):
+    bare = tmp_path / "bare.npz"  # as calibration wrote them before it stored its settings
+    RowStats.load(stats_file)[0].save(bare)
+    res = runner.invoke(app, ["plot", str(bare), "--out", str(tmp_path / "fig"), "--n-ref", str(N_REF),
                               "--bootstrap", "0"])
     assert res.exit_code == 0, res.output
+    assert all(png[:8] == b"\x89PNG\r\n\x1a\n" for png in _pngs(tmp_path / "fig"))
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,20 +1,24 @@
 """Thin a calibration statistics file so it can live in the repository (< 5 MB).
 
-    python notebooks/data/thin_stats.py FULL.npz OUT.npz --n-ref 256 --top-k 4
+    python notebooks/data/thin_stats.py FULL.npz OUT.npz [--n-ref 256] [--top-k 4]
 
 Keeps the rows whose n lies on every other point of calibration's grid (4 per octave instead of
 8) from ``--n-min`` on, the ``--k-max`` largest logits, and the alpha grid at 0.05 steps up to 2
-and 0.2 steps beyond; stores ``n_ref`` and ``top_k`` in the metadata. Every kept number is the
+and 0.2 steps beyond. The metadata is carried over; ``--n-ref`` and ``--top-k`` replace the
+stored values (``--n-ref`` is needed for files that store none). Every kept number is the
 calibration's own, so fits on the thinned file use a subset of the same rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields
 
 import numpy as np
 
+from calibrate.errors import UserError
+from calibrate.plots import load_stats
 from sharpdraft_theory.stats import RowStats
 
 
@@ -34,16 +38,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("full")
     parser.add_argument("out")
-    parser.add_argument("--n-ref", type=int, required=True)
-    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--n-ref", type=int, help="default: stored in FULL")
+    parser.add_argument("--top-k", type=int, help="default: stored in FULL, else 4")
     parser.add_argument("--n-min", type=int, default=64)
     parser.add_argument("--k-max", type=int, default=4)
     args = parser.parse_args()
-    stats, meta = RowStats.load(args.full)
-    for key in ("grid", "alpha_grid", "k_max"):  # describe the full run; the thinned file says its own
+    try:
+        stats, meta, n_ref, top_k = load_stats(args.full, n_ref=args.n_ref, top_k=args.top_k)
+    except UserError as err:
+        parser.error(str(err))
+    for key in ("grid", "alpha_grid", "k_max"):  # older files describe the full run; the thinned file says its own
         meta.pop(key, None)
-    small = thin(stats, n_min=args.n_min, k_max=max(args.k_max, args.top_k))
-    small.save(args.out, **meta, n_ref=args.n_ref, top_k=args.top_k)
+    meta.update(n_ref=n_ref, top_k=top_k)
+    small = thin(stats, n_min=args.n_min, k_max=max(args.k_max, top_k))
+    small.save(args.out, **{k: json.dumps(v) for k, v in meta.items()})
     print(f"{stats.rows} -> {small.rows} rows, alpha grid {stats.alpha_grid.size} -> {small.alpha_grid.size}, "
           f"k_max {stats.k_max} -> {small.k_max}: {args.out}")
 

@@ -1,0 +1,30 @@
+"""Figures of attention-mass dilution and its correction: theory against measurement.
+
+Every figure function returns a ``matplotlib.figure.Figure`` drawn on the Agg canvas (no pyplot,
+no display needed), so the notebooks, ``sharpdraft plot`` and the tests share one implementation.
+The math lives in ``sharpdraft_theory``; these modules only evaluate it and draw.
+
+* ``theory``       the score models: dilution law, quenched Monte Carlo, exact correction, horizon
+* ``measured``     row statistics against the i.i.d. law: dilution, alpha versus n, slope heatmap
+* ``diagnostics``  estimator agreement and where the score model's assumptions fail
+* ``files``        statistics files: loading with their stored settings, the standard set of PNGs
+* ``style``        what every figure shares (canvas, log-n axis, colours, atomic PNG)
+
+Only ``files`` speaks of command-line options; the figures take plain arguments.
+"""
+
+from .diagnostics import (LayerDiagnostics, assumption_figure, estimator_figure, format_failures, format_results,
+                          layer_diagnostics)
+from .files import STANDARD_FIGURES, describe_stats, load_stats, write_standard_figures
+from .measured import (alpha_figure, by_length, dilution_law, dilution_table, format_dilution_table,
+                       measured_dilution_figure, slope_heatmap_figure)
+from .style import save_figure
+from .theory import correction_figure, dilution_law_figure, horizon_figure, quenched_figure
+
+__all__ = [
+    "dilution_law_figure", "quenched_figure", "correction_figure", "horizon_figure",
+    "measured_dilution_figure", "alpha_figure", "slope_heatmap_figure", "estimator_figure", "assumption_figure",
+    "LayerDiagnostics", "layer_diagnostics", "by_length", "dilution_law", "save_figure", "load_stats",
+    "write_standard_figures", "STANDARD_FIGURES", "describe_stats", "dilution_table", "format_dilution_table",
+    "format_results", "format_failures",
+]
