@@ -4,7 +4,8 @@ A spec says which law scales the drafter's queries, with what reference length a
 which granularity (one slope, one per layer, or one per layer and head), and records how the
 slope was obtained. It is versioned (``"schema": "sharpdraft.scale-spec/v1"``), validated on
 load with errors that name the field and the bad value, and written atomically.
-``scale_spec.schema.json`` beside this file is the same contract as a JSON Schema.
+``scale_spec.schema.json`` beside this file is the same contract as a JSON Schema. The laws and
+the parameters each takes are those of ``laws.REGISTRY``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .atomic import atomic_write_text
-from .laws import LAWS, alpha_law
+from .laws import LAWS, alpha_law, get_law
 
 __all__ = ["SCHEMA", "GRANULARITIES", "DRAFTER_KINDS", "DrafterInfo", "Bucket", "EstimatorResult",
            "Calibration", "ScaleSpec", "schema_path"]
@@ -225,9 +226,9 @@ class ScaleSpec:
     True
     """
 
-    law: str  # log-linear (SharpDraft), qwen-logn, llama4, ssmax or constant
-    n_ref: int | None  # reference length (the drafter's training context); None only for ssmax, constant
-    slope: float | tuple | None  # the law's coefficient: a float, one per layer, or [layer][head]; None for qwen-logn
+    law: str  # a name in laws.LAWS (log-linear is SharpDraft's law)
+    n_ref: int | None  # reference length (the drafter's training context); None only for a law that takes none
+    slope: float | tuple | None  # the law's coefficient: a float, one per layer, or [layer][head]; None if it has none
     top_k: int  # size of the top set whose mass the slope restores
     granularity: str = "global"  # global, layer or head: how `slope` is nested
     alpha_max: float | None = None  # cap on alpha (None: no cap)
@@ -255,24 +256,21 @@ class ScaleSpec:
         schema = d.get("schema", SCHEMA)
         if schema != SCHEMA:
             raise _fail("schema", f"expected {SCHEMA!r} (this sharpdraft reads v1 specs only)", schema)
-        law = _str("law", d["law"], LAWS)
+        law = get_law(_str("law", d["law"], LAWS))
         top_k = _int("top_k", d["top_k"], 1)
-        needs_ref = law in ("log-linear", "qwen-logn", "llama4")
-        n_ref = _int("n_ref", d["n_ref"], 2, nullable=not needs_ref)
-        if law == "qwen-logn" and n_ref is not None and n_ref < 2:
-            raise _fail("n_ref", "qwen-logn needs n_ref >= 2", n_ref)
+        n_ref = _int("n_ref", d["n_ref"], 2, nullable=not law.needs_n_ref)
         if n_ref is not None and n_ref <= top_k:
             raise _fail("n_ref", f"must exceed top_k={top_k}", n_ref)
         granularity = _str("granularity", d.get("granularity", "global"), GRANULARITIES)
-        if law == "qwen-logn":
+        if not law.has_slope:
             if d["slope"] is not None:
-                raise _fail("slope", "qwen-logn has no slope (it is 1 / ln n_ref); use null", d["slope"])
+                raise _fail("slope", f"{law.name} has no slope; use null", d["slope"])
             slope = None
         else:
             slope = _slope("slope", _as_lists(d["slope"]), granularity)
         alpha_max = _num("alpha_max", d.get("alpha_max"), 0.0, exclusive=True, nullable=True)
-        if alpha_max is not None and alpha_max < 1 and law == "log-linear":
-            raise _fail("alpha_max", "log-linear needs alpha_max >= 1", alpha_max)
+        if alpha_max is not None and alpha_max < law.min_alpha_max:
+            raise _fail("alpha_max", f"{law.name} needs alpha_max >= {law.min_alpha_max:g}", alpha_max)
         drafter = d.get("drafter")
         if isinstance(drafter, dict):
             drafter = DrafterInfo.from_dict(drafter)
@@ -289,7 +287,7 @@ class ScaleSpec:
                 raise _fail("slope", f"needs one entry per layer ({drafter.num_layers})", f"{layers} entries")
             if granularity == "head" and len(slope[0]) != drafter.num_heads:
                 raise _fail("slope[0]", f"needs one entry per head ({drafter.num_heads})", f"{len(slope[0])} entries")
-        return dict(law=law, n_ref=n_ref, slope=slope, top_k=top_k, granularity=granularity, alpha_max=alpha_max,
+        return dict(law=law.name, n_ref=n_ref, slope=slope, top_k=top_k, granularity=granularity, alpha_max=alpha_max,
                     drafter=drafter, calibration=calibration, schema=schema)
 
     # -- I/O ---------------------------------------------------------------------------------
@@ -330,8 +328,18 @@ class ScaleSpec:
 
     # -- evaluation --------------------------------------------------------------------------
     def slopes(self) -> np.ndarray | None:
-        """Slopes as an array: shape (), (layers,) or (layers, heads); None for qwen-logn."""
+        """Slopes as an array: shape (), (layers,) or (layers, heads); None when the law has none."""
         return None if self.slope is None else np.asarray(self.slope, dtype=np.float64)
+
+    def identity_limit(self) -> float:
+        """Largest ``n`` up to which ``alpha(n) == 1`` exactly in every layer and head (see ``Law.identity_limit``).
+
+        Examples
+        --------
+        >>> ScaleSpec(law="llama4", n_ref=8192, slope=0.1, top_k=4).identity_limit()
+        8191
+        """
+        return get_law(self.law).identity_limit(n_ref=self.n_ref, slopes=self.slopes(), alpha_max=self.alpha_max)
 
     def alpha(self, n, layer: int | None = None) -> np.ndarray:
         """``alpha(n)``; with a per-layer/per-head spec give ``layer`` (result gains a heads axis last)."""
