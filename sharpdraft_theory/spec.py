@@ -5,7 +5,8 @@ which granularity (one slope, one per layer, or one per layer and head), and rec
 slope was obtained. It is versioned (``"schema": "sharpdraft.scale-spec/v1"``), validated on
 load with errors that name the field and the bad value, and written atomically.
 ``scale_spec.schema.json`` beside this file is the same contract as a JSON Schema. The laws and
-the parameters each takes are those of ``laws.REGISTRY``.
+the parameters each takes are those of ``laws.REGISTRY``. A drafter kind is any lowercase
+identifier: which kinds exist is calibrate's business.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,12 +24,13 @@ import numpy as np
 from .atomic import atomic_write_text
 from .laws import LAWS, alpha_law, get_law
 
-__all__ = ["SCHEMA", "GRANULARITIES", "DRAFTER_KINDS", "DrafterInfo", "Bucket", "EstimatorResult",
+__all__ = ["SCHEMA", "GRANULARITIES", "DRAFTER_KIND_PATTERN", "DrafterInfo", "Bucket", "EstimatorResult",
            "Calibration", "ScaleSpec", "schema_path"]
 
 SCHEMA = "sharpdraft.scale-spec/v1"
 GRANULARITIES = ("global", "layer", "head")
-DRAFTER_KINDS = ("hf", "pard", "eagle3", "dflash")
+#: A drafter kind is a lowercase identifier; which kinds exist is calibrate's business (``calibrate.drafters.KINDS``).
+DRAFTER_KIND_PATTERN = r"^[a-z][a-z0-9_-]*$"
 
 
 def schema_path() -> Path:
@@ -90,7 +93,7 @@ def _obj(where, value, cls):
 class DrafterInfo:
     """Identity and attention shape of the drafter a spec was made for."""
 
-    kind: str  # adapter: hf, pard, eagle3 or dflash
+    kind: str  # adapter that loads it, a lowercase identifier (e.g. eagle3); not checked against calibrate's kinds
     path: str | None  # where it was loaded from (local path or hub id); None for built-in defaults
     num_layers: int  # attention layers the runtime scales
     num_heads: int  # query heads per layer
@@ -101,7 +104,7 @@ class DrafterInfo:
     def from_dict(cls, d: dict, where: str = "drafter") -> "DrafterInfo":
         _obj(where, d, cls)
         info = cls(
-            kind=_str(f"{where}.kind", d["kind"], DRAFTER_KINDS),
+            kind=_kind(f"{where}.kind", d["kind"]),
             path=_str(f"{where}.path", d["path"], nullable=True),
             num_layers=_int(f"{where}.num_layers", d["num_layers"], 1),
             num_heads=_int(f"{where}.num_heads", d["num_heads"], 1),
@@ -111,6 +114,12 @@ class DrafterInfo:
         if info.num_heads % info.num_kv_heads:
             raise _fail(f"{where}.num_kv_heads", f"must divide num_heads={info.num_heads}", info.num_kv_heads)
         return info
+
+
+def _kind(where: str, value) -> str:
+    if not isinstance(value, str) or not re.fullmatch(DRAFTER_KIND_PATTERN, value):
+        raise _fail(where, "expected a lowercase identifier such as eagle3 (letters, digits, _ or -)", value)
+    return value
 
 
 @dataclass(frozen=True)

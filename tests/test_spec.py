@@ -10,7 +10,7 @@ import pytest
 
 from sharpdraft_theory import SCHEMA, Bucket, Calibration, DrafterInfo, EstimatorResult, ScaleSpec
 from sharpdraft_theory.laws import LAWS, REGISTRY
-from sharpdraft_theory.spec import schema_path
+from sharpdraft_theory.spec import DRAFTER_KIND_PATTERN, schema_path
 
 
 def full_spec(**over) -> ScaleSpec:
@@ -103,7 +103,9 @@ MALFORMED = [
     (("granularity",), "tensor", "granularity", "expected one of", True),
     (("alpha_max",), 0.0, "alpha_max", "expected a number > 0", True),
     (("alpha_max",), 0.5, "alpha_max", "log-linear needs alpha_max >= 1", False),
-    (("drafter", "kind"), "medusa", "drafter.kind", "expected one of", True),
+    (("drafter", "kind"), "", "drafter.kind", "expected a lowercase identifier", True),
+    (("drafter", "kind"), "Eagle 3", "drafter.kind", "expected a lowercase identifier", True),
+    (("drafter", "kind"), 3, "drafter.kind", "expected a lowercase identifier", True),
     (("drafter", "num_kv_heads"), 2, "drafter.num_kv_heads", "must divide num_heads=3", False),
     (("drafter", "num_layers"), 5, "slope", "one entry per layer (5)", False),
     (("calibration", "buckets", 0, "mass"), 1.5, "calibration.buckets[0].mass", "mass in [0, 1]", True),
@@ -143,6 +145,7 @@ def test_schema_law_conditions_equal_the_registry(schema):
     no_slope = _law_condition(schema, "slope")
     assert no_slope["if"]["properties"]["law"]["enum"] == [law.name for law in REGISTRY.values() if not law.has_slope]
     assert no_slope["then"]["properties"]["slope"] == {"type": "null"}
+    assert schema["properties"]["drafter"]["anyOf"][1]["properties"]["kind"]["pattern"] == DRAFTER_KIND_PATTERN
 
 
 @pytest.mark.parametrize("law", LAWS)
@@ -166,6 +169,14 @@ def test_each_law_takes_the_parameters_its_registry_entry_says(schema, law):
     if entry.min_alpha_max > 0:
         with pytest.raises(ValueError, match=f"{law} needs alpha_max >= "):
             ScaleSpec.from_dict({**ok, "alpha_max": entry.min_alpha_max / 2})
+
+
+def test_any_drafter_kind_identifier_is_accepted(schema):
+    """Which kinds exist is calibrate's business: the spec takes any lowercase identifier."""
+    spec = full_spec(drafter=DrafterInfo(kind="medusa-2", path=None, num_layers=2, num_heads=3, num_kv_heads=1,
+                                         head_dim=16))
+    assert ScaleSpec.from_json(spec.to_json()).drafter.kind == "medusa-2"
+    jsonschema.validate(spec.to_dict(), schema)
 
 
 def test_law_specific_rules(schema):
