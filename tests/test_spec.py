@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sharpdraft_theory import SCHEMA, Bucket, Calibration, DrafterInfo, EstimatorResult, ScaleSpec
+from sharpdraft_theory.estimators import ESTIMATORS
 from sharpdraft_theory.laws import LAWS, REGISTRY
 from sharpdraft_theory.spec import DRAFTER_KIND_PATTERN, schema_path
 
@@ -137,14 +138,17 @@ def _law_condition(schema, then_property: str) -> dict:
     return entry
 
 
-def test_schema_law_conditions_equal_the_registry(schema):
-    """Adding a law is one registry entry plus these schema lines; this keeps them equal."""
+def test_schema_enums_equal_the_registries(schema):
+    """Adding a law or an estimator is one registry entry plus these schema lines; this keeps them equal."""
     assert schema["properties"]["law"]["enum"] == list(LAWS)
     needs_n_ref = _law_condition(schema, "n_ref")
     assert needs_n_ref["if"]["properties"]["law"]["enum"] == [law.name for law in REGISTRY.values() if law.needs_n_ref]
     no_slope = _law_condition(schema, "slope")
     assert no_slope["if"]["properties"]["law"]["enum"] == [law.name for law in REGISTRY.values() if not law.has_slope]
     assert no_slope["then"]["properties"]["slope"] == {"type": "null"}
+    calibration = schema["properties"]["calibration"]["anyOf"][1]["properties"]
+    assert calibration["estimator"]["enum"] == list(ESTIMATORS)
+    assert calibration["results"]["items"]["properties"]["estimator"]["enum"] == list(ESTIMATORS)
     assert schema["properties"]["drafter"]["anyOf"][1]["properties"]["kind"]["pattern"] == DRAFTER_KIND_PATTERN
 
 
