@@ -146,3 +146,21 @@ def test_calibrate_cli_takes_any_estimator_spelling(tmp_path, monkeypatch):
     assert isinstance(res.exception, ValueError) and "unknown estimator 'e4'" in str(res.exception)
     assert len(seen) == 1
 
+
+# --- statistics of separate runs -------------------------------------------------------------
+def test_separate_runs_are_separate_bootstrap_units():
+    """Two runs of one sequence each, both numbered 0: joined as separate runs they are two
+    sequences, so the bootstrap resamples two units (its draws are run A alone, both, run B alone)."""
+    model = Gaussian(gap=6.0, sigma=1.0, top_k=4)
+    run_a, run_b = (planted_rows(model, sequences=1, seed=seed) for seed in (1, 2))
+    alone = [fit_slopes(run, n_ref=N_REF, top_k=4, bootstrap=40).result("mass-matching") for run in (run_a, run_b)]
+    assert all(r.ci_low is None and "one sequence: no bootstrap interval" in r.note for r in alone)
+    with pytest.raises(ValueError, match="same row twice .* separate_runs=True"):
+        RowStats.concat([run_a, run_b])
+    joined = RowStats.concat([run_a, run_b], separate_runs=True)
+    assert np.unique(joined.seq).tolist() == [0, 1]
+    both = fit_slopes(joined, n_ref=N_REF, top_k=4, bootstrap=40).result("mass-matching")
+    assert both.note is None
+    # The extreme draws put all weight on one run: the interval spans the two runs' own slopes.
+    assert [both.ci_low, both.ci_high] == pytest.approx(sorted(r.slope for r in alone), rel=1e-9)
+    assert both.ci_low < both.slope < both.ci_high
