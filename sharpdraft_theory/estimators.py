@@ -390,15 +390,14 @@ class Estimator:
 
     name: str  # canonical name: the spec's calibration.estimator, the keys of SlopeFit.slopes
     label: str  # short label in tables and figures (E1, E2, ...)
-    title: str  # what it is, in two or three words
     aliases: tuple[str, ...]  # further spellings accepted on input (name and label always are; case is ignored)
     fit: Callable  # (cells, n_ref) -> frozen result with a (groups,) `slope`, `diagnostics()` and `note()`
 
 
 REGISTRY: dict[str, Estimator] = {e.name: e for e in (
-    Estimator("mass-matching", "E1", "mass matching", ("mass_matching",), mass_matching),
-    Estimator("closed-form", "E2", "closed form", ("closed_form",), closed_form),
-    Estimator("gaussian", "E3", "Gaussian fit", ("gaussian-fit", "gaussian_fit"), gaussian_fit),
+    Estimator("mass-matching", "E1", ("mass_matching",), mass_matching),
+    Estimator("closed-form", "E2", ("closed_form",), closed_form),
+    Estimator("gaussian", "E3", ("gaussian-fit", "gaussian_fit"), gaussian_fit),
 )}
 
 #: Canonical names, in the order results are reported.

@@ -105,13 +105,6 @@ class RowStats:
             self._log_top_cache[top_k] = a[..., 0] * lead[..., 0] + np.log(rel)
         return self._log_top_cache[top_k]
 
-    def log_odds(self, top_k: int) -> np.ndarray:
-        """Top-k log-odds ``ln S_T - ln S_B`` for every row and grid a: (rows, n_alpha)."""
-        log_t = self.log_top(top_k)
-        lse = self.lse.astype(np.float64)
-        frac = np.minimum(np.exp(log_t - lse), 1.0 - 1e-15)  # M_k; clip fp32 round-off at 1
-        return np.log(frac) - np.log1p(-frac)
-
     def mass(self, top_k: int) -> np.ndarray:
         """Top-k mass ``M_k(a)`` for every row and grid a: (rows, n_alpha)."""
         return np.minimum(np.exp(self.log_top(top_k) - self.lse.astype(np.float64)), 1.0)
