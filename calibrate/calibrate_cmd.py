@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from sharpdraft_theory.estimators import ESTIMATOR_CHOICES, get_estimator
+
 __all__ = ["calibrate"]
 
 console = Console()
@@ -31,7 +33,7 @@ def calibrate(
                                                   "(default: from the drafter).")] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="Size of the top set whose mass the slope restores.")] = 4,
     granularity: Annotated[str, typer.Option(help="Slope per global, layer or head.")] = "global",
-    estimator: Annotated[str, typer.Option(help="Slope written to the spec: mass-matching, closed-form or gaussian.")]
+    estimator: Annotated[str, typer.Option(help=f"Slope written to the spec: {ESTIMATOR_CHOICES} (name or label).")]
         = "mass-matching",
     alpha_max: Annotated[Optional[float], typer.Option("--alpha-max", help="Cap on alpha written to the spec.")] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
@@ -45,6 +47,7 @@ def calibrate(
     """Collect attention-logit statistics from a drafter over a corpus and fit the query-scaling slope."""
     from .run import CalibrateOptions, run_calibration
 
+    estimator = get_estimator(estimator).name  # a label or alias (E1, closed_form, ...) to the canonical name
     opts = CalibrateOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path,
                             corpus=corpus, max_length=max_length, sequences=sequences, n_ref=n_ref, top_k=top_k,
                             granularity=granularity, estimator=estimator, alpha_max=alpha_max, device=device,

@@ -8,12 +8,14 @@ a rotation, so scaling the post-RoPE query by ``alpha`` is exactly scaling the r
 
     softmax(scaling * (alpha q) k^T) = softmax(alpha * scaling * q k^T)
 
-The laws are those of :mod:`sharpdraft_theory.laws` (the reference, float64, numpy); this module
-holds their torch form so the hot path never leaves the device, and the tests check the two agree.
+The laws are the entries of :data:`sharpdraft_theory.laws.REGISTRY`: each formula is written once
+against an array namespace, evaluated here with ``torch`` (the hot path never leaves the device)
+and in :func:`sharpdraft_theory.alpha_law` with ``numpy`` (the float64 reference the tests hold it to).
 
 Cost. Scaling is done in place (``query.mul_(alpha)``), so no query-sized tensor is allocated, and
 it is skipped outright when every ``alpha`` is exactly 1, which :attr:`QueryScaler.identity_limit`
-decides on the host from the key length alone (``n <= key length``).
+(the law's identity limit, :meth:`sharpdraft_theory.laws.Law.identity_limit`) decides on the host
+from the key length alone (``n <= key length``).
 
 Autograd. In-place scaling is for inference (``torch.no_grad`` / ``torch.inference_mode``). When a
 query requires grad and grad mode is on, :meth:`QueryScaler.scale_query_` scales out of place.
@@ -21,54 +23,11 @@ query requires grad and grad mode is on, :meth:`QueryScaler.scale_query_` scales
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
-from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory import ScaleSpec, get_law
 
 __all__ = ["QueryScaler", "alpha_for", "scale_query_", "query_hook", "causal_n_visible", "mask_n_visible",
            "flex_score_mod"]
-
-
-def _law(law: str, n: torch.Tensor, n_ref: int | None, slope: torch.Tensor | None,
-         alpha_max: float | None) -> torch.Tensor:
-    """Torch form of :func:`sharpdraft_theory.laws.alpha_law` (same formulas, same order of operations).
-
-    ``n`` and ``slope`` broadcast together; the result has ``n``'s floating dtype.
-    """
-    if law == "log-linear":
-        alpha = 1.0 + slope * torch.log(torch.clamp(n, min=n_ref) / n_ref)
-    elif law == "qwen-logn":
-        alpha = torch.clamp(torch.log(torch.clamp(n, min=1.0)) / math.log(n_ref), min=1.0)
-    elif law == "llama4":
-        alpha = 1.0 + slope * torch.log(torch.floor(n / n_ref) + 1.0)
-    elif law == "ssmax":
-        alpha = slope * torch.log(torch.clamp(n, min=1.0))
-    elif law == "constant":
-        alpha = (1.0 + slope) + torch.zeros_like(n)
-    else:
-        raise ValueError(f"unknown law {law!r}")
-    if alpha_max is not None:
-        alpha = torch.clamp(alpha, max=alpha_max)
-    return alpha
-
-
-def _identity_limit(spec: ScaleSpec) -> float:
-    """Largest ``n`` such that ``alpha(m) == 1`` exactly for every ``m <= n``, layer and head.
-
-    ``-1`` when no such ``n`` exists, ``inf`` when alpha is 1 everywhere.
-    """
-    if spec.alpha_max is not None and spec.alpha_max < 1:
-        return -1
-    flat = spec.law in ("log-linear", "llama4", "constant") and not np.any(spec.slopes())
-    if flat:
-        return math.inf
-    if spec.law in ("log-linear", "qwen-logn"):
-        return spec.n_ref  # ln(max(n, n_ref) / n_ref) = 0 and ln n / ln n_ref <= 1 up to n_ref
-    if spec.law == "llama4":
-        return spec.n_ref - 1  # floor(n / n_ref) = 0 below n_ref
-    return -1  # ssmax, and constant with a non-zero slope
 
 
 class QueryScaler:
@@ -97,7 +56,8 @@ class QueryScaler:
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
-        self.identity_limit = _identity_limit(spec)
+        self.law = get_law(spec.law)
+        self.identity_limit = spec.identity_limit()  # largest n with alpha == 1 exactly (-1: none, inf: all)
         slopes = spec.slopes()
         # (), (layers,) or (layers, heads); heads get a trailing q_len axis to broadcast into (B, H, q_len).
         self._slopes = None if slopes is None else torch.as_tensor(slopes, dtype=dtype, device=self.device)
@@ -135,7 +95,7 @@ class QueryScaler:
             raise ValueError(f"n_visible must have shape (q_len,), (batch, q_len) or (batch, heads, q_len), "
                              f"got {tuple(n.shape)}")
         n = n.reshape(1, 1, -1) if n.ndim < 2 else n[:, None, :] if n.ndim == 2 else n  # (B|1, H|1, q_len)
-        return _law(self.spec.law, n, self.spec.n_ref, slope, self.spec.alpha_max)
+        return self.law.alpha(torch, n, n_ref=self.spec.n_ref, slope=slope, alpha_max=self.spec.alpha_max)
 
     def scale_query_(self, query: torch.Tensor, n_visible: torch.Tensor | int, layer: int | None = None) -> torch.Tensor:
         """Multiply ``query`` by ``alpha(n_visible)`` in place (out of place when autograd needs it).

@@ -40,9 +40,6 @@ __all__ = [
     "least_squares_slope",
 ]
 
-REGIMES = ("annealed", "crossover", "frozen")
-
-
 @dataclass(frozen=True)
 class Correction:
     """Exact correction for a set of lengths.

@@ -5,28 +5,35 @@ which granularity (one slope, one per layer, or one per layer and head), and rec
 slope was obtained. It is versioned (``"schema": "sharpdraft.scale-spec/v1"``), validated on
 load with errors that name the field and the bad value, and written atomically.
 ``scale_spec.schema.json`` beside this file is the same contract as a JSON Schema.
+
+The lists a spec is checked against live where they are defined: the laws and the parameters each
+takes in ``laws.REGISTRY``, the estimator names in ``estimators.REGISTRY`` (whose records
+``Bucket`` and ``EstimatorResult`` the calibration record holds). A drafter kind is any lowercase
+identifier: which kinds exist is calibrate's business.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import MISSING, asdict, dataclass, field, fields
+import re
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from .atomic import atomic_write_text
-from .laws import LAWS, alpha_law
+from .checks import check_int, check_num, check_record, check_str, field_error
+from .estimators import ESTIMATORS, Bucket, EstimatorResult
+from .laws import LAWS, alpha_law, get_law
 
-__all__ = ["SCHEMA", "GRANULARITIES", "DRAFTER_KINDS", "DrafterInfo", "Bucket", "EstimatorResult",
+__all__ = ["SCHEMA", "GRANULARITIES", "DRAFTER_KIND_PATTERN", "DrafterInfo", "Bucket", "EstimatorResult",
            "Calibration", "ScaleSpec", "schema_path"]
 
 SCHEMA = "sharpdraft.scale-spec/v1"
 GRANULARITIES = ("global", "layer", "head")
-DRAFTER_KINDS = ("hf", "pard", "eagle3", "dflash")
+#: A drafter kind is a lowercase identifier; which kinds exist is calibrate's business (``calibrate.drafters.KINDS``).
+DRAFTER_KIND_PATTERN = r"^[a-z][a-z0-9_-]*$"
 
 
 def schema_path() -> Path:
@@ -34,62 +41,11 @@ def schema_path() -> Path:
     return Path(__file__).with_name("scale_spec.schema.json")
 
 
-def _fail(where: str, message: str, value: Any) -> ValueError:
-    shown = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return ValueError(f"spec field '{where}': {message}, got {shown}")
-
-
-def _int(where, value, minimum=None, nullable=False):
-    if value is None and nullable:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(where, "expected an integer", value)
-    if minimum is not None and value < minimum:
-        raise _fail(where, f"expected an integer >= {minimum}", value)
-    return value
-
-
-def _num(where, value, minimum=None, exclusive=False, nullable=False):
-    if value is None and nullable:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _fail(where, "expected a finite number", value)
-    if minimum is not None and (value <= minimum if exclusive else value < minimum):
-        raise _fail(where, f"expected a number {'>' if exclusive else '>='} {minimum}", value)
-    return float(value)
-
-
-def _str(where, value, choices=None, nullable=False):
-    if value is None and nullable:
-        return None
-    if not isinstance(value, str):
-        raise _fail(where, "expected a string", value)
-    if choices is not None and value not in choices:
-        raise _fail(where, f"expected one of {', '.join(choices)}", value)
-    return value
-
-
-def _obj(where, value, cls):
-    if not isinstance(value, dict):
-        raise _fail(where, "expected an object", value)
-    known = {f.name for f in fields(cls)}
-    extra = sorted(set(value) - known)
-    if extra:
-        raise _fail(f"{where}.{extra[0]}", f"unknown field (known: {', '.join(sorted(known))})", value[extra[0]])
-    missing = [f.name for f in fields(cls)
-               if f.name not in value and f.default is MISSING and f.default_factory is MISSING]
-    if missing:
-        raise ValueError(f"spec field '{where}.{missing[0]}': required field is missing")
-    return value
-
-
 @dataclass(frozen=True)
 class DrafterInfo:
     """Identity and attention shape of the drafter a spec was made for."""
 
-    kind: str  # adapter: hf, pard, eagle3 or dflash
+    kind: str  # adapter that loads it, a lowercase identifier (e.g. eagle3); not checked against calibrate's kinds
     path: str | None  # where it was loaded from (local path or hub id); None for built-in defaults
     num_layers: int  # attention layers the runtime scales
     num_heads: int  # query heads per layer
@@ -98,76 +54,31 @@ class DrafterInfo:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "drafter") -> "DrafterInfo":
-        _obj(where, d, cls)
+        check_record(where, d, cls)
         info = cls(
-            kind=_str(f"{where}.kind", d["kind"], DRAFTER_KINDS),
-            path=_str(f"{where}.path", d["path"], nullable=True),
-            num_layers=_int(f"{where}.num_layers", d["num_layers"], 1),
-            num_heads=_int(f"{where}.num_heads", d["num_heads"], 1),
-            num_kv_heads=_int(f"{where}.num_kv_heads", d["num_kv_heads"], 1),
-            head_dim=_int(f"{where}.head_dim", d["head_dim"], 1),
+            kind=_kind(f"{where}.kind", d["kind"]),
+            path=check_str(f"{where}.path", d["path"], nullable=True),
+            num_layers=check_int(f"{where}.num_layers", d["num_layers"], 1),
+            num_heads=check_int(f"{where}.num_heads", d["num_heads"], 1),
+            num_kv_heads=check_int(f"{where}.num_kv_heads", d["num_kv_heads"], 1),
+            head_dim=check_int(f"{where}.head_dim", d["head_dim"], 1),
         )
         if info.num_heads % info.num_kv_heads:
-            raise _fail(f"{where}.num_kv_heads", f"must divide num_heads={info.num_heads}", info.num_kv_heads)
+            raise field_error(f"{where}.num_kv_heads", f"must divide num_heads={info.num_heads}", info.num_kv_heads)
         return info
 
 
-@dataclass(frozen=True)
-class Bucket:
-    """One context-length bucket of the calibration corpus."""
-
-    n: float  # representative visible-key count (geometric mean of the bucket's rows)
-    rows: int  # attention rows (query, layer, head) in the bucket
-    mass: float  # mean top-k mass at alpha = 1
-    alpha: float | None  # mass-matching alpha that restores the reference mass (None: n <= n_ref or unreachable)
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str) -> "Bucket":
-        _obj(where, d, cls)
-        mass = _num(f"{where}.mass", d["mass"], 0.0)
-        if mass > 1:
-            raise _fail(f"{where}.mass", "expected a mass in [0, 1]", mass)
-        return cls(n=_num(f"{where}.n", d["n"], 1.0), rows=_int(f"{where}.rows", d["rows"], 0), mass=mass,
-                   alpha=_num(f"{where}.alpha", d["alpha"], 0.0, nullable=True))
-
-
-@dataclass(frozen=True)
-class EstimatorResult:
-    """One slope estimator's global result (theory.md section 6)."""
-
-    estimator: str  # mass-matching (E1), closed-form (E2) or gaussian (E3)
-    slope: float | None  # fitted slope beta; None when the estimator is undefined on this data
-    ci_low: float | None  # lower end of the 95% bootstrap interval over sequences
-    ci_high: float | None  # upper end of that interval
-    diagnostics: dict = field(default_factory=dict)  # fit quality: r2, gamma, gof, ... (name -> number)
-    note: str | None = None  # why the slope is missing or doubtful
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str) -> "EstimatorResult":
-        _obj(where, d, cls)
-        diag = d.get("diagnostics", {})
-        if not isinstance(diag, dict):
-            raise _fail(f"{where}.diagnostics", "expected an object of numbers", diag)
-        for key, value in diag.items():
-            _num(f"{where}.diagnostics.{key}", value, nullable=True)
-        return cls(
-            estimator=_str(f"{where}.estimator", d["estimator"], ESTIMATORS),
-            slope=_num(f"{where}.slope", d["slope"], nullable=True),
-            ci_low=_num(f"{where}.ci_low", d["ci_low"], nullable=True),
-            ci_high=_num(f"{where}.ci_high", d["ci_high"], nullable=True),
-            diagnostics=dict(diag),
-            note=_str(f"{where}.note", d.get("note"), nullable=True),
-        )
-
-
-ESTIMATORS = ("mass-matching", "closed-form", "gaussian")
+def _kind(where: str, value) -> str:
+    if not isinstance(value, str) or not re.fullmatch(DRAFTER_KIND_PATTERN, value):
+        raise field_error(where, "expected a lowercase identifier such as eagle3 (letters, digits, _ or -)", value)
+    return value
 
 
 @dataclass(frozen=True)
 class Calibration:
     """How the slope was obtained."""
 
-    estimator: str  # the estimator whose slope the spec uses
+    estimator: str  # the estimator whose slope the spec uses (a canonical name in estimators.ESTIMATORS)
     corpus: str  # corpus name or path
     sequences: int  # sequences read
     max_length: int  # tokens per sequence
@@ -178,37 +89,37 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "calibration") -> "Calibration":
-        _obj(where, d, cls)
+        check_record(where, d, cls)
         for name in ("buckets", "results"):
             if not isinstance(d[name], list):
-                raise _fail(f"{where}.{name}", "expected a list", d[name])
+                raise field_error(f"{where}.{name}", "expected a list", d[name])
         return cls(
-            estimator=_str(f"{where}.estimator", d["estimator"], ESTIMATORS),
-            corpus=_str(f"{where}.corpus", d["corpus"]),
-            sequences=_int(f"{where}.sequences", d["sequences"], 0),
-            max_length=_int(f"{where}.max_length", d["max_length"], 1),
-            rows=_int(f"{where}.rows", d["rows"], 0),
+            estimator=check_str(f"{where}.estimator", d["estimator"], ESTIMATORS),
+            corpus=check_str(f"{where}.corpus", d["corpus"]),
+            sequences=check_int(f"{where}.sequences", d["sequences"], 0),
+            max_length=check_int(f"{where}.max_length", d["max_length"], 1),
+            rows=check_int(f"{where}.rows", d["rows"], 0),
             buckets=tuple(Bucket.from_dict(b, f"{where}.buckets[{i}]") for i, b in enumerate(d["buckets"])),
             results=tuple(EstimatorResult.from_dict(r, f"{where}.results[{i}]") for i, r in enumerate(d["results"])),
-            tool_version=_str(f"{where}.tool_version", d["tool_version"]),
+            tool_version=check_str(f"{where}.tool_version", d["tool_version"]),
         )
 
 
 def _slope(where: str, value, granularity: str):
     """Validate a slope's nesting against the granularity; return it as nested tuples."""
     if granularity == "global":
-        return _num(where, value)
+        return check_num(where, value)
     if not isinstance(value, list) or not value:
-        raise _fail(where, f"granularity '{granularity}' needs a non-empty list", value)
+        raise field_error(where, f"granularity '{granularity}' needs a non-empty list", value)
     if granularity == "layer":
-        return tuple(_num(f"{where}[{i}]", v) for i, v in enumerate(value))
+        return tuple(check_num(f"{where}[{i}]", v) for i, v in enumerate(value))
     rows = []
     for i, row in enumerate(value):
         if not isinstance(row, list) or not row:
-            raise _fail(f"{where}[{i}]", "granularity 'head' needs a list per layer", row)
-        rows.append(tuple(_num(f"{where}[{i}][{j}]", v) for j, v in enumerate(row)))
+            raise field_error(f"{where}[{i}]", "granularity 'head' needs a list per layer", row)
+        rows.append(tuple(check_num(f"{where}[{i}][{j}]", v) for j, v in enumerate(row)))
     if len({len(r) for r in rows}) != 1:
-        raise _fail(where, "every layer needs the same number of head slopes", value)
+        raise field_error(where, "every layer needs the same number of head slopes", value)
     return tuple(rows)
 
 
@@ -225,9 +136,9 @@ class ScaleSpec:
     True
     """
 
-    law: str  # log-linear (SharpDraft), qwen-logn, llama4, ssmax or constant
-    n_ref: int | None  # reference length (the drafter's training context); None only for ssmax, constant
-    slope: float | tuple | None  # the law's coefficient: a float, one per layer, or [layer][head]; None for qwen-logn
+    law: str  # a name in laws.LAWS (log-linear is SharpDraft's law)
+    n_ref: int | None  # reference length (the drafter's training context); None only for a law that takes none
+    slope: float | tuple | None  # the law's coefficient: a float, one per layer, or [layer][head]; None if it has none
     top_k: int  # size of the top set whose mass the slope restores
     granularity: str = "global"  # global, layer or head: how `slope` is nested
     alpha_max: float | None = None  # cap on alpha (None: no cap)
@@ -248,48 +159,45 @@ class ScaleSpec:
         known = {f.name for f in fields(ScaleSpec)}
         extra = sorted(set(d) - known)
         if extra:
-            raise _fail(extra[0], f"unknown field (known: {', '.join(sorted(known))})", d[extra[0]])
+            raise field_error(extra[0], f"unknown field (known: {', '.join(sorted(known))})", d[extra[0]])
         for name in ("law", "n_ref", "slope", "top_k"):
             if name not in d:
                 raise ValueError(f"spec field '{name}': required field is missing")
         schema = d.get("schema", SCHEMA)
         if schema != SCHEMA:
-            raise _fail("schema", f"expected {SCHEMA!r} (this sharpdraft reads v1 specs only)", schema)
-        law = _str("law", d["law"], LAWS)
-        top_k = _int("top_k", d["top_k"], 1)
-        needs_ref = law in ("log-linear", "qwen-logn", "llama4")
-        n_ref = _int("n_ref", d["n_ref"], 2, nullable=not needs_ref)
-        if law == "qwen-logn" and n_ref is not None and n_ref < 2:
-            raise _fail("n_ref", "qwen-logn needs n_ref >= 2", n_ref)
+            raise field_error("schema", f"expected {SCHEMA!r} (this sharpdraft reads v1 specs only)", schema)
+        law = get_law(check_str("law", d["law"], LAWS))
+        top_k = check_int("top_k", d["top_k"], 1)
+        n_ref = check_int("n_ref", d["n_ref"], 2, nullable=not law.needs_n_ref)
         if n_ref is not None and n_ref <= top_k:
-            raise _fail("n_ref", f"must exceed top_k={top_k}", n_ref)
-        granularity = _str("granularity", d.get("granularity", "global"), GRANULARITIES)
-        if law == "qwen-logn":
+            raise field_error("n_ref", f"must exceed top_k={top_k}", n_ref)
+        granularity = check_str("granularity", d.get("granularity", "global"), GRANULARITIES)
+        if not law.has_slope:
             if d["slope"] is not None:
-                raise _fail("slope", "qwen-logn has no slope (it is 1 / ln n_ref); use null", d["slope"])
+                raise field_error("slope", f"{law.name} has no slope; use null", d["slope"])
             slope = None
         else:
             slope = _slope("slope", _as_lists(d["slope"]), granularity)
-        alpha_max = _num("alpha_max", d.get("alpha_max"), 0.0, exclusive=True, nullable=True)
-        if alpha_max is not None and alpha_max < 1 and law == "log-linear":
-            raise _fail("alpha_max", "log-linear needs alpha_max >= 1", alpha_max)
+        alpha_max = check_num("alpha_max", d.get("alpha_max"), 0.0, exclusive=True, nullable=True)
+        if alpha_max is not None and alpha_max < law.min_alpha_max:
+            raise field_error("alpha_max", f"{law.name} needs alpha_max >= {law.min_alpha_max:g}", alpha_max)
         drafter = d.get("drafter")
         if isinstance(drafter, dict):
             drafter = DrafterInfo.from_dict(drafter)
         elif drafter is not None and not isinstance(drafter, DrafterInfo):
-            raise _fail("drafter", "expected an object", drafter)
+            raise field_error("drafter", "expected an object", drafter)
         calibration = d.get("calibration")
         if isinstance(calibration, dict):
             calibration = Calibration.from_dict(calibration)
         elif calibration is not None and not isinstance(calibration, Calibration):
-            raise _fail("calibration", "expected an object", calibration)
+            raise field_error("calibration", "expected an object", calibration)
         if drafter is not None and granularity != "global":
             layers = len(slope)
             if layers != drafter.num_layers:
-                raise _fail("slope", f"needs one entry per layer ({drafter.num_layers})", f"{layers} entries")
+                raise field_error("slope", f"needs one entry per layer ({drafter.num_layers})", f"{layers} entries")
             if granularity == "head" and len(slope[0]) != drafter.num_heads:
-                raise _fail("slope[0]", f"needs one entry per head ({drafter.num_heads})", f"{len(slope[0])} entries")
-        return dict(law=law, n_ref=n_ref, slope=slope, top_k=top_k, granularity=granularity, alpha_max=alpha_max,
+                raise field_error("slope[0]", f"needs one entry per head ({drafter.num_heads})", f"{len(slope[0])} entries")
+        return dict(law=law.name, n_ref=n_ref, slope=slope, top_k=top_k, granularity=granularity, alpha_max=alpha_max,
                     drafter=drafter, calibration=calibration, schema=schema)
 
     # -- I/O ---------------------------------------------------------------------------------
@@ -330,8 +238,18 @@ class ScaleSpec:
 
     # -- evaluation --------------------------------------------------------------------------
     def slopes(self) -> np.ndarray | None:
-        """Slopes as an array: shape (), (layers,) or (layers, heads); None for qwen-logn."""
+        """Slopes as an array: shape (), (layers,) or (layers, heads); None when the law has none."""
         return None if self.slope is None else np.asarray(self.slope, dtype=np.float64)
+
+    def identity_limit(self) -> float:
+        """Largest ``n`` up to which ``alpha(n) == 1`` exactly in every layer and head (see ``Law.identity_limit``).
+
+        Examples
+        --------
+        >>> ScaleSpec(law="llama4", n_ref=8192, slope=0.1, top_k=4).identity_limit()
+        8191
+        """
+        return get_law(self.law).identity_limit(n_ref=self.n_ref, slopes=self.slopes(), alpha_max=self.alpha_max)
 
     def alpha(self, n, layer: int | None = None) -> np.ndarray:
         """``alpha(n)``; with a per-layer/per-head spec give ``layer`` (result gains a heads axis last)."""

@@ -8,7 +8,7 @@ field           shape                meaning
 ==============  ===================  ==========================================================
 n               (rows,)              visible keys
 layer, head     (rows,)              where the row comes from
-seq             (rows,)              which corpus sequence (the bootstrap resamples these)
+seq             (rows,)              which sequence: the bootstrap's unit (see ``concat``)
 top             (rows, k_max)        the k_max largest logits, descending
 alpha_grid      (n_alpha,)           query scales; must contain 1.0
 lse             (rows, n_alpha)      ``LSE_j(a z_j)`` over all visible keys, for each grid a
@@ -105,13 +105,6 @@ class RowStats:
             self._log_top_cache[top_k] = a[..., 0] * lead[..., 0] + np.log(rel)
         return self._log_top_cache[top_k]
 
-    def log_odds(self, top_k: int) -> np.ndarray:
-        """Top-k log-odds ``ln S_T - ln S_B`` for every row and grid a: (rows, n_alpha)."""
-        log_t = self.log_top(top_k)
-        lse = self.lse.astype(np.float64)
-        frac = np.minimum(np.exp(log_t - lse), 1.0 - 1e-15)  # M_k; clip fp32 round-off at 1
-        return np.log(frac) - np.log1p(-frac)
-
     def mass(self, top_k: int) -> np.ndarray:
         """Top-k mass ``M_k(a)`` for every row and grid a: (rows, n_alpha)."""
         return np.minimum(np.exp(self.log_top(top_k) - self.lse.astype(np.float64)), 1.0)
@@ -176,8 +169,27 @@ class RowStats:
         return stats, meta
 
     @classmethod
-    def concat(cls, parts: list["RowStats"]) -> "RowStats":
-        """Join statistics from several runs or shards (same alpha grid and k_max)."""
+    def concat(cls, parts: list["RowStats"], *, separate_runs: bool = False) -> "RowStats":
+        """Join statistics (same alpha grid and k_max), keeping sequences of different runs apart.
+
+        Sequence ids are the bootstrap's unit, so two rows share an id only if they come from one
+        sequence. The rule:
+
+        * ``separate_runs=False`` (default): the parts come from one run and share its numbering
+          (its sequences, shards, layers or lengths, as calibration writes them); ids are kept, and
+          a sequence may span parts. Two parts holding the same row key (seq, layer, head, n) are
+          refused: that is what two runs numbered from 0 look like.
+        * ``separate_runs=True``: each part is a run of its own. The first keeps its ids; each
+          later part is shifted so that its smallest id is one past the largest id so far. Order
+          and gaps within a part are kept, and no two parts share a sequence.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> run = row_stats_from_logits(np.arange(12.0).reshape(2, 6), k_max=2, seq=[0, 1])
+        >>> RowStats.concat([run, run], separate_runs=True).seq.tolist()
+        [0, 1, 2, 3]
+        """
         if not parts:
             raise ValueError("no statistics to join")
         grid = parts[0].alpha_grid
@@ -186,8 +198,38 @@ class RowStats:
                 raise ValueError("statistics to join were recorded on different alpha grids")
             if p.k_max != parts[0].k_max:
                 raise ValueError(f"statistics to join have different k_max ({parts[0].k_max} and {p.k_max})")
-        return cls(**{f.name: grid if f.name == "alpha_grid" else np.concatenate([getattr(p, f.name) for p in parts])
-                      for f in fields(cls)})
+        if separate_runs:
+            seqs, next_id = [], None
+            for p in parts:
+                ids = p.seq.astype(np.int64)
+                if ids.size:
+                    if next_id is not None:
+                        ids = ids + (next_id - int(ids.min()))
+                    next_id = int(ids.max()) + 1
+                seqs.append(ids)
+        else:
+            _check_rows_distinct(parts)
+            seqs = [p.seq for p in parts]
+        joined = {f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)
+                  if f.name not in ("alpha_grid", "seq")}
+        return cls(alpha_grid=grid, seq=np.concatenate(seqs), **joined)
+
+
+def _check_rows_distinct(parts: list[RowStats]) -> None:
+    """Refuse parts of one run that hold the same (seq, layer, head, n) row key (see ``RowStats.concat``)."""
+    if len(parts) < 2 or not any(p.rows for p in parts):
+        return
+    cols = [np.concatenate([getattr(p, name) for p in parts]).astype(np.int64) for name in ("seq", "layer", "head", "n")]
+    low = [int(c.min()) for c in cols]
+    dims = [int(c.max()) - lo + 1 for c, lo in zip(cols, low)]
+    code = np.ravel_multi_index([c - lo for c, lo in zip(cols, low)], dims)  # one int64 per row key
+    bounds = np.cumsum([0] + [p.rows for p in parts])
+    codes = np.sort(np.concatenate([np.unique(code[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]))
+    twice = np.flatnonzero(codes[1:] == codes[:-1])
+    if twice.size:
+        seq, layer, head, n = (int(i) + lo for i, lo in zip(np.unravel_index(codes[twice[0]], dims), low))
+        raise ValueError(f"statistics to join hold the same row twice (sequence {seq}, layer {layer}, head {head}, "
+                         f"n {n}): parts of separate runs share sequence ids; join them with separate_runs=True")
 
 
 def row_stats_from_logits(logits, *, k_max: int, alpha_grid=DEFAULT_ALPHA_GRID, layer=0, head=0, seq=0) -> RowStats:

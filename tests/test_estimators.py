@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sharpdraft_theory import Gaussian, TwoLevel, least_squares_slope, tangent_slope
-from sharpdraft_theory.estimators import bucket_index, fit_slopes
+from sharpdraft_theory.estimators import ESTIMATORS, REGISTRY, bucket_index, fit_slopes, get_estimator
 from sharpdraft_theory.stats import RowStats, row_stats_from_logits
 
 N_REF = 256
@@ -99,3 +99,68 @@ def test_attention_sink_rows_do_not_break_the_closed_form(gaussian_rows):
     e2 = mixed.result("closed-form")
     assert e2.diagnostics["sink_rows_left_out"] == 40
     assert e2.slope == pytest.approx(clean.slope, rel=0.05)  # the sinks only move E1/E3's means a little
+
+
+# --- the estimator registry ------------------------------------------------------------------
+@pytest.mark.parametrize("spelling,name", [
+    ("mass-matching", "mass-matching"), ("E1", "mass-matching"), ("e1", "mass-matching"),
+    (" Mass_Matching ", "mass-matching"), ("closed-form", "closed-form"), ("e2", "closed-form"),
+    ("closed_form", "closed-form"), ("gaussian", "gaussian"), ("E3", "gaussian"), ("gaussian-fit", "gaussian")])
+def test_estimator_spellings_resolve_to_the_canonical_name(spelling, name):
+    assert get_estimator(spelling).name == name
+
+
+def test_estimator_registry_is_consistent(gaussian_rows):
+    spellings = [s.lower() for e in REGISTRY.values() for s in (e.name, e.label, *e.aliases)]
+    assert len(spellings) == len(set(spellings))  # no spelling names two estimators
+    assert ESTIMATORS == tuple(REGISTRY) == ("mass-matching", "closed-form", "gaussian")
+    assert [e.label for e in REGISTRY.values()] == ["E1", "E2", "E3"]
+    with pytest.raises(ValueError, match=r"unknown estimator 'e4'; choose one of mass-matching \(E1\), "
+                                         r"closed-form \(E2\), gaussian \(E3\)"):
+        get_estimator("e4")
+    fit = fit_slopes(gaussian_rows, n_ref=N_REF, top_k=4, bootstrap=0)
+    assert tuple(r.estimator for r in fit.results) == ESTIMATORS == tuple(fit.slopes)
+    assert fit.result("E2") is fit.result("closed-form")
+
+
+def test_calibrate_cli_takes_any_estimator_spelling(tmp_path, monkeypatch):
+    """``--estimator E3`` reaches the calibration as ``gaussian``; an unknown one stops before any work."""
+    from typer.testing import CliRunner
+
+    import calibrate.run
+    from calibrate.cli import app
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(opts, **_):
+        seen.append(opts)
+        raise Stop
+
+    monkeypatch.setattr(calibrate.run, "run_calibration", fake_run)
+    res = CliRunner().invoke(app, ["calibrate", "--out", str(tmp_path / "s.json"), "--estimator", "E3"])
+    assert isinstance(res.exception, Stop) and seen[0].estimator == "gaussian"
+    res = CliRunner().invoke(app, ["calibrate", "--out", str(tmp_path / "s.json"), "--estimator", "e4"])
+    assert isinstance(res.exception, ValueError) and "unknown estimator 'e4'" in str(res.exception)
+    assert len(seen) == 1
+
+
+# --- statistics of separate runs -------------------------------------------------------------
+def test_separate_runs_are_separate_bootstrap_units():
+    """Two runs of one sequence each, both numbered 0: joined as separate runs they are two
+    sequences, so the bootstrap resamples two units (its draws are run A alone, both, run B alone)."""
+    model = Gaussian(gap=6.0, sigma=1.0, top_k=4)
+    run_a, run_b = (planted_rows(model, sequences=1, seed=seed) for seed in (1, 2))
+    alone = [fit_slopes(run, n_ref=N_REF, top_k=4, bootstrap=40).result("mass-matching") for run in (run_a, run_b)]
+    assert all(r.ci_low is None and "one sequence: no bootstrap interval" in r.note for r in alone)
+    with pytest.raises(ValueError, match="same row twice .* separate_runs=True"):
+        RowStats.concat([run_a, run_b])
+    joined = RowStats.concat([run_a, run_b], separate_runs=True)
+    assert np.unique(joined.seq).tolist() == [0, 1]
+    both = fit_slopes(joined, n_ref=N_REF, top_k=4, bootstrap=40).result("mass-matching")
+    assert both.note is None
+    # The extreme draws put all weight on one run: the interval spans the two runs' own slopes.
+    assert [both.ci_low, both.ci_high] == pytest.approx(sorted(r.slope for r in alone), rel=1e-9)
+    assert both.ci_low < both.slope < both.ci_high

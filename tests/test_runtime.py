@@ -15,7 +15,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sharpdraft_theory import LAWS, ScaleSpec, alpha_law
+from sharpdraft_theory import LAWS, ScaleSpec
+from sharpdraft_theory.laws import REGISTRY
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -90,20 +91,52 @@ def test_alpha_matches_theory(law, granularity, alpha_max):
         np.testing.assert_allclose(got[0].numpy(), np.broadcast_to(want, got[0].shape), rtol=RTOL_ALPHA)
 
 
+def alphas_in_every_precision(spec: ScaleSpec, n: np.ndarray) -> dict:
+    """alpha(n) of a global spec from numpy (float64) and the runtime in float64 and float32."""
+    out = {"numpy": spec.alpha(n)}
+    for dtype in (torch.float64, torch.float32):
+        out[str(dtype)] = QueryScaler(spec, dtype=dtype).alpha(torch.from_numpy(n))[0, 0].double().numpy()
+    return out
+
+
+def assert_identity_limit_exact(spec: ScaleSpec, moves: bool) -> None:
+    """alpha == 1 exactly for n <= the limit (sound: skipping the multiply changes nothing), in every
+    precision; and, when alpha leaves 1 by more than rounding, alpha != 1 at limit + 1 (tight)."""
+    limit = QueryScaler(spec).identity_limit
+    assert limit == spec.identity_limit()
+    n = np.arange(0, 4 * (spec.n_ref or 8))
+    for where, alpha in alphas_in_every_precision(spec, n).items():
+        assert np.all(alpha[n <= limit] == 1.0), (where, limit, alpha[n <= limit].max())
+        if moves and math.isfinite(limit):
+            assert alpha[n == limit + 1][0] != 1.0, (where, limit)
+
+
 @given(law=st.sampled_from(LAWS), n_ref=st.integers(3, 5000), slope=st.floats(-0.5, 2.0),
        alpha_max=st.one_of(st.none(), st.floats(0.5, 4.0)))
 @HYPOTHESIS
 def test_identity_limit_is_exact(law, n_ref, slope, alpha_max):
-    if law == "log-linear" and alpha_max is not None and alpha_max < 1:
-        alpha_max = 1.0 / alpha_max  # log-linear specs require alpha_max >= 1
+    if alpha_max is not None and alpha_max < REGISTRY[law].min_alpha_max:
+        alpha_max = 1.0 / alpha_max  # below the law's smallest cap (log-linear: 1)
     spec = spec_for(law, n_ref=n_ref, slope=slope, alpha_max=alpha_max)
-    limit = QueryScaler(spec).identity_limit
-    n = np.arange(1, 4 * n_ref)
-    alpha = alpha_law(law, n, n_ref=spec.n_ref, slope=spec.slope, alpha_max=alpha_max)
-    assert np.all(alpha[n <= limit] == 1.0)  # sound: skipping the multiply never changes a result
-    moves = abs(slope) > 1e-3 and (alpha_max is None or alpha_max > 1.001)  # alpha leaves 1 by more than rounding
-    if law in ("log-linear", "qwen-logn", "llama4") and moves and limit >= 0:
-        assert alpha[n == limit + 1][0] != 1.0  # tight for the laws with a reference length
+    # alpha leaves 1 by more than rounding (qwen-logn has no slope: 1 / ln n_ref is at least 1 / ln 5000).
+    moves = (alpha_max is None or abs(alpha_max - 1) > 1e-3) and (law == "qwen-logn" or abs(slope) > 1e-3)
+    assert_identity_limit_exact(spec, moves)
+
+
+@pytest.mark.parametrize("law", LAWS)
+def test_identity_limit_is_exact_for_every_reference_length(law):
+    # Written as ln n / ln n_ref with the two logarithms rounded apart, qwen-logn's alpha(n_ref) is 1 + 1 ulp
+    # in float32 for about one n_ref in 200; its registry form is exactly 1 up to n_ref.
+    for n_ref in range(3, 1025):
+        spec = spec_for(law, n_ref=n_ref, slope=0.3)
+        assert_identity_limit_exact(spec, moves=True)
+
+
+def test_identity_limit_of_flat_and_capped_specs():
+    assert spec_for("log-linear", "head", slope=0.0).identity_limit() == math.inf
+    assert spec_for("constant", slope=0.0).identity_limit() == math.inf
+    assert spec_for("ssmax", slope=0.0).identity_limit() == -1  # alpha = 0 * ln n = 0
+    assert spec_for("llama4", slope=0.5, alpha_max=0.9).identity_limit() == -1
 
 
 def test_log_linear_is_exactly_one_up_to_n_ref():

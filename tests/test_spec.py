@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from sharpdraft_theory import SCHEMA, Bucket, Calibration, DrafterInfo, EstimatorResult, ScaleSpec
-from sharpdraft_theory.spec import schema_path
+from sharpdraft_theory.estimators import ESTIMATORS
+from sharpdraft_theory.laws import LAWS, REGISTRY
+from sharpdraft_theory.spec import DRAFTER_KIND_PATTERN, schema_path
 
 
 def full_spec(**over) -> ScaleSpec:
@@ -102,7 +104,9 @@ MALFORMED = [
     (("granularity",), "tensor", "granularity", "expected one of", True),
     (("alpha_max",), 0.0, "alpha_max", "expected a number > 0", True),
     (("alpha_max",), 0.5, "alpha_max", "log-linear needs alpha_max >= 1", False),
-    (("drafter", "kind"), "medusa", "drafter.kind", "expected one of", True),
+    (("drafter", "kind"), "", "drafter.kind", "expected a lowercase identifier", True),
+    (("drafter", "kind"), "Eagle 3", "drafter.kind", "expected a lowercase identifier", True),
+    (("drafter", "kind"), 3, "drafter.kind", "expected a lowercase identifier", True),
     (("drafter", "num_kv_heads"), 2, "drafter.num_kv_heads", "must divide num_heads=3", False),
     (("drafter", "num_layers"), 5, "slope", "one entry per layer (5)", False),
     (("calibration", "buckets", 0, "mass"), 1.5, "calibration.buckets[0].mass", "mass in [0, 1]", True),
@@ -125,6 +129,58 @@ def test_malformed_spec_is_rejected_naming_the_field(schema, path, value, field,
     if schema_too:
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def _law_condition(schema, then_property: str) -> dict:
+    """The ``allOf`` entry whose ``if`` picks laws and whose ``then`` constrains ``then_property``."""
+    (entry,) = [e for e in schema["allOf"] if "law" in e["if"].get("properties", {})
+                and then_property in e["then"]["properties"]]
+    return entry
+
+
+def test_schema_enums_equal_the_registries(schema):
+    """Adding a law or an estimator is one registry entry plus these schema lines; this keeps them equal."""
+    assert schema["properties"]["law"]["enum"] == list(LAWS)
+    needs_n_ref = _law_condition(schema, "n_ref")
+    assert needs_n_ref["if"]["properties"]["law"]["enum"] == [law.name for law in REGISTRY.values() if law.needs_n_ref]
+    no_slope = _law_condition(schema, "slope")
+    assert no_slope["if"]["properties"]["law"]["enum"] == [law.name for law in REGISTRY.values() if not law.has_slope]
+    assert no_slope["then"]["properties"]["slope"] == {"type": "null"}
+    calibration = schema["properties"]["calibration"]["anyOf"][1]["properties"]
+    assert calibration["estimator"]["enum"] == list(ESTIMATORS)
+    assert calibration["results"]["items"]["properties"]["estimator"]["enum"] == list(ESTIMATORS)
+    assert schema["properties"]["drafter"]["anyOf"][1]["properties"]["kind"]["pattern"] == DRAFTER_KIND_PATTERN
+
+
+@pytest.mark.parametrize("law", LAWS)
+def test_each_law_takes_the_parameters_its_registry_entry_says(schema, law):
+    """n_ref may be null and slope must be null exactly as the registry says, for the loader and the schema."""
+    entry = REGISTRY[law]
+    slope = 0.2 if entry.has_slope else None
+    ok = {"law": law, "n_ref": 64, "slope": slope, "top_k": 4}
+    ScaleSpec.from_dict(ok)
+    jsonschema.validate(ok, schema)
+    for change, valid in (({"n_ref": None}, not entry.needs_n_ref), ({"slope": 0.3 if slope is None else None}, False)):
+        bad = {**ok, **change}
+        if valid:
+            ScaleSpec.from_dict(bad)
+            jsonschema.validate(bad, schema)
+            continue
+        with pytest.raises(ValueError, match=f"spec field '{next(iter(change))}'"):
+            ScaleSpec.from_dict(bad)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    if entry.min_alpha_max > 0:
+        with pytest.raises(ValueError, match=f"{law} needs alpha_max >= "):
+            ScaleSpec.from_dict({**ok, "alpha_max": entry.min_alpha_max / 2})
+
+
+def test_any_drafter_kind_identifier_is_accepted(schema):
+    """Which kinds exist is calibrate's business: the spec takes any lowercase identifier."""
+    spec = full_spec(drafter=DrafterInfo(kind="medusa-2", path=None, num_layers=2, num_heads=3, num_kv_heads=1,
+                                         head_dim=16))
+    assert ScaleSpec.from_json(spec.to_json()).drafter.kind == "medusa-2"
+    jsonschema.validate(spec.to_dict(), schema)
 
 
 def test_law_specific_rules(schema):

@@ -188,6 +188,8 @@ def test_qwen_logn_is_log_linear_with_slope_one_over_ln_n_ref(n, n_ref):
     qwen = alpha_law("qwen-logn", n, n_ref=n_ref)
     linear = alpha_law("log-linear", n, n_ref=n_ref, slope=1 / np.log(n_ref))
     np.testing.assert_allclose(qwen, linear, rtol=1e-12)
+    # Qwen's own definition, max(1, ln n / ln n_ref): the two forms differ by rounding only (O(1) values).
+    np.testing.assert_allclose(qwen, np.maximum(1.0, np.log(n) / np.log(n_ref)), rtol=1e-14)
 
 
 @given(ns, st.floats(0.01, 2.0))
@@ -216,10 +218,12 @@ def test_constant_law_and_per_head_broadcast():
 
 
 def test_unknown_law_and_missing_parameters():
-    with pytest.raises(ValueError, match="unknown law 'logn'"):
+    with pytest.raises(ValueError, match="unknown law 'logn'; choose one of log-linear, "):
         alpha_law("logn", [1])
     with pytest.raises(ValueError, match="needs n_ref"):
         alpha_law("log-linear", [1], slope=0.1)
+    with pytest.raises(ValueError, match="'ssmax' needs a slope"):
+        alpha_law("ssmax", [1])
 
 
 @given(st.floats(0.01, 0.99), top_ks, n_refs, growth, st.floats(0.0, 2.0))

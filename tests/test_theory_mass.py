@@ -107,3 +107,23 @@ def test_row_stats_round_trip_and_concat(tmp_path):
         RowStats.concat([a, row_stats_from_logits(rng.normal(size=(1, 30)), k_max=3)])
     with pytest.raises(ValueError, match="cannot be read"):
         RowStats.load(tmp_path / "missing.npz")
+
+
+def test_concat_keeps_runs_apart_and_one_run_together():
+    rng = np.random.default_rng(1)
+
+    def part(seq, layer=0, rows=2):
+        return row_stats_from_logits(rng.normal(size=(rows, 30)), k_max=4, seq=seq, layer=layer)
+
+    # One run split by layer: sequence 3 spans both parts and keeps its id.
+    assert RowStats.concat([part(3, layer=0), part(3, layer=1)]).seq.tolist() == [3, 3, 3, 3]
+    # Two runs numbered alike: refused unless declared separate, then shifted past each other.
+    a, b = part([3, 7]), part([0, 5])
+    with pytest.raises(ValueError, match=r"same row twice \(sequence 3, layer 0, head 0, n 30\).*separate_runs=True"):
+        RowStats.concat([a, part([3, 3])])
+    c = part([0, 0])
+    joined = RowStats.concat([a, b, c], separate_runs=True)
+    assert joined.seq.tolist() == [3, 7, 8, 13, 14, 14]  # first run kept; order and gaps kept within a run
+    plain = RowStats.concat([a, b])  # ids {3, 7} and {0, 5} hold no common row: joined as they are
+    assert plain.seq.tolist() == [3, 7, 0, 5]
+    np.testing.assert_array_equal(joined.lse[:4], plain.lse)  # only the ids change
