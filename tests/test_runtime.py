@@ -406,7 +406,8 @@ def test_docstring_examples():
     """The runtime's doctests (pyproject's testpaths collect doctests from sharpdraft_theory only)."""
     import doctest
 
-    from sharpdraft_runtime import core
+    from sharpdraft_runtime import core, visible
 
-    result = doctest.testmod(core, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted >= 4 and result.failed == 0
+    for module, examples in ((core, 4), (visible, 5)):
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.attempted >= examples and result.failed == 0, module.__name__
