@@ -28,10 +28,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import sharpdraft_runtime as sr
 from calibrate.drafters.dflash import load_dflash
-from calibrate.drafters.tiny import tiny_target, write_tiny_dflash
 from calibrate.taps import attention_tap
 from sharpdraft_runtime import hf as runtime_hf
 from sharpdraft_theory import ScaleSpec
+
+from tiny_checkpoints import tiny_target, write_tiny_dflash
 
 SPEC = ScaleSpec(law="log-linear", n_ref=2, slope=0.5, top_k=1)  # identity limit 2: every call here counts
 PROBE = "sharpdraft-test-probe"
