@@ -98,9 +98,7 @@ def main() -> None:
     drafter = load_drafter(args.drafter, args.drafter_path, args.target_path, device, dtype)
     print(f"loaded {args.drafter} drafter in {time.perf_counter() - started:.1f} s on {device} ({dtype}); "
           f"torch threads {torch.get_num_threads()}")
-    eos = getattr(drafter, "eos_token_id", None)
-    sequences = list(pack(args.corpus, drafter.tokenize, [eos] if eos is not None else drafter.tokenize("\n\n"),
-                          args.max_length, limit=args.sequences))
+    sequences = list(pack(args.corpus, drafter.tokenize, drafter.eos_token_id, args.max_length, limit=args.sequences))
     grid = log_grid(args.max_length)
     collector = RowCollector(grid, chunk=args.chunk)
     positions = torch.as_tensor(grid - 1)

@@ -13,6 +13,8 @@ from rich.table import Table
 
 from sharpdraft_theory.estimators import ESTIMATOR_CHOICES, get_estimator
 
+from .drafters import kind_names
+
 __all__ = ["calibrate"]
 
 console = Console()
@@ -21,7 +23,7 @@ console = Console()
 def calibrate(
     *,
     out: Annotated[Path, typer.Option("--out", help="Where to write the scale spec (JSON).")],
-    drafter: Annotated[str, typer.Option(help="Drafter kind: hf, pard, eagle3 or dflash.")] = "hf",
+    drafter: Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names())}.")] = "hf",
     drafter_path: Annotated[Optional[str], typer.Option(
         "--drafter-path", help="Drafter checkpoint folder, .gguf file or hub id (default: built-in SmolLM2 for hf).")] = None,
     target_path: Annotated[Optional[str], typer.Option(

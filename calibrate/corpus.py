@@ -14,10 +14,12 @@ a ``.jsonl`` file
 a folder
     every ``.txt`` and ``.jsonl`` file under it, in sorted path order.
 
-Packing: documents are tokenized in order, joined with the end-of-sequence token (or a blank
-line when the tokenizer has none), and cut into consecutive sequences of exactly ``max_length``
-tokens; the tail shorter than ``max_length`` is dropped. The same source, tokenizer and length
-always give the same sequences in the same order, which is what lets ``--resume`` continue a run.
+Packing (:func:`pack`, the one rule for calibration, evaluation and the demo head's training):
+documents are tokenized in order, joined with the end-of-sequence token (the tokens of a blank
+line only when the tokenizer has no such token), and cut into consecutive sequences of exactly
+``max_length`` tokens; the tail shorter than ``max_length`` is dropped. The same source, tokenizer
+and length always give the same sequences in the same order, which is what lets ``--resume``
+continue a run.
 """
 
 from __future__ import annotations
@@ -91,13 +93,15 @@ def _file_documents(file: Path) -> Iterator[str]:
             yield record["text"]
 
 
-def pack(source: str, tokenize: Callable[[str], list[int]], separator: list[int], max_length: int,
+def pack(source: str, tokenize: Callable[[str], list[int]], eos_token_id: int | None, max_length: int,
          limit: int | None = None) -> Iterator[list[int]]:
     """Token sequences of exactly ``max_length`` from ``source``, at most ``limit`` of them.
 
-    Tokenizes lazily: a large corpus is read only as far as the sequences asked for.
+    Documents are joined with ``eos_token_id`` (a drafter's ``eos_token_id``; None: the tokens of a
+    blank line). Tokenizes lazily: a large corpus is read only as far as the sequences asked for.
     Raises ``UserError`` when the corpus holds no full sequence.
     """
+    separator = [eos_token_id] if eos_token_id is not None else tokenize("\n\n")
     buffer: list[int] = []
     produced = 0
     seen = 0

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .drafters import drafter_kind, kind_names
 from .errors import UserError
 
 __all__ = ["eval_command", "plot_result"]
@@ -30,7 +31,7 @@ def _lengths(text: str) -> list[int]:
 
 def eval_command(
     *,
-    drafter: Annotated[str, typer.Option(help="Drafter kind: eagle3, hf or pard.")] = "eagle3",
+    drafter: Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names(evaluates=True))}.")] = "eagle3",
     drafter_path: Annotated[Optional[str], typer.Option(
         "--drafter-path", help="Drafter checkpoint (default: the built-in SmolLM2 demo head for eagle3).")] = None,
     target_path: Annotated[Optional[str], typer.Option(
@@ -67,6 +68,7 @@ def eval_command(
     from .drafters import load_drafter, resolve_device, resolve_dtype
     from .evaluate import default_spec, evaluate
 
+    drafter_kind(drafter, evaluates=True)
     edges = _lengths(lengths)
     if threads < 0:
         raise UserError(f"--threads {threads}: expected 0 (torch's default) or a positive count")
@@ -80,19 +82,13 @@ def eval_command(
     dev = resolve_device(device)
     with torch.inference_mode():
         d = load_drafter(drafter, drafter_path, target_path, dev, resolve_dtype(dtype, dev))
-        if drafter == "eagle3":
-            target = d.target
-        else:
-            from .drafters.eagle3 import load_target
-
-            target, _ = load_target(target_path, dev, resolve_dtype(dtype, dev))
         k = top_k or (loaded_spec.top_k if loaded_spec else 4)
         if loaded_spec is None:
             loaded_spec = default_spec(d.default_n_ref, k)
         elif loaded_spec.top_k != k:
             loaded_spec = ScaleSpec.from_dict({**loaded_spec.to_dict(), "top_k": k})
         progress = None if as_json else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
-        result = evaluate(d, target, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
+        result = evaluate(d, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, progress=progress)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)

@@ -53,7 +53,7 @@ class CalibrateOptions:
     """Everything ``sharpdraft calibrate`` takes (the CLI's options, same names)."""
 
     out: Path  # where the spec goes
-    drafter: str = "hf"  # hf, pard, eagle3 or dflash
+    drafter: str = "hf"  # a kind of calibrate.drafters.KINDS
     drafter_path: str | None = None  # checkpoint folder, .gguf file or hub id; None: built-in default
     target_path: str | None = None  # target model (eagle3, dflash) or tokenizer source (hf, pard)
     corpus: str = "pydoc"  # pydoc[:train|heldout|all], a .txt / .jsonl file or a folder
@@ -120,9 +120,7 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None, progress: Progress 
               "k_max": k_max, "grid": grid.tolist(), "alpha_grid": DEFAULT_ALPHA_GRID.tolist()}
     partial = _open_partial(partial_dir(opts.out), params, opts.resume, notes)
 
-    eos = getattr(drafter, "eos_token_id", None)
-    separator = [eos] if eos is not None else drafter.tokenize("\n\n")
-    sequences = list(pack(opts.corpus, drafter.tokenize, separator, max_length, limit=opts.sequences))
+    sequences = list(pack(opts.corpus, drafter.tokenize, drafter.eos_token_id, max_length, limit=opts.sequences))
     if len(sequences) < opts.sequences:
         notes.append(f"the corpus holds only {len(sequences)} sequences of {max_length} tokens "
                      f"(asked for {opts.sequences})")

@@ -1,16 +1,20 @@
-"""Attention taps for transformers models: see post-RoPE queries and keys, change nothing.
+"""Attention taps for transformers models: see post-RoPE queries and keys, and scale the queries.
 
 transformers dispatches every attention call of a modern model through ``AttentionInterface``
 (``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``) with the post-RoPE ``query``
 (batch, heads, q_len, head_dim) and ``key`` (batch, kv_heads, k_len, head_dim). We register one
-function, ``"sharpdraft-tap"``, that hands them to the active tap and then runs transformers' own
-``sdpa_attention_forward``, so the model's outputs are those of ``attn_implementation="sdpa"``
-bit for bit. The same name is registered with ``AttentionMaskInterface`` (sdpa's mask builder):
-an implementation without a mask function gets ``attention_mask=None``, which would silently
-drop padding masks. See https://huggingface.co/docs/transformers/attention_interface.
+function, ``"sharpdraft-tap"``, that hands them to the active tap, with the keys each query row
+sees (:func:`sharpdraft_runtime.visible_keys`, the count the runtime scales by), and then runs
+transformers' own ``sdpa_attention_forward``. A tap that returns nothing leaves the model's
+outputs those of ``attn_implementation="sdpa"`` bit for bit; one that returns a query (query
+scaling, :class:`ScalingTap`) has it attended instead. The same name is registered with
+``AttentionMaskInterface`` (sdpa's mask builder): an implementation without a mask function gets
+``attention_mask=None``, which would silently drop padding masks. See
+https://huggingface.co/docs/transformers/attention_interface.
 
 ``attention_tap(model, tap)`` switches a model to the tap for the duration of a ``with`` block
-and restores its previous implementation afterwards. hf, pard and DFlash drafters use it.
+and restores its previous implementation afterwards. hf, pard and DFlash drafters use it; the
+EAGLE-3 head calls the same kind of tap from its own attention.
 """
 
 from __future__ import annotations
@@ -23,32 +27,25 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from sharpdraft_runtime import query_hook, visible_keys
+from sharpdraft_theory import ScaleSpec
+
 from .drafters.base import AttentionTap
 
-__all__ = ["TAP_IMPLEMENTATION", "attention_tap", "visible_keys"]
+__all__ = ["TAP_IMPLEMENTATION", "attention_tap", "ScalingTap"]
 
 TAP_IMPLEMENTATION = "sharpdraft-tap"
 _ACTIVE: contextvars.ContextVar[AttentionTap | None] = contextvars.ContextVar("sharpdraft_tap", default=None)
 
 
-def visible_keys(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
-                 is_causal: bool) -> torch.LongTensor:
-    """Visible keys per query, shape (batch, q_len), for masks whose visible keys are a prefix.
-
-    ``attention_mask`` is what sdpa receives: None (then causal means bottom-right aligned, as
-    in prefill after a cache: query ``i`` sees ``k_len - q_len + i + 1`` keys), a boolean mask
-    (batch or 1, 1 or heads, q_len, k_len) with True = visible, or an additive float mask.
-    """
-    batch, _, q_len, _ = query.shape
-    k_len = key.shape[2]
-    if attention_mask is None:
-        if is_causal and q_len > 1:
-            n = torch.arange(k_len - q_len + 1, k_len + 1, device=query.device)
-        else:
-            n = torch.full((q_len,), k_len, device=query.device)
-        return n.expand(batch, q_len)
-    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    return visible[:, 0].sum(-1).expand(batch, q_len).long()  # (batch, q_len)
+def _rows(n: int | torch.Tensor, batch: int, q_len: int, device: torch.device) -> torch.LongTensor:
+    """``visible_keys``'s count as the tap's (batch, q_len); taps read one count per query row."""
+    n = torch.as_tensor(n, device=device)
+    if n.ndim == 3:
+        if n.shape[1] != 1:
+            raise ValueError("attention taps take one visible-key count per query row; this call has a per-head mask")
+        n = n[:, 0]
+    return n.expand(batch, q_len).long()
 
 
 def _tap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -56,10 +53,11 @@ def _tap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
                    **kwargs):
     tap = _ACTIVE.get()
     if tap is not None:
-        is_causal = kwargs.get("is_causal")
-        is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        n_visible = visible_keys(query, key, attention_mask, is_causal)
-        tap(module.layer_idx, query, key, query.shape[-1] ** -0.5 if scaling is None else scaling, n_visible)
+        n = visible_keys(query, key, attention_mask, is_causal=kwargs.get("is_causal"), module=module)
+        batch, _, q_len, _ = query.shape
+        replaced = tap(module.layer_idx, query, key, query.shape[-1] ** -0.5 if scaling is None else scaling,
+                       _rows(n, batch, q_len, query.device))
+        query = query if replaced is None else replaced
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 
@@ -82,3 +80,29 @@ def attention_tap(model, tap: AttentionTap):
     finally:
         model.set_attn_implementation(previous)
         _ACTIVE.reset(token)
+
+
+class ScalingTap:
+    """A tap that scales each query by the spec's ``alpha(n)``, then shows the scaled query to ``tap``.
+
+    The scaling is the runtime's own (:func:`sharpdraft_runtime.query_hook`, in place under
+    no-grad), with the ``n_visible`` the call carries, so a model run under this tap is the model
+    with the spec applied, and ``tap`` measures the queries that really attend. ``spec=None``
+    scales nothing. ``n_visible`` keeps the counts of the last call to layer 0: the visible keys
+    of each query row of the run, shape (batch, q_len).
+    """
+
+    def __init__(self, spec: ScaleSpec | None, tap: AttentionTap | None = None):
+        self.scale = None if spec is None else query_hook(spec)
+        self.tap = tap
+        self.n_visible: torch.Tensor | None = None
+
+    def __call__(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
+                 n_visible: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            query = self.scale(layer_idx, query, key, scaling, n_visible)
+        if layer_idx == 0:
+            self.n_visible = n_visible
+        if self.tap is not None:
+            self.tap(layer_idx, query, key, scaling, n_visible)
+        return query

@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from calibrate.corpus import pack
-from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head, feature_layer_ids, hidden_state_features
+from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head, feature_layer_ids
+from calibrate.drafters.target import eos_token_id, hidden_state_features
 from calibrate.smollm2 import load_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ def build_features(target, tokenizer, seq_len: int, limit: int, cache: Path) -> 
         log(f"features: reading {cache}")
         return torch.load(cache, weights_only=True)
     sequences = list(pack("pydoc:train", lambda t: tokenizer.encode(t, add_special_tokens=False),
-                          [tokenizer.eos_token_id], seq_len, limit))
+                          eos_token_id(tokenizer), seq_len, limit))
     num_layers = len(target.get_decoder().layers)
     ids = (*feature_layer_ids(num_layers), num_layers)
     tokens = torch.tensor(sequences)

@@ -26,8 +26,10 @@ from __future__ import annotations
 import torch
 from sharpdraft_theory import ScaleSpec, get_law
 
+from .visible import causal_n_visible, mask_n_visible, visible_keys
+
 __all__ = ["QueryScaler", "alpha_for", "scale_query_", "query_hook", "causal_n_visible", "mask_n_visible",
-           "flex_score_mod"]
+           "visible_keys", "flex_score_mod"]
 
 
 class QueryScaler:
@@ -185,85 +187,6 @@ def query_hook(spec: ScaleSpec | QueryScaler):
         return scalers[query.device].scale_query_(query, n_visible, layer_idx)
 
     return hook
-
-
-def causal_n_visible(q_len: int, past: int = 0, *, key_mask: torch.Tensor | None = None,
-                     sliding_window: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
-    """Visible keys of causal queries: ``n_i = past + i + 1``, less padding and keys outside the window.
-
-    Parameters
-    ----------
-    q_len : int
-        Queries in this forward (1 when decoding, the block length for a draft block).
-    past : int
-        Keys already in the cache before these queries.
-    key_mask : Tensor of shape (batch, past + q_len), optional
-        1/True for real keys, 0/False for padding (the tokenizer's ``attention_mask``); any
-        padding pattern, left padding included.
-    sliding_window : int, optional
-        A query at position ``p`` sees keys ``p - sliding_window < j <= p`` (transformers' convention).
-    device : torch.device or str, optional
-        Device of the result (default: that of ``key_mask``, else CPU).
-
-    Returns
-    -------
-    Tensor of shape (batch or 1, q_len), int64
-
-    Examples
-    --------
-    >>> causal_n_visible(3, past=2).tolist()
-    [[3, 4, 5]]
-    >>> causal_n_visible(2, past=1, key_mask=torch.tensor([[0, 1, 1]]), sliding_window=2).tolist()
-    [[1, 2]]
-    """
-    device = key_mask.device if key_mask is not None and device is None else device
-    pos = torch.arange(past, past + q_len, device=device)  # (q_len,) absolute positions
-    if key_mask is None:
-        n = pos + 1
-        return (n.clamp(max=sliding_window) if sliding_window is not None else n)[None]
-    seen = key_mask.to(torch.int64).cumsum(-1)  # (B, past + q_len): real keys at positions <= j
-    n = seen[:, pos]
-    if sliding_window is not None:
-        cut = pos - sliding_window  # keys at positions <= cut are outside the window
-        n = n - torch.where(cut >= 0, seen[:, cut.clamp(min=0)], 0)
-    return n
-
-
-def mask_n_visible(attention_mask: torch.Tensor, k_len: int | None = None) -> torch.Tensor:
-    """Visible keys per query row of a 4D attention mask (causal, cache, padding, window, blocks alike).
-
-    Parameters
-    ----------
-    attention_mask : Tensor of shape (batch, 1 or heads, q_len, >= k_len)
-        Boolean (True: the key is visible) or additive float (visible where the bias is above the
-        dtype's minimum, the value transformers uses for masked keys; ``-inf`` is masked too).
-    k_len : int, optional
-        Keys actually attended; a longer mask is cut to its first ``k_len`` columns.
-
-    Returns
-    -------
-    Tensor of shape (batch, 1 or heads, q_len), int32
-
-    Notes
-    -----
-    torch sums a boolean tensor by first casting all of it to int64 (8 bytes per mask entry). We
-    instead sum groups of 128 entries in uint8 (a group sums to at most 128, so no overflow),
-    then the group sums in int32: the temporaries are 1/128 and 1/32 of the mask's bytes, far
-    below the float copy of the mask that SDPA itself makes.
-    """
-    mask = attention_mask if k_len is None else attention_mask[..., :k_len]
-    if mask.dtype != torch.bool:
-        mask = mask > torch.finfo(mask.dtype).min
-    mask = mask.view(torch.uint8)
-    k = mask.shape[-1]
-    whole = k - k % _GROUP
-    n = mask[..., :whole].unflatten(-1, (whole // _GROUP, _GROUP)).sum(-1, dtype=torch.uint8).sum(-1, dtype=torch.int32)
-    if whole < k:
-        n += mask[..., whole:].sum(-1, dtype=torch.int32)
-    return n
-
-
-_GROUP = 128  # mask entries summed in uint8 before widening (must stay <= 255)
 
 
 def flex_score_mod(spec: ScaleSpec | QueryScaler, n_visible: torch.Tensor | int, layer: int | None = None):

@@ -10,15 +10,12 @@ The function wraps the implementation the model used before (``sdpa`` or ``eager
 the keys each query row sees, scales the query by ``alpha(n)`` (:mod:`sharpdraft_runtime.core`),
 and calls the wrapped implementation with everything else unchanged.
 
-Counting visible keys follows what the wrapped kernel attends:
-
-* an ``n_visible`` keyword argument of shape (batch, q_len), when the caller passes one (DFlash does);
-* a 4D mask (padding, sliding windows, cached prefill, draft blocks): keys allowed per row,
-  counted in each layer (two narrow reductions over the mask, see
-  :func:`~sharpdraft_runtime.core.mask_n_visible`; nothing is kept between layers, so no byte
-  outlives the layer's own temporaries);
-* no mask, SDPA, causal and ``q_len > 1``: SDPA's causal path (upper-left aligned), ``n_i = i + 1``;
-* no mask otherwise (decoding one token, non-causal blocks such as DFlash): every key, ``n = k_len``.
+Counting visible keys is :func:`~sharpdraft_runtime.visible.visible_keys` for the wrapped kernel:
+the keys a 4D mask allows (padding, sliding windows, cached prefill, draft blocks; counted in each
+layer with two narrow reductions over the mask, and nothing kept between layers, so no byte
+outlives the layer's own temporaries); without a mask, sdpa's causal path (upper-left aligned,
+``n_i = i + 1``) when causal with ``q_len > 1``, and otherwise every key (decoding one token,
+non-causal blocks such as DFlash's, eager attention).
 
 When every row sees one number of keys and the spec has no per-head slopes, ``alpha`` is folded
 into ``scaling`` instead (no tensor op at all); when ``k_len`` is within the spec's identity limit
@@ -37,12 +34,13 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .core import QueryScaler, mask_n_visible
+from .core import QueryScaler
+from .visible import IMPLEMENTATIONS, visible_keys
 
 __all__ = ["NAME", "WRAPPABLE", "enable", "disable", "is_enabled", "sharpdraft_attention", "sharpdraft_mask"]
 
 NAME = "sharpdraft"
-WRAPPABLE = ("sdpa", "eager")  # implementations whose mask semantics (4D bool / additive float) we count
+WRAPPABLE = IMPLEMENTATIONS  # the implementations whose visible keys visible_keys counts
 
 
 @dataclass
@@ -96,20 +94,6 @@ def _attention_fn(binding: _Binding, module: torch.nn.Module):
     return _EAGER[cls]
 
 
-def _n_visible(binding: _Binding, module, query: torch.Tensor, k_len: int, kwargs):
-    """Visible keys per row without a mask: an int shared by all rows, or a tensor of shape (B|1, q_len)."""
-    q_len = query.shape[-2]
-    if kwargs.get("n_visible") is not None:
-        return kwargs["n_visible"]  # (B, q_len), from a caller that knows its layout
-    causal = kwargs.get("is_causal")
-    causal = causal if causal is not None else getattr(module, "is_causal", True)
-    if binding.wrapped == "sdpa" and causal and q_len > 1:
-        # Mirrors sdpa_attention_forward: no mask and q_len > 1 means SDPA's is_causal path, which is
-        # upper-left aligned (it crops the keys to q_len when a static cache is longer).
-        return torch.arange(1, q_len + 1, device=query.device)
-    return k_len
-
-
 def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          **kwargs):
@@ -141,16 +125,12 @@ def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     scaler = binding.scaler(query.device)
     if k_len > scaler.identity_limit:
         layer = getattr(module, "layer_idx", None)
-        if attention_mask is not None and kwargs.get("n_visible") is None:
-            if attention_mask.ndim != 4:
-                raise RuntimeError(f"{NAME} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
-            query = scaler.scale_query_(query, mask_n_visible(attention_mask, k_len), layer)
+        n = visible_keys(query, key, attention_mask, is_causal=kwargs.get("is_causal"), module=module,
+                         implementation=binding.wrapped)
+        if isinstance(n, int) and binding.spec.granularity != "head":
+            scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * binding.scalar_alpha(n, layer)
         else:
-            n = _n_visible(binding, module, query, k_len, kwargs)
-            if isinstance(n, int) and binding.spec.granularity != "head":
-                scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * binding.scalar_alpha(n, layer)
-            else:
-                query = scaler.scale_query_(query, n, layer)
+            query = scaler.scale_query_(query, n, layer)
     return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -20,12 +21,13 @@ from typer.testing import CliRunner
 
 from calibrate.cli import app
 from calibrate.collect import log_grid
-from calibrate.drafters import load_drafter
-from calibrate.drafters.tiny import tiny_target, write_tiny_dflash, write_tiny_eagle3
+from calibrate.drafters import KINDS, kind_names, load_drafter
 from calibrate.errors import UserError
 from calibrate.run import CalibrateOptions, partial_dir, run_calibration
 from sharpdraft_theory.spec import ScaleSpec
 from sharpdraft_theory.stats import RowStats
+
+from tiny_checkpoints import tiny_target, write_tiny_dflash, write_tiny_eagle3
 
 VOCAB = 260  # 256 byte tokens, <eos>, spare ids (PARD's token, DFlash's mask token)
 SHARPDRAFT = str(Path(sys.executable).with_name("sharpdraft"))
@@ -119,6 +121,24 @@ def test_feature_drafters_calibrate(tmp_path, ckpts, kind):
     assert spec.drafter.kind == kind and spec.drafter.num_layers == drafter.info.num_layers
     assert result.stats.n.max() > 64 and np.isfinite(spec.slope)
     assert set(result.stats.layer.tolist()) == set(range(drafter.info.num_layers))
+
+
+def test_every_kind_packs_with_eos_and_loads_its_target_on_demand(ckpts):
+    """One packing rule: every adapter joins documents with its tokenizer's EOS (<eos> = 256 here)."""
+    cpu, target = torch.device("cpu"), str(ckpts["target"])
+    drafters = {kind: load_drafter(kind, str(ckpts[kind]), target, cpu, torch.float32)
+                for kind in ("pard", "eagle3", "dflash")}
+    assert {kind: d.eos_token_id for kind, d in drafters.items()} == {"pard": 256, "eagle3": 256, "dflash": 256}
+    assert drafters["pard"].target.config.num_hidden_layers == 8  # the --target-path model, loaded when asked for
+    with pytest.raises(UserError, match="--target-path /no/such/dir: no such file or folder"):
+        load_drafter("eagle3", str(ckpts["eagle3"]), "/no/such/dir", cpu, torch.float32)
+
+
+def test_every_registered_kind_has_an_adapter():
+    for name, kind in KINDS.items():
+        module = importlib.import_module(f"calibrate.drafters.{kind.module}")
+        assert callable(module.load), name
+    assert kind_names(evaluates=True) == ["hf", "pard", "eagle3"]
 
 
 def _corrupt(src: Path, dst: Path, how: str) -> Path:

@@ -28,7 +28,7 @@ def test_missing_weights_say_what_was_looked_for(monkeypatch):
 @pytest.fixture(scope="module")
 def drafter():
     model, tokenizer = smollm2.load_smollm2("cpu", torch.float32)
-    return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=smollm2.SMOLLM2_N_REF)
+    return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=smollm2.SMOLLM2_N_REF, target=model)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from calibrate.collect import RowCollector, log_grid, reduce_rows
 from calibrate.errors import UserError
-from calibrate.taps import TAP_IMPLEMENTATION, attention_tap, visible_keys
+from calibrate.taps import TAP_IMPLEMENTATION, attention_tap
 from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, row_stats_from_logits
 
 # Tolerances of the fp32 reduction against float64 on the same query/key values (logits up to
@@ -116,17 +116,6 @@ def test_tap_restores_implementation_after_an_error():
     with pytest.raises(RuntimeError, match="boom"), attention_tap(model, boom):
         model(torch.randint(0, 97, (1, 10)))
     assert model.config._attn_implementation == "sdpa"
-
-
-def test_visible_keys_from_masks():
-    q = torch.zeros(1, 2, 3, 4)
-    k = torch.zeros(1, 1, 5, 4)
-    assert visible_keys(q, k, None, True).tolist() == [[3, 4, 5]]  # prefill after 2 cached keys
-    assert visible_keys(q, k, None, False).tolist() == [[5, 5, 5]]
-    mask = torch.tril(torch.ones(3, 5, dtype=torch.bool), diagonal=2)[None, None]
-    assert visible_keys(q, k, mask, True).tolist() == [[3, 4, 5]]
-    additive = torch.where(mask, 0.0, torch.finfo(torch.float32).min)
-    assert visible_keys(q, k, additive, True).tolist() == [[3, 4, 5]]
 
 
 def test_collector_keeps_grid_rows_of_every_layer_and_head():

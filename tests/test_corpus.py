@@ -71,12 +71,19 @@ def test_bad_paths(tmp_path):
 def test_pack_cuts_exact_sequences_with_separators(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text("\n".join(json.dumps({"text": t}) for t in ["abcde", "fgh", "ijklmnop"]), encoding="utf-8")
-    seqs = list(pack(str(path), _chars, [0], 4))
+    seqs = list(pack(str(path), _chars, 0, 4))
     flat = _chars("abcde") + [0] + _chars("fgh") + [0] + _chars("ijklmnop")
     assert seqs == [flat[i:i + 4] for i in range(0, len(flat) - 3, 4)]
     assert all(len(s) == 4 for s in seqs)
-    assert list(pack(str(path), _chars, [0], 4, limit=2)) == seqs[:2]
-    assert list(pack(str(path), _chars, [0], 4)) == seqs  # deterministic
+    assert list(pack(str(path), _chars, 0, 4, limit=2)) == seqs[:2]
+    assert list(pack(str(path), _chars, 0, 4)) == seqs  # deterministic
+
+
+def test_pack_joins_with_a_blank_line_only_without_eos(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in ["abcde", "fgh"]), encoding="utf-8")
+    assert list(pack(str(path), _chars, None, 10)) == [_chars("abcde\n\nfgh")]
+    assert list(pack(str(path), _chars, 7, 9)) == [_chars("abcde") + [7] + _chars("fgh")]
 
 
 def test_pack_reads_lazily():
@@ -86,7 +93,7 @@ def test_pack_reads_lazily():
         read.append(text)
         return _chars(text)
 
-    first = next(iter(pack("pydoc", tokenize, [0], 64, limit=1)))
+    first = next(iter(pack("pydoc", tokenize, 0, 64, limit=1)))
     assert len(first) == 64 and len(read) < 5
 
 
@@ -94,8 +101,8 @@ def test_empty_or_short_corpus_is_a_user_error(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("   \n", encoding="utf-8")
     with pytest.raises(UserError, match="holds no text"):
-        list(pack(str(empty), _chars, [0], 8))
+        list(pack(str(empty), _chars, 0, 8))
     short = tmp_path / "short.txt"
     short.write_text("abc", encoding="utf-8")
     with pytest.raises(UserError, match="its 3 tokens do not fill one sequence of --max-length 8"):
-        list(pack(str(short), _chars, [0], 8))
+        list(pack(str(short), _chars, 0, 8))

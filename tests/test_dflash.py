@@ -15,9 +15,12 @@ from safetensors.torch import load_file
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from calibrate.drafters.dflash import (DFlashConfig, DFlashDrafter, context_features, load_dflash)
-from calibrate.drafters.tiny import corrupt_checkpoint, tiny_target, write_tiny_dflash
+from calibrate.drafters import dflash
+from calibrate.drafters.dflash import DFlashConfig, DFlashDrafter, context_features, load_dflash
 from calibrate.errors import UserError
+from sharpdraft_runtime import visible_keys
+
+from tiny_checkpoints import corrupt_checkpoint, tiny_target, write_tiny_dflash
 
 T, BS = 20, 4
 MASK = 255
@@ -216,7 +219,9 @@ def test_registered_query_scaling_equals_scaled_softmax(model, target, input_ids
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def scaled(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        query = query * alpha_law(kwargs["n_visible"])[:, None, :, None].to(query.dtype)
+        n = visible_keys(query, key, attention_mask, is_causal=kwargs.get("is_causal"), module=module)
+        assert n == p + BS  # a non-causal block: every query sees the context and the whole block
+        query = query * alpha_law(torch.tensor(float(n)))
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
     AttentionInterface.register("test_dflash_scaled", scaled)
@@ -239,4 +244,4 @@ def test_adapter_identity(model, target):
     assert d.kind == "dflash" and d.default_n_ref == 3072
     assert (d.info.num_layers, d.info.num_heads, d.info.num_kv_heads, d.info.head_dim) == (2, 4, 2, 16)
     with pytest.raises(UserError, match="no built-in drafter"):
-        DFlashDrafter.load(None)
+        dflash.load("dflash", None, None, torch.device("cpu"), torch.float32)

@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from calibrate.drafters import eagle3
 from calibrate.drafters.eagle3 import (Eagle3Config, Eagle3Drafter, feature_layer_ids, load_eagle3_head,
                                        target_features)
-from calibrate.drafters.tiny import corrupt_checkpoint, tiny_target, write_tiny_eagle3
 from calibrate.errors import UserError
+
+from tiny_checkpoints import corrupt_checkpoint, tiny_target, write_tiny_eagle3
 
 T = 24  # tokens per test sequence
 
@@ -226,7 +227,7 @@ def test_adapter_identity(head, target):
 def test_missing_demo_head_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setattr(eagle3, "DEMO_HEAD_DIR", tmp_path / "eagle3-smollm2")
     with pytest.raises(UserError, match="demo EAGLE-3 head for SmolLM2 is missing"):
-        Eagle3Drafter.load(None, None)
+        eagle3.load("eagle3", None, None, torch.device("cpu"), torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,11 +13,13 @@ from typer.testing import CliRunner
 from calibrate.cli import app
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
 from calibrate.drafters.hf import CausalLMDrafter
-from calibrate.drafters.tiny import tiny_target, write_tiny_eagle3
 from calibrate.errors import UserError
 from calibrate.eval_cmd import plot_result
 from calibrate.evaluate import MassMeter, bucket_edges, default_spec, evaluate
+from calibrate.taps import ScalingTap
 from sharpdraft_theory import ScaleSpec
+
+from tiny_checkpoints import tiny_target, write_tiny_eagle3
 
 LENGTHS = [32, 64, 128]  # the tiny head's n_ref is 64
 
@@ -64,7 +66,7 @@ SPEC = ScaleSpec(law="log-linear", n_ref=64, slope=0.5, top_k=2)
 
 @pytest.fixture(scope="module")
 def eagle3_result(eagle3, corpus):
-    return evaluate(eagle3, eagle3.target, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=2,
+    return evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=2,
                     rows_per_bucket=16, speculative=True, new_tokens=8, num_draft=3)
 
 
@@ -91,27 +93,31 @@ def test_no_change_at_or_below_n_ref(eagle3_result):
     assert last["spec"]["mass"] > last["none"]["mass"]  # sharper queries, more mass on the top keys
 
 
-def test_mass_meter_alpha_equals_scaled_query():
-    """Scaling a row's logits by alpha(n) (meter with spec) equals measuring the scaled query."""
+def test_scaling_tap_shows_the_meter_the_scaled_query():
+    """Through ScalingTap the meter measures alpha(n) q, alpha from the theory's float64 law."""
     g = torch.Generator().manual_seed(0)
     query, key = torch.randn(1, 4, 100, 8, generator=g), torch.randn(1, 2, 100, 8, generator=g)
     n_visible = torch.arange(1, 101)[None]
     spec = ScaleSpec(law="log-linear", n_ref=16, slope=0.7, top_k=2)
     edges = bucket_edges([16, 64, 100])
-    analytic = MassMeter(edges, 2, rows_per_bucket=10, spec=spec)
-    analytic(0, query, key, 0.35, n_visible)
+    tapped, manual, plain = (MassMeter(edges, 2, rows_per_bucket=10) for _ in range(3))
+    tap = ScalingTap(spec, tapped)
+    tap(0, query.clone(), key, 0.35, n_visible)
     alpha = torch.as_tensor(spec.alpha(n_visible[0].numpy()), dtype=torch.float32)
-    measured = MassMeter(edges, 2, rows_per_bucket=10)
-    measured(0, query * alpha[None, None, :, None], key, 0.35, n_visible)
-    a, m = analytic.result(), measured.result()
-    # float32 logits of the scaled query against float64 scaling of float32 logits
-    np.testing.assert_allclose([a[b] for b in a], [m[b] for b in m], rtol=1e-5)
+    manual(0, query * alpha[None, None, :, None], key, 0.35, n_visible)
+    plain(0, query, key, 0.35, n_visible)
+    t, m, p = tapped.result(), manual.result(), plain.result()
+    # the same float32 product up to the last ulp of alpha (torch's log against numpy's)
+    np.testing.assert_allclose([t[b] for b in t], [m[b] for b in m], rtol=1e-5)
+    assert t[0] == p[0] and t[2] > p[2]  # alpha = 1 up to n_ref = 16, sharper beyond: this test can fail
+    assert torch.equal(tap.n_visible, n_visible)
 
 
 def test_causal_lm_drafter(corpus):
     target = tiny_target(0)
-    drafter = CausalLMDrafter(tiny_target(3), ByteTokenizer(), kind="hf", path="tiny", default_n_ref=64)
-    r = evaluate(drafter, target, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
+    drafter = CausalLMDrafter(tiny_target(3), ByteTokenizer(), kind="hf", path="tiny", default_n_ref=64,
+                              target=target)
+    r = evaluate(drafter, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
                  speculative=True, new_tokens=6, num_draft=2)
     assert r["speculative"]["outputs_identical"] is True
     first = r["buckets"][0]
@@ -134,6 +140,8 @@ def test_plot(eagle3_result, tmp_path):
     (["--lengths", "256,abc"], "comma-separated integers"),
     (["--lengths", "1"], ">= 2"),
     (["--plot", "out.pdf"], "give a .png"),
+    (["--drafter", "dflash"], "--drafter dflash: eval supports hf, pard, eagle3"),
+    (["--drafter", "medusa"], "--drafter medusa: expected one of hf, pard, eagle3, dflash"),
 ])
 def test_cli_user_errors(args, message):
     result = CliRunner().invoke(app, ["eval", *args])
@@ -143,4 +151,4 @@ def test_cli_user_errors(args, message):
 
 def test_skip_past_the_corpus(eagle3, corpus):
     with pytest.raises(UserError, match="--skip 50"):
-        evaluate(eagle3, eagle3.target, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, skip=50)
+        evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, skip=50)

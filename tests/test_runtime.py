@@ -390,7 +390,7 @@ def test_enable_rejects_bad_inputs():
 def test_enable_on_dflash_matches_reference(tmp_path, wrapped):
     """calibrate's DFlash drafter: own dataclass config, non-causal blocks over context + block keys."""
     from calibrate.drafters.dflash import load_dflash
-    from calibrate.drafters.tiny import tiny_target, write_tiny_dflash
+    from tiny_checkpoints import tiny_target, write_tiny_dflash
 
     target = tiny_target(num_layers=6)
     model = load_dflash(write_tiny_dflash(tmp_path, target, block_size=4), target).eval()
@@ -415,7 +415,7 @@ def test_enable_on_dflash_matches_reference(tmp_path, wrapped):
 def test_query_hook_on_eagle3_head(tmp_path):
     """calibrate's EAGLE-3 head exposes a query hook; query_hook applies the same core through it."""
     from calibrate.drafters.eagle3 import load_eagle3_head
-    from calibrate.drafters.tiny import tiny_target, write_tiny_eagle3
+    from tiny_checkpoints import tiny_target, write_tiny_eagle3
 
     target = tiny_target(num_layers=6)
     head = load_eagle3_head(write_tiny_eagle3(tmp_path, target), target).eval()
@@ -439,7 +439,8 @@ def test_docstring_examples():
     """The runtime's doctests (pyproject's testpaths collect doctests from sharpdraft_theory only)."""
     import doctest
 
-    from sharpdraft_runtime import core
+    from sharpdraft_runtime import core, visible
 
-    result = doctest.testmod(core, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted >= 4 and result.failed == 0
+    for module, examples in ((core, 4), (visible, 5)):
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.attempted >= examples and result.failed == 0, module.__name__

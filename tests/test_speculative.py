@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibrate.drafters.eagle3 import load_eagle3_head
-from calibrate.drafters.tiny import tiny_target, write_tiny_eagle3
-from calibrate.speculative import (CausalLMChainDrafter, Eagle3ChainDrafter, greedy_generate,
-                                   speculative_generate)
+from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
+from calibrate.drafters.hf import CausalLMChainDrafter
+from calibrate.speculative import greedy_generate, speculative_generate
 from sharpdraft_theory import ScaleSpec
+
+from tiny_checkpoints import tiny_target, write_tiny_eagle3
 
 SPEC = ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=2)
 
@@ -34,6 +35,11 @@ def head(target, tmp_path_factory):
     return load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target)
 
 
+@pytest.fixture(scope="module")
+def eagle3(head, target):
+    return Eagle3Drafter(head, target, tokenizer=None)
+
+
 def prompts(vocab: int):
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab, (1, n), generator=g) for n in (2, 7, 30)]
@@ -41,10 +47,10 @@ def prompts(vocab: int):
 
 @pytest.mark.parametrize("num_draft", [1, 4])
 @pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "spec"])
-def test_eagle3_equals_greedy(target, head, num_draft, spec):
+def test_eagle3_equals_greedy(target, eagle3, num_draft, spec):
     for prompt in prompts(target.config.vocab_size):
         reference = greedy_generate(target, prompt, 17).tokens
-        drafter = Eagle3ChainDrafter(head, target.config.num_hidden_layers, spec)
+        drafter = eagle3.chain_drafter(spec)
         out = speculative_generate(target, drafter, prompt, 17, num_draft)
         assert out.tokens == reference
         assert all(0 <= a <= num_draft for a in out.accepted)
@@ -73,10 +79,10 @@ def test_self_drafting_accepts_everything(target):
     assert out.acceptance_length == 5.0
 
 
-def test_eagle3_head_cache_matches_full_pass(target, head):
+def test_eagle3_head_cache_matches_full_pass(target, head, eagle3):
     """After decoding, the head's cached rows equal a fresh teacher-forced pass over the output."""
     prompt = prompts(target.config.vocab_size)[2]
-    drafter = Eagle3ChainDrafter(head, target.config.num_hidden_layers)
+    drafter = eagle3.chain_drafter(None)
     out = speculative_generate(target, drafter, prompt, 12, 3)
     full = torch.cat((prompt, torch.tensor([out.tokens[:-1]])), dim=1)
     from calibrate.drafters.eagle3 import target_features
@@ -95,11 +101,11 @@ def test_bad_num_draft(target):
 @pytest.mark.slow
 def test_smollm2_demo_head_equals_greedy():
     """The real target and the packaged demo head: identical output, and some drafts accepted."""
-    from calibrate.drafters.eagle3 import Eagle3Drafter
+    from calibrate.drafters import load_drafter
 
-    d = Eagle3Drafter.load()  # the head ships in the package: its absence is a failure
+    d = load_drafter("eagle3", None, None, torch.device("cpu"), torch.float32)  # the head ships: no skip
     prompt = torch.tensor([d.tokenize("The for statement is used to iterate over the elements of a sequence")])
     reference = greedy_generate(d.target, prompt, 12).tokens
-    out = speculative_generate(d.target, Eagle3ChainDrafter(d.head, d.target.config.num_hidden_layers), prompt, 12, 4)
+    out = speculative_generate(d.target, d.chain_drafter(None), prompt, 12, 4)
     assert out.tokens == reference
     assert out.acceptance_length > 1.0

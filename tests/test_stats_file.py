@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from calibrate.cli import app
-from calibrate.drafters.tiny import tiny_target
+from tiny_checkpoints import tiny_target
 from calibrate.plots import STANDARD_FIGURES, load_stats
 from sharpdraft_theory import __version__
 from test_calibrate import VOCAB, _write_tokenizer

@@ -1,34 +1,71 @@
-"""Drafter adapters, one small module per kind, loaded lazily by ``load_drafter``.
+"""Drafter adapters: the registry of kinds, one small module per kind, loaded lazily.
 
-==========  ===============================  ==============================================
-kind        module                           what runs
-==========  ===============================  ==============================================
-``hf``      ``calibrate.drafters.hf``        any ``AutoModelForCausalLM`` (default: SmolLM2)
-``pard``    ``calibrate.drafters.hf``        a PARD drafter: a causal LM, same as ``hf``
-``eagle3``  ``calibrate.drafters.eagle3``    target features, then the EAGLE-3 head
-``dflash``  ``calibrate.drafters.dflash``    target features, then DFlash blocks
-==========  ===============================  ==============================================
+``KINDS`` is the one list of drafter kinds: the CLI's help and validation, ``load_drafter`` and
+``sharpdraft eval`` all read it. Adding a kind is one adapter module under this package, whose
+``load(kind, drafter_path, target_path, device, dtype)`` returns an object satisfying
+``calibrate.drafters.base.Drafter``, and one line in ``KINDS``.
 
-Each adapter satisfies ``calibrate.drafters.base.Drafter``.
+Shared pieces live beside the adapters: ``layers`` (RMSNorm, RoPE, attention), ``checkpoint``
+(config.json fields, weights with shape checks) and ``target`` (loading causal LMs and their
+tokenizers, reading a target's hidden states).
+
+This module imports no torch at import time, so the CLI can build its help from ``KINDS`` quickly.
 """
 
 from __future__ import annotations
 
 import importlib
-
-import torch
+from dataclasses import dataclass
 
 from ..errors import UserError
 
-__all__ = ["KINDS", "load_drafter", "resolve_device", "resolve_dtype"]
-
-KINDS = ("hf", "pard", "eagle3", "dflash")
-_CLASSES = {"eagle3": "Eagle3Drafter", "dflash": "DFlashDrafter"}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["DrafterKind", "KINDS", "drafter_kind", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
 
 
-def resolve_device(device: str) -> torch.device:
+@dataclass(frozen=True)
+class DrafterKind:
+    """One drafter kind: where its adapter lives and what it supports."""
+
+    module: str  # adapter module in this package; it defines load(kind, drafter_path, target_path, device, dtype)
+    runs: str  # what runs, in a few words (CLI help and docs)
+    evaluates: bool  # has teacher_forced and chain_drafter, so sharpdraft eval supports it
+
+
+KINDS: dict[str, DrafterKind] = {
+    "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True),
+    "pard": DrafterKind("hf", "a PARD drafter, run as the causal LM it is", evaluates=True),
+    "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head)",
+                          evaluates=True),
+    "dflash": DrafterKind("dflash", "target features, then DFlash blocks", evaluates=False),
+}
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def kind_names(*, evaluates: bool = False) -> list[str]:
+    """Names of the kinds (only those ``sharpdraft eval`` supports with ``evaluates``), in registry order."""
+    return [name for name, kind in KINDS.items() if kind.evaluates or not evaluates]
+
+
+def drafter_kind(name: str, *, evaluates: bool = False) -> DrafterKind:
+    """The registry entry of ``--drafter name``; a ``UserError`` for an unknown kind, and with
+    ``evaluates`` for a kind that ``sharpdraft eval`` does not support."""
+    if name not in KINDS:
+        raise UserError(f"--drafter {name}: expected one of {', '.join(KINDS)}")
+    if evaluates and not KINDS[name].evaluates:
+        raise UserError(f"--drafter {name}: eval supports {', '.join(kind_names(evaluates=True))}")
+    return KINDS[name]
+
+
+def load_drafter(kind: str, drafter_path: str | None, target_path: str | None, device, dtype):
+    """Load a drafter of ``kind`` (``None`` paths mean the built-in defaults) on ``device`` in ``dtype``."""
+    module = importlib.import_module(f"{__name__}.{drafter_kind(kind).module}")
+    return module.load(kind, drafter_path, target_path, device, dtype)
+
+
+def resolve_device(device: str):
     """``auto`` is CUDA when present, else CPU; ``cuda`` without a GPU is a ``UserError``."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -39,28 +76,12 @@ def resolve_device(device: str) -> torch.device:
         raise UserError(f"--device {device}: expected auto, cpu or cuda[:N]") from None
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device):
     """Weight dtype: ``auto`` is bfloat16 on CUDA and float32 on CPU (statistics are always fp32)."""
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
         raise UserError(f"--dtype {dtype}: expected auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def load_drafter(kind: str, drafter_path: str | None, target_path: str | None, device: torch.device,
-                 dtype: torch.dtype):
-    """Load a drafter of ``kind`` (see the table above); ``None`` paths mean the built-in defaults."""
-    if kind not in KINDS:
-        raise UserError(f"--drafter {kind}: expected one of {', '.join(KINDS)}")
-    if kind in ("hf", "pard"):
-        from . import hf
-
-        return hf.load(kind, drafter_path, target_path, device, dtype)
-    try:
-        module = importlib.import_module(f"{__name__}.{kind}")
-    except ModuleNotFoundError as err:
-        if err.name != f"{__name__}.{kind}":
-            raise
-        raise UserError(f"--drafter {kind}: this sharpdraft build has no {kind} adapter") from None
-    return getattr(module, _CLASSES[kind]).load(drafter_path, target_path, device, dtype)
+    return getattr(torch, dtype)

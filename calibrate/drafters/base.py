@@ -1,26 +1,37 @@
 """What every drafter adapter provides, and the attention tap it calls.
 
-An adapter loads one kind of drafter (and its target, for feature-based drafters), runs it over
-a token sequence, and hands each attention layer's post-RoPE queries and keys to a tap. The tap
-decides which query rows to keep and reduces them to statistics at once (``calibrate.collect``),
-so no adapter ever holds an n x n attention matrix.
+An adapter loads one kind of drafter (and its target, for feature-based drafters) and runs it over
+a token sequence in the ways the commands need:
+
+* ``collect`` (``sharpdraft calibrate``): hand each attention layer's post-RoPE queries and keys
+  to a tap, which keeps the query rows it wants and reduces them to statistics at once
+  (``calibrate.collect``), so no adapter ever holds an n x n attention matrix;
+* ``teacher_forced`` and ``chain_drafter`` (``sharpdraft eval``, for the kinds whose registry entry
+  says ``evaluates``): the drafter's greedy guesses over a text the target wrote, with and without
+  query scaling, and chain drafting for greedy speculative decoding (``calibrate.speculative``).
+
+Documents are packed for every command by one rule (``calibrate.corpus.pack``): joined with the
+adapter's ``eos_token_id``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import DrafterInfo
 
-__all__ = ["AttentionTap", "Drafter"]
+__all__ = ["AttentionTap", "Drafter", "ChainDrafter", "TeacherForced"]
 
 
 class AttentionTap(Protocol):
     def __call__(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
-                 n_visible: torch.Tensor) -> None:
-        """Receive one attention call.
+                 n_visible: torch.Tensor) -> torch.Tensor | None:
+        """Receive one attention call, before its logits are formed.
 
         Parameters
         ----------
@@ -33,20 +44,58 @@ class AttentionTap(Protocol):
         scaling : float
             Softmax scale (``head_dim ** -0.5`` unless the model says otherwise).
         n_visible : LongTensor, shape (batch, q_len)
-            Keys each query may attend to; the visible keys of query ``i`` are the first
-            ``n_visible[b, i]`` positions of ``key`` for causal attention, or all of them for
-            non-causal blocks (then ``n_visible == k_len``).
+            Keys each query attends to (:func:`sharpdraft_runtime.visible_keys`). In the layouts
+            that calibration and eval run (one unpadded sequence, causal rows or non-causal
+            blocks, no sliding window) they are the first ``n_visible[b, i]`` positions of ``key``.
+
+        Returns
+        -------
+        None, or a Tensor of the shape of ``query``
+            None leaves the call as it is (after any in-place change of ``query``); a tensor is
+            attended in place of ``query`` (query scaling).
         """
 
 
+@dataclass(frozen=True)
+class TeacherForced:
+    """The drafter's greedy guesses over a text, next to the target's, one row per query row."""
+
+    n_visible: torch.Tensor  # (rows,) keys the row's query sees in the drafter's attention
+    target_next: torch.Tensor  # (rows,) the target's greedy token at the row's place in the text
+    drafted: torch.Tensor  # (runs, rows) the drafter's greedy token (target vocabulary), one row per run
+
+
+class ChainDrafter(Protocol):
+    """Chain drafting for greedy speculative decoding (``calibrate.speculative.speculative_generate``).
+
+    State: committed tokens ``x_0 .. x_N``; ``x_N`` (the target's last choice) is pending.
+    """
+
+    feature_ids: tuple[int, ...] | None  # target hidden_states the drafter reads; None: none
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor | None, pending: int) -> None:
+        """Begin after ``prompt`` (1, N) with its target features (1, N, ·) and the pending token."""
+
+    def draft(self, k: int) -> list[int]:
+        """``k`` greedy drafts (target vocabulary) following the pending token."""
+
+    def commit(self, new: list[int], features: torch.Tensor | None) -> None:
+        """The target accepted ``new`` (accepted drafts then its own choice, now pending);
+        ``features`` (1, len(new), ·) of the pending token and the accepted drafts."""
+
+    def close(self) -> None:
+        """Undo anything done to shared models (runtime bindings)."""
+
+
 class Drafter(Protocol):
-    kind: str  # hf, pard, eagle3 or dflash
+    kind: str  # a key of calibrate.drafters.KINDS
     info: DrafterInfo  # identity and attention shape, recorded in the spec
     default_n_ref: int  # the drafter's training context length (from its config or a documented preset)
-    device: torch.device
+    device: torch.device  # where input ids go
+    eos_token_id: int | None  # joins documents when a corpus is packed; None when the tokenizer has none
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` in the drafter's (or its target's) vocabulary."""
+        """Token ids of ``text`` in the drafter's (or its target's) vocabulary, without special tokens."""
 
     def collect(self, input_ids: torch.Tensor, tap: AttentionTap, positions: torch.Tensor) -> None:
         """Run the drafter over ``input_ids`` (shape (1, T)) and call ``tap`` for every attention layer.
@@ -55,3 +104,15 @@ class Drafter(Protocol):
         wants; causal drafters may run the whole prefill and let the tap select rows, block
         drafters (DFlash) place one block at each position.
         """
+
+    # Kinds that evaluate (``KINDS[kind].evaluates``) also provide:
+
+    target: torch.nn.Module  # the target model the drafter drafts for
+
+    def teacher_forced(self, input_ids: torch.Tensor,
+                       runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]]) -> TeacherForced:
+        """The target once over ``input_ids`` (1, T), then the drafter once per ``(spec, tap)``, its
+        queries scaled by ``spec`` (None: unscaled) and shown, scaled, to ``tap``."""
+
+    def chain_drafter(self, spec: ScaleSpec | None) -> ChainDrafter:
+        """A chain drafter with ``spec`` applied (None: unscaled); call its ``close`` when done."""

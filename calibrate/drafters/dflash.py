@@ -22,8 +22,9 @@ KV cache keeps them between steps. The output goes through ``norm`` and the targ
 Attention is dispatched through transformers' ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
 (default ``"sdpa"``; ``"eager"`` is a plain-math path) with the signature
 ``fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs)``; ``module``
-has ``layer_idx`` and ``is_causal = False`` and ``kwargs["n_visible"]`` holds the (B, q) visible key
-counts, so a registered function sees post-RoPE queries and keys (and may scale the queries).
+has ``layer_idx`` and ``is_causal = False``, so a registered function sees post-RoPE queries and
+keys (and may scale the queries), and ``sharpdraft_runtime.visible_keys`` counts every key as
+visible to every block query, as the non-causal attention without a mask computes.
 Checked against z-lab/dflash ``dflash/model.py``; ``docs/drafters.md`` lists what was verified.
 """
 
@@ -36,13 +37,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from calibrate.errors import UserError
 from sharpdraft_theory.spec import DrafterInfo
 
-from .eagle3 import (GatedMLP, RMSNorm, apply_rope, attention, check_and_fill, config_field, hidden_state_features,
-                     load_target, read_config, read_weights, rope_cos_sin)
+from ..errors import UserError
+from ..taps import attention_tap
+from .base import AttentionTap
+from .checkpoint import build, config_field, read_config, read_weights
+from .layers import GatedMLP, RMSNorm, apply_rope, attention, rope_cos_sin
+from .target import eos_token_id, hidden_state_features, load_target
 
-__all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load_dflash", "context_features",
+__all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load", "load_dflash", "context_features",
            "DFLASH_DEFAULT_N_REF"]
 
 # DFlash's training length is not in its config.json (max_position_embeddings is copied from the
@@ -278,13 +282,8 @@ class DFlashDraftModel(nn.Module):
 
         ``noise_embedding`` (B, q, H): the target's embedding of anchor + mask tokens (times
         ``input_embedding_scale``); ``position_ids`` (B, q); ``context`` from :meth:`encode_context`
-        cut to the block's prefix. Without a mask every query sees every key, so ``n_visible``
-        (passed to the attention function in ``kwargs``) is ``p + q`` for all rows.
+        cut to the block's prefix. Without a mask every query sees every key (``p + q`` of them).
         """
-        B, q, _ = noise_embedding.shape
-        if attention_mask is None and "n_visible" not in kwargs:
-            kwargs["n_visible"] = torch.full((B, q), context[0][0].shape[2] + q, dtype=torch.long,
-                                             device=noise_embedding.device)
         cos, sin = self._rope(position_ids, noise_embedding.dtype)
         h = noise_embedding
         for layer, ctx in zip(self.layers, context):
@@ -338,10 +337,7 @@ def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=Non
         if not 0 <= config.mask_token_id < tc.vocab_size:
             raise UserError(f"DFlash checkpoint {path}: mask_token_id {config.mask_token_id} is outside the "
                             f"target's vocabulary of {tc.vocab_size}")
-    with torch.device("meta"):
-        model = DFlashDraftModel(config)
-    model.load_state_dict(check_and_fill(model, weights, file, "DFlash"), assign=True)
-    return model.to(device=device, dtype=dtype).eval()
+    return build(lambda: DFlashDraftModel(config), weights, file, "DFlash", device=device, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,26 +360,14 @@ class DFlashDrafter:
                                 head_dim=c.head_dim)
         self.default_n_ref = DFLASH_DEFAULT_N_REF
         self.device = model.fc.weight.device
-
-    @classmethod
-    def load(cls, drafter_path: str, target_path: str | None = None, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
-        """Load the DFlash model at ``drafter_path`` and its target (None: SmolLM2, which has no
-        released DFlash drafter, so a real target path is normally needed)."""
-        if drafter_path is None:
-            raise UserError("DFlash has no built-in drafter; pass a DFlash checkpoint folder with --drafter-path")
-        if not Path(drafter_path).is_dir():
-            raise UserError(f"DFlash checkpoint {drafter_path}: not a directory")
-        target, tokenizer = load_target(target_path, device, dtype)
-        model = load_dflash(drafter_path, target, device=device, dtype=dtype)
-        return cls(model, target, tokenizer, str(drafter_path))
+        self.eos_token_id = None if tokenizer is None else eos_token_id(tokenizer)
 
     def tokenize(self, text: str) -> list[int]:
         """Target token ids of ``text``, without special tokens."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     @torch.no_grad()
-    def collect(self, input_ids: torch.Tensor, tap, positions: torch.Tensor) -> None:
+    def collect(self, input_ids: torch.Tensor, tap: AttentionTap, positions: torch.Tensor) -> None:
         """Place one block at each position ``p`` and call ``tap`` for every layer of every block.
 
         Context = target features of tokens ``[0, p)`` at positions ``0 .. p-1``; block = token ``p``
@@ -393,8 +377,6 @@ class DFlashDrafter:
         run one at a time, so keys are never padded. The tap is installed with
         ``calibrate.taps.attention_tap``, the function registered for every transformers drafter.
         """
-        from calibrate.taps import attention_tap  # registers the tap with transformers' AttentionInterface
-
         c = self.model.config
         input_ids = input_ids.to(self.device)
         T = input_ids.shape[1]
@@ -411,3 +393,15 @@ class DFlashDrafter:
                 noise = embed(block).to(dtype) * c.input_embedding_scale
                 self.model.forward_block(noise, torch.arange(p, p + c.block_size, device=self.device)[None],
                                          [(k[:, :, :p], v[:, :, :p]) for k, v in context])
+
+
+def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype) -> DFlashDrafter:
+    """Load the DFlash model at ``drafter_path`` and its target (``calibrate.drafters.target.load_target``;
+    None: SmolLM2, which has no released DFlash drafter, so a real target path is normally needed)."""
+    if drafter_path is None:
+        raise UserError("DFlash has no built-in drafter; pass a DFlash checkpoint folder with --drafter-path")
+    if not Path(drafter_path).is_dir():
+        raise UserError(f"DFlash checkpoint {drafter_path}: not a directory")
+    target, tokenizer = load_target(target_path, device, dtype)
+    model = load_dflash(drafter_path, target, device=device, dtype=dtype)
+    return DFlashDrafter(model, target, tokenizer, str(drafter_path))

