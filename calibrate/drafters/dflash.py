@@ -98,7 +98,15 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
         """Read the fields DFlash uses; raise UserError naming a missing, malformed or unsupported field."""
-        if any("DFlash2" in a for a in d.get("architectures") or ()):
+        if "speculators_model_type" in d:
+            raise UserError(f"{where}: vLLM speculators layout ({d['speculators_model_type']}: nested "
+                            f"transformer_layer_config, aux ids already offset) is not supported for DFlash yet")
+        arch = d.get("architectures") or ()
+        if any(a in ("DSparkDraftModel", "DominoDraftModel") for a in arch) or \
+                (d.get(_SECTION) or {}).get("projector_type") == "domino":
+            raise UserError(f"{where}: {list(arch)} is DSpark or Domino, a DFlash backbone with extra logit terms "
+                            f"that this loader does not run; refusing rather than loading it as plain DFlash")
+        if any("DFlash2" in a for a in arch):
             raise UserError(f"{where}: {d['architectures']} (DFlash2, with convolutions and a candidate "
                             f"selector) is not supported; only DFlashDraftModel")
         types = d.get("layer_types") or ()
