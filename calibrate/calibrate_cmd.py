@@ -45,6 +45,9 @@ def calibrate(
                                                  "(default: a 2 MiB logit budget); lower it on CUDA out of memory.")] = None,
     stats: Annotated[Optional[Path], typer.Option(help="Also save the per-row statistics here (.npz).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run with the same options.")] = False,
+    aux_layer_reading: Annotated[Optional[str], typer.Option(
+        "--aux-layer-reading", help="How a head's aux layer ids map to target hidden states: sglang (id + 1) or "
+                                    "vllm (id) (default: as the framework that trained it).")] = None,
 ):
     """Collect attention-logit statistics from a drafter over a corpus and fit the query-scaling slope."""
     from .run import CalibrateOptions, run_calibration
@@ -53,7 +56,7 @@ def calibrate(
     opts = CalibrateOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path,
                             corpus=corpus, max_length=max_length, sequences=sequences, n_ref=n_ref, top_k=top_k,
                             granularity=granularity, estimator=estimator, alpha_max=alpha_max, device=device,
-                            dtype=dtype, chunk=chunk, stats=stats, resume=resume)
+                            dtype=dtype, chunk=chunk, stats=stats, resume=resume, aux_layer_reading=aux_layer_reading)
     console.print(f"[bold]Calibrating[/] {drafter} drafter ({drafter_path or 'built-in'}) on {corpus}")
     with _RichProgress() as progress:
         try:

@@ -70,6 +70,7 @@ class CalibrateOptions:
     stats: Path | None = None  # also save the per-row statistics here (.npz)
     resume: bool = False  # continue an interrupted run
     bootstrap: int = 200  # bootstrap resamples for the intervals
+    aux_layer_reading: str | None = None  # sglang or vllm reading of a head's aux layer ids; None: by its framework
 
 
 class Progress(Protocol):
@@ -103,7 +104,8 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None, progress: Progress 
     device = resolve_device(opts.device)
     dtype = resolve_dtype(opts.dtype, device)
     if drafter is None:
-        drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, device, dtype)
+        drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, device, dtype,
+                               aux_layer_reading=opts.aux_layer_reading)
     n_ref = opts.n_ref or drafter.default_n_ref
     max_length = opts.max_length or 4 * n_ref
     if n_ref < GRID_N_MIN:
@@ -113,7 +115,7 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None, progress: Progress 
                         f"use --max-length {4 * n_ref} or a smaller --n-ref")
     k_max = max(DEFAULT_K_MAX, opts.top_k)
     grid = log_grid(max_length, per_octave=GRID_PER_OCTAVE, n_min=max(GRID_N_MIN, 2 * k_max))
-    notes: list[str] = []
+    notes: list[str] = list(getattr(drafter, "notes", ()))  # what the adapter read and how
 
     params = {"drafter": opts.drafter, "drafter_path": opts.drafter_path, "target_path": opts.target_path,
               "corpus": opts.corpus, "max_length": max_length, "dtype": str(dtype).removeprefix("torch."),

@@ -147,6 +147,9 @@ def test_wrong_shape_names_key_and_shapes(ckpt, target, tmp_path):
     (lambda c: c["dflash_config"].__setitem__("target_layer_ids", [1, 3, 8]), r"target_layer_ids \[1, 3, 8\]"),
     (lambda c: c.__setitem__("architectures", ["DFlash2DraftModel"]), "DFlash2"),
     (lambda c: c.__setitem__("layer_types", ["sliding_attention", "full_attention"]), "sliding-window"),
+    (lambda c: c.__setitem__("architectures", ["DSparkDraftModel"]), "DSpark or Domino"),
+    (lambda c: c.__setitem__("speculators_model_type", "dflash"), "speculators layout"),
+    (lambda c: c.__setitem__("rope_scaling", {"rope_type": "mrope", "mrope_section": [2, 3, 3]}), "'mrope'"),
 ])
 def test_bad_config_is_a_user_error(ckpt, target, tmp_path, edit, message):
     path = corrupt_checkpoint(ckpt, tmp_path, edit_config=edit)

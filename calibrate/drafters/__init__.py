@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 
-__all__ = ["DrafterKind", "KINDS", "drafter_kind", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
+__all__ = ["DrafterKind", "KINDS", "AUX_READINGS", "drafter_kind", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
 
 
 @dataclass(frozen=True)
@@ -29,16 +29,20 @@ class DrafterKind:
     module: str  # adapter module in this package; it defines load(kind, drafter_path, target_path, device, dtype)
     runs: str  # what runs, in a few words (CLI help and docs)
     evaluates: bool  # has teacher_forced and chain_drafter, so sharpdraft eval supports it
+    reads_aux_layers: bool = False  # its load takes aux_layer_reading (--aux-layer-reading)
 
 
 KINDS: dict[str, DrafterKind] = {
     "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True),
     "pard": DrafterKind("hf", "a PARD drafter, run as the causal LM it is", evaluates=True),
     "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head)",
-                          evaluates=True),
+                          evaluates=True, reads_aux_layers=True),
     "dflash": DrafterKind("dflash", "target features, then DFlash blocks", evaluates=False),
 }
 _DTYPES = ("float32", "bfloat16", "float16")
+# How engines read an auxiliary layer id k written in a drafter's config.json: hidden_states[k + offset]
+# (vLLM: k as is; SGLang, through which SpecForge trains: k + 1). docs/drafters.md has the sources.
+AUX_READINGS = {"vllm": 0, "sglang": 1}
 
 
 def kind_names(*, evaluates: bool = False) -> list[str]:
@@ -56,10 +60,23 @@ def drafter_kind(name: str, *, evaluates: bool = False) -> DrafterKind:
     return KINDS[name]
 
 
-def load_drafter(kind: str, drafter_path: str | None, target_path: str | None, device, dtype):
-    """Load a drafter of ``kind`` (``None`` paths mean the built-in defaults) on ``device`` in ``dtype``."""
-    module = importlib.import_module(f"{__name__}.{drafter_kind(kind).module}")
-    return module.load(kind, drafter_path, target_path, device, dtype)
+def load_drafter(kind: str, drafter_path: str | None, target_path: str | None, device, dtype, *,
+                 aux_layer_reading: str | None = None):
+    """Load a drafter of ``kind`` (``None`` paths mean the built-in defaults) on ``device`` in ``dtype``.
+
+    ``aux_layer_reading`` (``--aux-layer-reading``; None: the checkpoint's own framework decides)
+    says which engine's reading of auxiliary layer ids applies, for kinds that read target layers.
+    """
+    entry = drafter_kind(kind)
+    module = importlib.import_module(f"{__name__}.{entry.module}")
+    if aux_layer_reading is None:
+        return module.load(kind, drafter_path, target_path, device, dtype)
+    if aux_layer_reading not in AUX_READINGS:
+        raise UserError(f"--aux-layer-reading {aux_layer_reading}: expected one of {', '.join(AUX_READINGS)}")
+    if not entry.reads_aux_layers:
+        names = [name for name, k in KINDS.items() if k.reads_aux_layers]
+        raise UserError(f"--aux-layer-reading applies to --drafter {', '.join(names)} only, not {kind}")
+    return module.load(kind, drafter_path, target_path, device, dtype, aux_layer_reading=aux_layer_reading)
 
 
 def resolve_device(device: str):

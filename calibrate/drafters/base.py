@@ -90,7 +90,9 @@ class ChainDrafter(Protocol):
 class Drafter(Protocol):
     kind: str  # a key of calibrate.drafters.KINDS
     info: DrafterInfo  # identity and attention shape, recorded in the spec
-    default_n_ref: int  # the drafter's training context length (from its config or a documented preset)
+    default_n_ref: int  # the drafter's training length (its training record, its config or a documented preset);
+    # reading it raises UserError (saying to pass --n-ref) when the checkpoint states none that can be trusted
+    notes: list[str]  # optional: what was read from the checkpoint and how (layout, layers read), for summaries
     device: torch.device  # where input ids go
     eos_token_id: int | None  # joins documents when a corpus is packed; None when the tokenizer has none
 

@@ -11,7 +11,9 @@ that names the file, the key or field, and what was expected.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,7 +21,14 @@ from torch import nn
 
 from ..errors import UserError
 
-__all__ = ["read_config", "config_field", "read_weights", "rename_prefixes", "check_and_fill", "build"]
+__all__ = ["read_config", "config_field", "read_weights", "rename_prefixes", "check_and_fill", "build",
+           "TrainingLength", "training_length", "MPE_TRUST_LIMIT"]
+
+# A max_position_embeddings above this is taken for the target's context copied into the drafter's
+# config, not for the length the drafter was trained at: released recipes train drafters at
+# 512-8192 tokens (SpecForge data.max_length 2048-8192, speculators --seq-length 8192, EAGLE 2048),
+# while the targets' contexts they copy are 32768-262144. 16384 leaves room above every recipe seen.
+MPE_TRUST_LIMIT = 16384
 
 
 def read_config(path: str | Path, what: str) -> dict:
@@ -79,14 +88,21 @@ def rename_prefixes(weights: dict[str, torch.Tensor], prefixes: dict[str, str]) 
 
 
 def check_and_fill(module: nn.Module, weights: dict[str, torch.Tensor], file: Path, kind: str,
-                   optional: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                   optional: dict[str, torch.Tensor] | None = None, ignored: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Match ``weights`` to the module's state dict; UserError names a missing key or a bad shape.
 
-    ``optional`` supplies values for keys the checkpoint may omit. Extra keys are ignored.
+    ``optional`` supplies values for keys the checkpoint may omit. A key the module does not have
+    is refused (it could be part of the computation the module would leave out), unless it is
+    in ``ignored`` (keys known not to change what runs, e.g. training-only buffers).
     """
     optional = optional or {}
+    expected = module.state_dict(keep_vars=True)
+    extra = sorted(k for k in weights if k not in expected and k not in ignored)
+    if extra:
+        raise UserError(f"{kind} checkpoint {file}: weight '{extra[0]}' is not part of the {kind} model this "
+                        f"config.json describes; refusing rather than ignoring it" + _more(extra))
     out = {}
-    for key, ref in module.state_dict(keep_vars=True).items():
+    for key, ref in expected.items():
         if key in weights:
             value = weights[key]
         elif key in optional:
@@ -101,10 +117,84 @@ def check_and_fill(module: nn.Module, weights: dict[str, torch.Tensor], file: Pa
 
 
 def build(make: Callable[[], nn.Module], weights: dict[str, torch.Tensor], file: Path, kind: str, *,
-          optional: dict[str, torch.Tensor] | None = None, device=None, dtype: torch.dtype | None = None) -> nn.Module:
+          optional: dict[str, torch.Tensor] | None = None, ignored: tuple[str, ...] = (), device=None,
+          dtype: torch.dtype | None = None) -> nn.Module:
     """``make()`` on the meta device, filled with ``weights`` (:func:`check_and_fill`), moved to
     ``device`` / ``dtype``, in eval mode."""
     with torch.device("meta"):
         module = make()
-    module.load_state_dict(check_and_fill(module, weights, file, kind, optional), assign=True)
+    module.load_state_dict(check_and_fill(module, weights, file, kind, optional, ignored), assign=True)
     return module.to(device=device, dtype=dtype).eval()
+
+
+def _more(keys) -> str:
+    return f" (and {len(keys) - 1} more: {', '.join(keys[1:4])}{', ...' if len(keys) > 4 else ''})" if len(keys) > 1 else ""
+
+
+@dataclass(frozen=True)
+class TrainingLength:
+    """The drafter's training length, the default ``n_ref``, and where it comes from."""
+
+    value: int | None  # the length; None when nothing trustworthy states it
+    origin: str  # one line: the file and field it was read from, or why none is used
+
+
+def training_length(path: Path, max_position_embeddings: int | None, *, trust_mpe: bool) -> TrainingLength:
+    """The training length of the drafter checkpoint at ``path``.
+
+    First a training record beside the checkpoint (in its folder):
+
+    * ``training_log.json`` with ``n_ref`` (this project's demo head training script);
+    * ``train_command.txt`` with ``--seq-length N`` (vLLM speculators' training command);
+    * a ``*.yaml`` / ``*.yml`` recipe with ``data: {max_length: N}`` (SpecForge) or ``seq_length: N``
+      (speculators' ``run.yaml``).
+
+    Without one, ``max_position_embeddings`` when ``trust_mpe`` (the format writes the training
+    length there) and it is at most :data:`MPE_TRUST_LIMIT`; otherwise ``value`` is None and
+    ``origin`` says why.
+    """
+    record = _training_record(Path(path))
+    if record is not None:
+        return record
+    if max_position_embeddings is None:
+        return TrainingLength(None, "the checkpoint has no training record and its config states no length")
+    if not trust_mpe:
+        return TrainingLength(None, f"the checkpoint has no training record, and this format copies "
+                                    f"max_position_embeddings ({max_position_embeddings}) from the target")
+    if max_position_embeddings > MPE_TRUST_LIMIT:
+        return TrainingLength(None, f"the checkpoint has no training record, and max_position_embeddings "
+                                    f"{max_position_embeddings} is above {MPE_TRUST_LIMIT}: the target's context "
+                                    f"copied over, not a drafter's training length")
+    return TrainingLength(max_position_embeddings, f"max_position_embeddings {max_position_embeddings} of config.json "
+                                                   f"(no training record beside it)")
+
+
+def _training_record(folder: Path) -> TrainingLength | None:
+    log = folder / "training_log.json"
+    if log.is_file():
+        value = _positive_int(json.loads(log.read_text()).get("n_ref"))
+        if value:
+            return TrainingLength(value, f"n_ref {value} of {log}")
+    command = folder / "train_command.txt"
+    if command.is_file():
+        match = re.search(r"--seq[-_]length[ =](\d+)", command.read_text())
+        if match:
+            return TrainingLength(int(match[1]), f"--seq-length {match[1]} of {command}")
+    import yaml
+
+    for recipe in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+        try:
+            data = yaml.safe_load(recipe.read_text())
+        except yaml.YAMLError:
+            continue
+        if not isinstance(data, dict):
+            continue
+        section = data.get("data") if isinstance(data.get("data"), dict) else {}
+        for name, value in (("data.max_length", section.get("max_length")), ("seq_length", data.get("seq_length"))):
+            if _positive_int(value):
+                return TrainingLength(int(value), f"{name} {value} of {recipe}")
+    return None
+
+
+def _positive_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

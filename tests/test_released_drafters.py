@@ -1,0 +1,356 @@
+"""Released drafter formats: real config.json files rebuilt as tiny random checkpoints, loaded and checked.
+
+Each config in ``tests/data/drafter_configs/`` (with its public source beside it) is shrunk to the
+tiny target's width (64, heads 4 / 2, head_dim 16), vocabulary and depth, keeping every field that
+changes the computation (RoPE, norms, windows, aux ids), and written in its project's own key
+layout. The float64 reference of the attention inputs (post-RoPE queries and keys) is written
+here from the source projects' math (research notes summarised in ``docs/drafters.md``),
+independently of ``calibrate.drafters``: its own RoPE frequencies (default, llama3, yarn with its
+attention factor on cos and sin), norms and aux-layer reading.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from calibrate.cli import app
+from calibrate.drafters import eagle3
+from calibrate.drafters.checkpoint import MPE_TRUST_LIMIT
+from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head
+from calibrate.drafters.layers import read_rope
+from calibrate.errors import UserError
+
+from test_calibrate import VOCAB, _write_tokenizer
+from tiny_checkpoints import tiny_target, write_tiny_dflash
+
+CONFIGS = Path(__file__).parent / "data" / "drafter_configs"
+T = 24  # tokens per test sequence
+# the tiny target's 8 layers stand in for the real target's: each id list is mapped by hand
+AUX = {"specforge-qwen3-235b-a22b-eagle3": [1, 3, 5],  # SpecForge ids, read as h[k + 1] -> [2, 4, 6]
+       "speculators-eagle3-mistral123b-yarn": [2, 4, 5],  # h-indices
+       "speculators-eagle3-qwen3moe-swa-normbeforefc": [2, 4, 5, 6]}
+EAGLE_CONFIGS = ["specforge-llama3-70b-eagle3-llama3rope", "specforge-qwen3-235b-a22b-eagle3",
+                 "specforge-qwen3-30b-a3b-eagle3.1", "speculators-eagle3-mistral123b-yarn",
+                 "speculators-eagle3-qwen3moe-swa-normbeforefc"]
+WINDOW = 8  # shrunk sliding window, so that it binds within T
+
+
+def real_config(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def shrink_eagle(name: str, vocab: int) -> dict:
+    """The real config with the decoder shrunk to the tiny target's; every other field kept."""
+    d = copy.deepcopy(real_config(name))
+    inner = d.get("transformer_layer_config", d)
+    inner.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                 vocab_size=vocab)
+    if inner.get("sliding_window"):
+        inner["sliding_window"] = WINDOW
+    d["draft_vocab_size"] = 128
+    if name in AUX:
+        if "eagle_config" in d:
+            d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = AUX[name]
+        else:
+            d["eagle_aux_hidden_state_layer_ids"] = AUX[name]
+    return d
+
+
+def layout_keys(d: dict) -> set[str]:
+    """The weight names each project saves (research notes: SafeAILab/SpecForge ``midlayer.*`` plus
+    ``fc_norm.{j}``; speculators ``layers.0.*`` plus ``input_norm`` and Qwen3 q/k norms)."""
+    speculators = "speculators_model_type" in d
+    layer = "layers.0." if speculators else "midlayer."
+    keys = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+            *(layer + k for k in ("hidden_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+                                  "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                  "mlp.down_proj.weight"))}
+    if d.get("norm_before_fc"):
+        keys.add("input_norm.weight")
+    if d.get("fc_norm"):
+        n = len(d.get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+        keys |= {f"fc_norm.{j}.weight" for j in range(n)}
+    if speculators and d["transformer_layer_config"].get("model_type") == "qwen3":
+        keys |= {layer + "self_attn.q_norm.weight", layer + "self_attn.k_norm.weight"}
+    return keys
+
+
+def write_eagle(directory: Path, name: str, vocab: int = 256, seed: int = 0, edit=None) -> Path:
+    """A random head for the shrunk config ``name`` in its project's key layout."""
+    d = shrink_eagle(name, vocab)
+    if edit:
+        edit(d)
+    with torch.device("meta"):
+        head = Eagle3Head(Eagle3Config.from_dict(copy.deepcopy(d)))
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for key, ref in sorted(head.state_dict().items()):
+        if key == "embed_tokens.weight" or not ref.dtype.is_floating_point:
+            continue
+        state[key.replace("midlayer.", "layers.0.") if "speculators_model_type" in d else key] = (
+            1.0 + 0.1 * torch.randn(ref.shape, generator=g) if ref.dim() == 1
+            else torch.randn(ref.shape, generator=g) * ref.shape[-1] ** -0.5)
+    used = torch.randperm(vocab, generator=g)[:128].sort().values
+    state["d2t"] = used - torch.arange(128)
+    state["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, used, True)
+    assert set(state) == layout_keys(d)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(d, indent=2))
+    save_file(state, str(directory / "model.safetensors"))
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 reference
+# ---------------------------------------------------------------------------------------------
+
+def ref_inv_freq(rope: dict, theta: float, dim: int) -> tuple[torch.Tensor, float]:
+    """RoPE frequencies and attention factor in float64, from the published formulas."""
+    base = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    kind = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+    if kind == "default":
+        return base, 1.0
+    f, orig = float(rope["factor"]), rope["original_max_position_embeddings"]
+    if kind == "llama3":
+        lo, hi = rope["low_freq_factor"], rope["high_freq_factor"]
+        wavelen = 2 * math.pi / base
+        s = (orig / wavelen - lo) / (hi - lo)
+        mid = (1 - s) * base / f + s * base
+        return torch.where(wavelen > orig / lo, base / f, torch.where(wavelen < orig / hi, base, mid)), 1.0
+    assert kind == "yarn"
+
+    def corr(r):
+        return dim * math.log(orig / (2 * math.pi * r)) / (2 * math.log(theta))
+
+    low = max(math.floor(corr(rope.get("beta_fast", 32))), 0)
+    high = min(math.ceil(corr(rope.get("beta_slow", 1))), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return (1 - ramp) * base + ramp * base / f, 0.1 * math.log(f) + 1
+
+
+def rms(x, w, eps):
+    return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rope_of(d: dict) -> tuple[dict, float]:
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    return params, params.get("rope_theta", d.get("rope_theta", 10000.0))
+
+
+def reference_qk(d: dict, state: dict, hs, tokens, h_ids):
+    """Post-RoPE q (n, heads, D) and k (n, kv, D) of an EAGLE-3 head (speculators core / SpecForge
+    llama3_eagle math), rows t = features at t with token t + 1, positions 0..n-1."""
+    inner = d.get("transformer_layer_config", d)
+    eps = inner["rms_norm_eps"]
+    w = {k.replace("layers.0.", "midlayer."): v.double() for k, v in state.items() if v.dtype.is_floating_point}
+    f = torch.cat([hs[i][0, :-1].double() for i in h_ids], -1)  # (n, k * H)
+    if d.get("norm_before_fc"):
+        f = rms(f, w["input_norm.weight"], eps)
+    if d.get("fc_norm"):
+        f = torch.cat([rms(c, w[f"fc_norm.{j}.weight"], eps) for j, c in enumerate(f.split(64, -1))], -1)
+    g = f @ w["fc.weight"].T
+    e = w["embed_tokens.weight"][tokens[0, 1:]]
+    x = torch.cat((rms(e, w["midlayer.input_layernorm.weight"], eps), rms(g, w["midlayer.hidden_norm.weight"], eps)), -1)
+    n = x.shape[0]
+    q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, 4, 16)
+    k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, 2, 16)
+    if inner.get("model_type") == "qwen3" and "transformer_layer_config" in d:
+        q, k = rms(q, w["midlayer.self_attn.q_norm.weight"], eps), rms(k, w["midlayer.self_attn.k_norm.weight"], eps)
+    params, theta = rope_of(inner)
+    inv, a = ref_inv_freq(params, theta, 16)
+    angle = torch.arange(n, dtype=torch.float64)[:, None] * inv
+    cos, sin = (a * angle.cos())[:, None], (a * angle.sin())[:, None]
+
+    def rot(x):
+        x1, x2 = x[..., :8], x[..., 8:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+    return rot(q), rot(k)
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3 formats
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(0)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(5))
+
+
+EXPECTED_H = {"specforge-llama3-70b-eagle3-llama3rope": (2, 4, 5), "specforge-qwen3-235b-a22b-eagle3": (2, 4, 6),
+              "specforge-qwen3-30b-a3b-eagle3.1": (2, 4, 5), "speculators-eagle3-mistral123b-yarn": (2, 4, 5),
+              "speculators-eagle3-qwen3moe-swa-normbeforefc": (2, 4, 5, 6)}
+
+
+def drafter_for(path, target) -> eagle3.Eagle3Drafter:
+    head = eagle3.load_eagle3_head(path, target)
+    return eagle3.Eagle3Drafter(head, target, tokenizer=None, path=str(path))
+
+
+@pytest.mark.parametrize("name", EAGLE_CONFIGS)
+def test_eagle_formats_match_their_reference(name, target, tokens, tmp_path):
+    path = write_eagle(tmp_path / name, name)
+    drafter = drafter_for(path, target)
+    assert drafter.feature_ids == EXPECTED_H[name]
+    calls = []
+    drafter.collect(tokens, lambda *a: calls.append(a), torch.tensor([5]))
+    (layer, q, k, scaling, n_visible), = calls
+    d = json.loads((path / "config.json").read_text())
+    from safetensors.torch import load_file
+    state = {**load_file(str(path / "model.safetensors")), "embed_tokens.weight": target.get_input_embeddings().weight}
+    with torch.no_grad():
+        hs = target(tokens, output_hidden_states=True).hidden_states
+    q_ref, k_ref = reference_qk(d, state, hs, tokens, EXPECTED_H[name])
+    rows = q.shape[2]
+    windowed = (d.get("transformer_layer_config") or {}).get("layer_types") == ["sliding_attention"]
+    assert rows == (WINDOW if windowed else T - 1)  # only rows whose visible keys are the first n
+    assert torch.equal(n_visible, torch.arange(1, rows + 1)[None])
+    # fp32 head vs float64 reference, O(1) activations (times yarn's a = 1.35): ~1e-6 per op
+    assert torch.allclose(q[0].transpose(0, 1).double(), q_ref[:rows], atol=1e-4)
+    assert torch.allclose(k[0].transpose(0, 1).double(), k_ref[:rows], atol=1e-4)
+
+
+def test_rope_parameters_yarn_factor_reaches_the_logits(tmp_path):
+    """yarn's attention factor multiplies cos and sin, so q and k each carry a = 0.1 ln 32 + 1."""
+    d = shrink_eagle("speculators-eagle3-mistral123b-yarn", 256)
+    theta, scaling = read_rope(d["transformer_layer_config"], "x", "EAGLE-3")
+    assert theta == 1e6 and scaling.rope_type == "yarn"
+    from calibrate.drafters.layers import rope_inv_freq
+    inv, a = rope_inv_freq(16, theta, scaling)
+    inv_ref, a_ref = ref_inv_freq(d["transformer_layer_config"]["rope_parameters"], theta, 16)
+    assert a == pytest.approx(1.3466, abs=1e-4) and a == pytest.approx(a_ref, rel=1e-12)
+    assert torch.allclose(inv.double(), inv_ref, rtol=1e-6)
+
+
+def test_specforge_ids_are_read_as_sglang_and_can_be_overridden(target, tmp_path):
+    path = write_eagle(tmp_path / "sf", "specforge-qwen3-235b-a22b-eagle3")
+    head = eagle3.load_eagle3_head(path, target)
+    ids, note = eagle3.aux_hidden_states(head.config, 8)
+    assert ids == (2, 4, 6) and "[1, 3, 5] read as sglang does (id + 1" in note and "specforge" in note
+    ids, note = eagle3.aux_hidden_states(head.config, 8, "vllm")
+    assert ids == (1, 3, 5) and "--aux-layer-reading" in note
+    with pytest.raises(UserError, match="--aux-layer-reading bogus"):
+        eagle3.aux_hidden_states(head.config, 8, "bogus")
+
+
+def test_training_length_rule(target, tmp_path):
+    # SpecForge config with the target's context and no training record: refused, with the reason
+    path = write_eagle(tmp_path / "long", "specforge-qwen3-235b-a22b-eagle3",
+                       edit=lambda d: d.__setitem__("max_position_embeddings", 131072))
+    from calibrate.drafters.checkpoint import training_length
+    t = training_length(path, 131072, trust_mpe=True)
+    drafter = eagle3.Eagle3Drafter(eagle3.load_eagle3_head(path, target), target, None, training=t)
+    with pytest.raises(UserError, match=rf"max_position_embeddings 131072 is above {MPE_TRUST_LIMIT}.*pass --n-ref"):
+        drafter.default_n_ref
+    # a SpecForge recipe beside it states the length
+    (path / "recipe.yaml").write_text("data:\n  max_length: 4096\n")
+    assert training_length(path, 131072, trust_mpe=True).value == 4096
+    # speculators copies the target's context: never trusted, even when small
+    assert training_length(tmp_path, 2048, trust_mpe=False).value is None
+    assert training_length(tmp_path, 2048, trust_mpe=True).value == 2048
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.__setitem__("logit_softcap", 30.0), "field 'logit_softcap' is not understood"),
+    (lambda d: d.__setitem__("rope_scaling", {"rope_type": "mrope", "mrope_section": [2, 3, 3]}),
+     "'mrope' is not supported.*sections"),
+    (lambda d: d["rope_scaling"].pop("original_max_position_embeddings"),
+     "needs 'original_max_position_embeddings'; transformers would use max_position_embeddings"),
+    (lambda d: d.__setitem__("architectures", ["Eagle3DeepseekV2ForCausalLM"]), "not an EAGLE-3 head this loader"),
+])
+def test_what_could_change_the_computation_is_refused(edit, message, target, tmp_path):
+    d = shrink_eagle("specforge-llama3-70b-eagle3-llama3rope", 256)
+    edit(d)
+    with pytest.raises(UserError, match=message):
+        Eagle3Config.from_dict(d)
+
+
+def test_unknown_weight_is_refused(target, tmp_path):
+    path = write_eagle(tmp_path / "w", "specforge-qwen3-30b-a3b-eagle3.1")
+    from safetensors.torch import load_file
+    state = load_file(str(path / "model.safetensors"))
+    state["midlayer.self_attn.g_proj.weight"] = torch.zeros(64, 64)
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(UserError, match="weight 'midlayer.self_attn.g_proj.weight' is not part of"):
+        eagle3.load_eagle3_head(path, target)
+
+
+def test_fc_norm_changes_the_queries(target, tokens, tmp_path):
+    """EAGLE 3.1's per-feature norms are applied: dropping them changes q."""
+    path = write_eagle(tmp_path / "h", "specforge-qwen3-30b-a3b-eagle3.1")
+    head = eagle3.load_eagle3_head(path, target)
+    feats = eagle3.target_features(target, tokens)
+    assert not torch.allclose(head.combine(feats), feats)
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: sharpdraft calibrate
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def disk_target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("target")
+    model = tiny_target(0, vocab_size=VOCAB)
+    model.save_pretrained(root)
+    _write_tokenizer(root)
+    return root, model
+
+
+def _calibrate(tmp_path, kind, path, target_dir, *extra):
+    out = tmp_path / "spec.json"
+    res = CliRunner().invoke(app, ["calibrate", "--drafter", kind, "--drafter-path", str(path), "--target-path",
+                                   str(target_dir), "--max-length", "256", "--sequences", "1", "--device", "cpu",
+                                   "--out", str(out), *extra], terminal_width=250)
+    return res, out
+
+
+@pytest.mark.parametrize("name", ["speculators-eagle3-mistral123b-yarn", "specforge-qwen3-30b-a3b-eagle3.1",
+                                  "specforge-llama3-70b-eagle3-llama3rope"])
+def test_cli_calibrates_released_eagle_heads(name, disk_target, tmp_path):
+    target_dir, _ = disk_target
+    path = write_eagle(tmp_path / "head", name, vocab=VOCAB)
+    res, out = _calibrate(tmp_path, "eagle3", path, target_dir, "--n-ref", "64")
+    assert res.exit_code == 0, res.output
+    source = name.split("-")[0]
+    assert f"EAGLE-3 head in {source}'s layout" in res.output and out.is_file()
+
+
+def test_cli_calibrates_a_dflash_head_with_only_rope_parameters(disk_target, tmp_path):
+    target_dir, model = disk_target
+    path = write_tiny_dflash(tmp_path / "dflash", model, seed=3, target_layer_ids=(1, 3, 5))
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["rope_theta"], cfg["rope_scaling"]
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    (path / "config.json").write_text(json.dumps(cfg))
+    from calibrate.drafters.dflash import DFlashConfig
+    assert DFlashConfig.from_json(path / "config.json").rope_theta == 1e6
+    res, _ = _calibrate(tmp_path, "dflash", path, target_dir, "--n-ref", "64")
+    assert res.exit_code == 0, res.output
+
+
+def test_cli_refuses_an_untrustworthy_default_n_ref(disk_target, tmp_path):
+    target_dir, _ = disk_target
+    path = write_eagle(tmp_path / "head", "specforge-qwen3-235b-a22b-eagle3", vocab=VOCAB,
+                       edit=lambda d: d.__setitem__("max_position_embeddings", 131072))
+    res, _ = _calibrate(tmp_path, "eagle3", path, target_dir)  # CliRunner sees the UserError main() prints
+    assert isinstance(res.exception, UserError)
+    assert "max_position_embeddings 131072 is above 16384" in str(res.exception) and "--n-ref" in str(res.exception)
+    res, _ = _calibrate(tmp_path, "eagle3", path, target_dir, "--aux-layer-reading", "nope", "--n-ref", "64")
+    assert isinstance(res.exception, UserError) and "--aux-layer-reading nope" in str(res.exception)
+    res, _ = _calibrate(tmp_path, "eagle3", path, target_dir, "--n-ref", "64")
+    assert res.exit_code == 0, res.output
+    assert "reads target hidden_states [2, 4, 6]: aux layer ids [1, 3, 5] read as sglang" in " ".join(res.output.split())
