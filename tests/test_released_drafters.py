@@ -298,6 +298,96 @@ def test_fc_norm_changes_the_queries(target, tokens, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# DFlash formats
+# ---------------------------------------------------------------------------------------------
+
+def reference_dflash(d: dict, state: dict, hs, tokens, p: int, embed, h_ids):
+    """Float64 DFlash block at position ``p`` (z-lab dflash/model.py math, research notes section 3d):
+    per layer the post-RoPE q (b, heads, D) and k (p + b, kv, D), and the block output.
+
+    ctx = hidden_norm(fc(cat h[id])) at positions 0..p-1; block = embed(anchor, mask...) at p..p+b-1;
+    q = RoPE(q_norm(q_proj(x))), k = RoPE(k_norm(k_proj(cat(ctx, x)))), x = input_layernorm(h);
+    every block query sees every key.
+    """
+    inner = d.get("transformer_layer_config", d)
+    eps, b = inner["rms_norm_eps"], d.get("block_size", 16)
+    heads, kv, hd = inner["num_attention_heads"], inner["num_key_value_heads"], inner["head_dim"]
+    mask_id = (d.get("dflash_config") or d)["mask_token_id"]
+    w = {k: v.double() for k, v in state.items()}
+    ctx = rms(torch.cat([hs[i][0, :p].double() for i in h_ids], -1) @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    block = torch.tensor([int(tokens[0, p])] + [mask_id] * (b - 1))
+    h = embed[block].double()
+    params, theta = rope_of(inner)
+    inv, a = ref_inv_freq(params, theta, hd)
+
+    def rot(x, pos):
+        angle = pos.double()[:, None] * inv
+        cos, sin = (a * angle.cos())[:, None], (a * angle.sin())[:, None]
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+    seen = []
+    for i in range(inner["num_hidden_layers"]):
+        lw = {k[len(f"layers.{i}."):]: v for k, v in w.items() if k.startswith(f"layers.{i}.")}
+        x = rms(h, lw["input_layernorm.weight"], eps)
+        kv_in = torch.cat((ctx, x))
+        q = rot(rms((x @ lw["self_attn.q_proj.weight"].T).view(b, heads, hd), lw["self_attn.q_norm.weight"], eps),
+                torch.arange(p, p + b))
+        k = rot(rms((kv_in @ lw["self_attn.k_proj.weight"].T).view(p + b, kv, hd), lw["self_attn.k_norm.weight"], eps),
+                torch.arange(p + b))
+        v = (kv_in @ lw["self_attn.v_proj.weight"].T).view(p + b, kv, hd)
+        seen.append((q, k))
+        out = torch.stack([torch.softmax((q[:, j] @ k[:, j * kv // heads].T) * hd ** -0.5, -1) @ v[:, j * kv // heads]
+                           for j in range(heads)], 1)
+        h = h + out.reshape(b, -1) @ lw["self_attn.o_proj.weight"].T
+        m = rms(h, lw["post_attention_layernorm.weight"], eps)
+        h = h + (torch.nn.functional.silu(m @ lw["mlp.gate_proj.weight"].T) * (m @ lw["mlp.up_proj.weight"].T)
+                 ) @ lw["mlp.down_proj.weight"].T
+    return seen, rms(h, w["norm.weight"], eps)
+
+
+def collect_calls(drafter, tokens, p):
+    calls = []
+    drafter.collect(tokens, lambda *a: calls.append(a), torch.tensor([p]))
+    return calls
+
+
+def only_rope_parameters(path: Path, theta: float) -> dict:
+    """Rewrite a z-lab DFlash config.json transformers-5 style: RoPE only in ``rope_parameters``."""
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["rope_theta"], cfg["rope_scaling"]
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
+def test_dflash_with_only_rope_parameters_matches_its_reference(target, tokens, tmp_path, p=11):
+    """theta 1e6 from rope_parameters reaches the post-RoPE queries and keys (not 10000)."""
+    from safetensors.torch import load_file
+
+    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    path = write_tiny_dflash(tmp_path / "dflash", target, seed=3, target_layer_ids=(1, 3, 5))
+    d = only_rope_parameters(path, 1e6)
+    model = load_dflash(path, target)
+    assert model.config.rope_theta == 1e6
+    calls = collect_calls(DFlashDrafter(model, target, tokenizer=None), tokens, p)
+    state = load_file(str(path / "model.safetensors"))
+    with torch.no_grad():
+        hs = target(tokens, output_hidden_states=True).hidden_states
+    embed = target.get_input_embeddings().weight.detach()
+    seen, _ = reference_dflash(d, state, hs, tokens, p, embed, (2, 4, 6))
+    d_default = {**d, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    seen_default, _ = reference_dflash(d_default, state, hs, tokens, p, embed, (2, 4, 6))
+    assert [c[0] for c in calls] == [0, 1]
+    for (layer, q, k, _, n_visible), (q_ref, k_ref), (q_def, _) in zip(calls, seen, seen_default):
+        assert torch.equal(n_visible, torch.full((1, 4), p + 4))
+        # fp32 model vs float64 reference, O(1) activations through 2 layers: ~1e-6 per op
+        assert torch.allclose(q[0].transpose(0, 1).double(), q_ref, atol=1e-4)
+        assert torch.allclose(k[0].transpose(0, 1).double(), k_ref, atol=1e-4)
+        assert not torch.allclose(q_ref, q_def, atol=1e-2)  # the base matters at these positions
+
+
+# ---------------------------------------------------------------------------------------------
 # end to end: sharpdraft calibrate
 # ---------------------------------------------------------------------------------------------
 
@@ -332,10 +422,7 @@ def test_cli_calibrates_released_eagle_heads(name, disk_target, tmp_path):
 def test_cli_calibrates_a_dflash_head_with_only_rope_parameters(disk_target, tmp_path):
     target_dir, model = disk_target
     path = write_tiny_dflash(tmp_path / "dflash", model, seed=3, target_layer_ids=(1, 3, 5))
-    cfg = json.loads((path / "config.json").read_text())
-    del cfg["rope_theta"], cfg["rope_scaling"]
-    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
-    (path / "config.json").write_text(json.dumps(cfg))
+    only_rope_parameters(path, 1e6)
     from calibrate.drafters.dflash import DFlashConfig
     assert DFlashConfig.from_json(path / "config.json").rope_theta == 1e6
     res, _ = _calibrate(tmp_path, "dflash", path, target_dir, "--n-ref", "64")
