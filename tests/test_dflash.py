@@ -150,6 +150,11 @@ def test_wrong_shape_names_key_and_shapes(ckpt, target, tmp_path):
     (lambda c: c.__setitem__("architectures", ["DSparkDraftModel"]), "DSpark or Domino"),
     (lambda c: c.__setitem__("speculators_model_type", "dflash"), "speculators layout"),
     (lambda c: c.__setitem__("rope_scaling", {"rope_type": "mrope", "mrope_section": [2, 3, 3]}), "'mrope'"),
+    (lambda c: c.__setitem__("logit_softcap", 30.0), "field 'logit_softcap' is not understood by the DFlash loader"),
+    (lambda c: c["dflash_config"].__setitem__("attention_modes", ["mla", "gqa"]),
+     "field 'dflash_config.attention_modes' is not understood"),
+    (lambda c: c.__setitem__("mlp_bias", True), "mlp_bias true is not supported"),
+    (lambda c: c.__setitem__("dflash_config", [1, 2]), "'dflash_config' should be an object"),
 ])
 def test_bad_config_is_a_user_error(ckpt, target, tmp_path, edit, message):
     path = corrupt_checkpoint(ckpt, tmp_path, edit_config=edit)

@@ -55,6 +55,19 @@ DFLASH_DEFAULT_N_REF = 3072
 
 _SECTION = "dflash_config"  # DFlash draft fields may sit here or at the top level of config.json
 _field = partial(config_field, what="DFlash")
+# config.json fields read by DFlashConfig.from_dict (each checked where it is read)
+_READ = frozenset({
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "num_hidden_layers",
+    "vocab_size", "block_size", "mask_token_id", "target_layer_ids", "head_dim", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "partial_rotary_factor", "target_hidden_size", "num_target_layers",
+    "attention_bias", "input_embedding_scale", "max_position_embeddings", "hidden_act", "mlp_bias", "is_causal",
+    "layer_types", _SECTION,
+})
+# config.json fields that do not change the attention inputs (they identify, train or serve the model)
+_HARMLESS = frozenset({
+    "architectures", "model_type", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
+    "transformers_version", "use_cache", "initializer_range", "tie_word_embeddings", "attention_dropout",
+})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,10 +110,13 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
-        """Read the fields DFlash uses; raise UserError naming a missing, malformed or unsupported field."""
+        """Read the fields DFlash uses; raise UserError naming a missing, malformed or unsupported field,
+        or one this loader does not read and that is not known to be harmless (``_HARMLESS``)."""
         if "speculators_model_type" in d:
             raise UserError(f"{where}: vLLM speculators layout ({d['speculators_model_type']}: nested "
                             f"transformer_layer_config, aux ids already offset) is not supported for DFlash yet")
+        if not isinstance(d.get(_SECTION) or {}, dict):
+            raise UserError(f"{where}: config.json field '{_SECTION}' should be an object, got {d[_SECTION]!r}")
         arch = d.get("architectures") or ()
         if any(a in ("DSparkDraftModel", "DominoDraftModel") for a in arch) or \
                 (d.get(_SECTION) or {}).get("projector_type") == "domino":
@@ -113,8 +129,11 @@ class DFlashConfig:
         if any(t != "full_attention" for t in types) or d.get("is_causal"):
             raise UserError(f"{where}: causal or sliding-window DFlash layers (layer_types={list(types)}, "
                             f"is_causal={d.get('is_causal')}) are not supported; only non-causal full attention")
+        _check_known(d, where)
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses 'silu')")
+        if d.get("mlp_bias"):
+            raise UserError(f"{where}: mlp_bias true is not supported (DFlash's MLP has no biases)")
         req = {n: _field(d, n, int, where, required=True) for n in
                ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")}
         heads = req["num_attention_heads"]
@@ -171,6 +190,16 @@ class DFlashConfig:
         else:
             d.update(draft)
         return d
+
+
+def _check_known(d: dict, where: str) -> None:
+    """Refuse a field this loader does not read and that is not known to be harmless (``_HARMLESS``),
+    at the top level and under ``dflash_config``: it could change what the model computes."""
+    section = d.get(_SECTION) or {}
+    unknown = sorted(set(d) - _READ - _HARMLESS) + sorted(f"{_SECTION}.{k}" for k in set(section) - _READ)
+    if unknown:
+        raise UserError(f"{where}: config.json field '{unknown[0]}' is not understood by the DFlash loader and "
+                        f"could change what the model computes; refusing rather than ignoring it")
 
 
 # ----------------------------------------------------------------------------------------------
