@@ -13,7 +13,8 @@ keys / values from ``cat(context, block)``::
 
     q = RoPE(q_norm(q_proj(x)))                  # per head, norm before RoPE
     k = RoPE(k_norm(k_proj(cat(c_0..c_{p-1}, x))))  # the context uses positions 0 .. p-1
-    attention is non-causal: every block query sees all p context keys and the whole block
+    full layers are non-causal: every block query sees all p context keys and the whole block;
+    sliding layers (layer_types) see a causal window of W keys (DFlashDraftModel.visible_mask)
 
 The context keys depend only on ``c`` (not on the layer's input), so they are computed once per
 sequence and shared by all blocks (:meth:`DFlashDraftModel.encode_context`), just as DFlash's own
@@ -24,7 +25,8 @@ Attention is dispatched through transformers' ``ALL_ATTENTION_FUNCTIONS[config._
 ``fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs)``; ``module``
 has ``layer_idx`` and ``is_causal = False``, so a registered function sees post-RoPE queries and
 keys (and may scale the queries), and ``sharpdraft_runtime.visible_keys`` counts every key as
-visible to every block query, as the non-causal attention without a mask computes.
+visible to every block query in a full layer, as the non-causal attention without a mask
+computes, and the keys the window's mask leaves in a sliding layer.
 Checked against z-lab/dflash ``dflash/model.py``; ``docs/drafters.md`` lists what was verified.
 """
 
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sharpdraft_runtime import causal_n_visible
 from sharpdraft_theory.spec import DrafterInfo
 
 from ..errors import UserError
@@ -61,7 +64,7 @@ _READ = frozenset({
     "vocab_size", "block_size", "mask_token_id", "target_layer_ids", "head_dim", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "partial_rotary_factor", "target_hidden_size", "num_target_layers",
     "attention_bias", "input_embedding_scale", "max_position_embeddings", "hidden_act", "mlp_bias", "is_causal",
-    "layer_types", _SECTION,
+    "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", _SECTION,
 })
 # config.json fields that do not change the attention inputs (they identify, train or serve the model)
 _HARMLESS = frozenset({
@@ -100,6 +103,8 @@ class DFlashConfig:
     attention_bias: bool = False  # q/k/v/o biases
     input_embedding_scale: float = 1.0  # block embeddings are multiplied by this (DFlash option)
     max_position_embeddings: int | None = None  # recorded only (copied from the target by DFlash)
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention"; () = all full
+    sliding_window: int | None = None  # W of the sliding layers (SpecForge / vLLM rule, visible_mask); None = none
     _attn_implementation: str = field(default="sdpa", compare=False, repr=False)  # attention dispatch name
 
     def __post_init__(self):
@@ -125,10 +130,9 @@ class DFlashConfig:
         if any("DFlash2" in a for a in arch):
             raise UserError(f"{where}: {d['architectures']} (DFlash2, with convolutions and a candidate "
                             f"selector) is not supported; only DFlashDraftModel")
-        types = d.get("layer_types") or ()
-        if any(t != "full_attention" for t in types) or d.get("is_causal"):
-            raise UserError(f"{where}: causal or sliding-window DFlash layers (layer_types={list(types)}, "
-                            f"is_causal={d.get('is_causal')}) are not supported; only non-causal full attention")
+        if d.get("is_causal"):
+            raise UserError(f"{where}: is_causal true (causal DFlash blocks) is not supported; DFlash blocks are "
+                            f"non-causal")
         _check_known(d, where)
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses 'silu')")
@@ -144,6 +148,7 @@ class DFlashConfig:
         if not isinstance(bias, bool):
             raise UserError(f"{where}: config.json field 'attention_bias' should be true or false, got {bias!r}")
         theta, scaling = read_rope(d, where, "DFlash")
+        types, window = _layer_windows(d, where, req["num_hidden_layers"])
         return cls(
             **req, num_key_value_heads=kv,
             block_size=_field(d, "block_size", int, where, default=16, section=_SECTION),
@@ -157,6 +162,7 @@ class DFlashConfig:
             attention_bias=bias,
             input_embedding_scale=_field(d, "input_embedding_scale", float, where, default=1.0, section=_SECTION),
             max_position_embeddings=_field(d, "max_position_embeddings", int, where),
+            layer_types=types, sliding_window=window,
         )
 
     @classmethod
@@ -180,6 +186,10 @@ class DFlashConfig:
             d["max_position_embeddings"] = self.max_position_embeddings
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
+        if self.layer_types:
+            d["layer_types"] = list(self.layer_types)
+        if self.sliding_window is not None:
+            d.update(use_sliding_window=True, sliding_window=self.sliding_window)
         if self.target_hidden_size != self.hidden_size:
             d["target_hidden_size"] = self.target_hidden_size
         draft = {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
@@ -190,6 +200,36 @@ class DFlashConfig:
         else:
             d.update(draft)
         return d
+
+
+def _layer_windows(d: dict, where: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """``(layer_types, sliding_window)``: which layers slide, and their window ``W``.
+
+    A ``sliding_window`` with no ``sliding_attention`` layer is the target's value copied over (no
+    layer uses it). Refused: ``layer_types`` of the wrong length or with other types, and what
+    transformers' ``Qwen3Config`` would reinterpret: ``use_sliding_window`` true without
+    ``layer_types`` (it derives them from ``max_window_layers``), or sliding layers with
+    ``use_sliding_window`` false (it drops ``sliding_window``).
+    """
+    types = d.get("layer_types")
+    if types is None:
+        if d.get("use_sliding_window") and d.get("sliding_window"):
+            raise UserError(f"{where}: use_sliding_window true without layer_types: which layers slide is unclear "
+                            f"(transformers would derive them from max_window_layers); write layer_types")
+        return (), None
+    if (not isinstance(types, list) or len(types) != num_layers
+            or any(t not in ("full_attention", "sliding_attention") for t in types)):
+        raise UserError(f"{where}: layer_types {types!r}: expected {num_layers} entries, each full_attention or "
+                        f"sliding_attention")
+    if "sliding_attention" not in types:
+        return tuple(types), None
+    if d.get("use_sliding_window") is False:
+        raise UserError(f"{where}: layer_types has sliding_attention layers but use_sliding_window is false "
+                        f"(transformers then drops sliding_window); which window applies is unclear")
+    window = _field(d, "sliding_window", int, where, required=True)
+    if window <= 0:
+        raise UserError(f"{where}: sliding_window should be positive, got {window}")
+    return tuple(types), window
 
 
 def _check_known(d: dict, where: str) -> None:
@@ -301,6 +341,24 @@ class DFlashDraftModel(nn.Module):
         resolve_attention(name)
         self.config._attn_implementation = name
 
+    def visible_mask(self, layer_idx: int, p: int, q_len: int, device=None) -> torch.Tensor | None:
+        """Keys a block at ``p`` sees in layer ``layer_idx``: None (all ``p + q_len``: full layers)
+        or a bool mask (1, 1, q_len, p + q_len), True where visible (sliding layers).
+
+        Sliding layers follow SpecForge's training mask and vLLM's serving (research notes, section
+        7): a causal window over absolute positions, so block row ``j`` (position ``p + j``) sees
+        keys ``p + j - n + 1 .. p + j`` with ``n = min(p + j + 1, W)`` from
+        :func:`sharpdraft_runtime.causal_n_visible` (context and block keys alike). z-lab's
+        transformers sdpa path would apply no window, and vLLM speculators counts it from the anchor.
+        """
+        c = self.config
+        if not c.layer_types or c.layer_types[layer_idx] != "sliding_attention":
+            return None
+        n = causal_n_visible(q_len, p, sliding_window=c.sliding_window, device=device)[0, :, None]  # (q, 1)
+        end = torch.arange(p + 1, p + q_len + 1, device=device)[:, None]  # one past each row's last key
+        key = torch.arange(p + q_len, device=device)
+        return ((key < end) & (key >= end - n))[None, None]
+
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         c = self.config
         return rope_cos_sin(position_ids, c.head_dim, c.rope_theta, dtype, c.rope_scaling)
@@ -316,17 +374,19 @@ class DFlashDraftModel(nn.Module):
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     def forward_block(self, noise_embedding: torch.Tensor, position_ids: torch.Tensor, context,
-                      attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+                      **kwargs) -> torch.Tensor:
         """Normed output hidden states (B, q, H) of a block.
 
         ``noise_embedding`` (B, q, H): the target's embedding of anchor + mask tokens (times
         ``input_embedding_scale``); ``position_ids`` (B, q); ``context`` from :meth:`encode_context`
-        cut to the block's prefix. Without a mask every query sees every key (``p + q`` of them).
+        cut to the block's prefix (``p`` positions). Each layer sees the keys of :meth:`visible_mask`:
+        all ``p + q`` in full layers, a window in sliding ones.
         """
         cos, sin = self._rope(position_ids, noise_embedding.dtype)
         h = noise_embedding
-        for layer, ctx in zip(self.layers, context):
-            h = layer(h, ctx, cos, sin, attention_mask, **kwargs)
+        p, q_len = context[0][0].shape[2], noise_embedding.shape[1]
+        for i, (layer, ctx) in enumerate(zip(self.layers, context)):
+            h = layer(h, ctx, cos, sin, self.visible_mask(i, p, q_len, h.device), **kwargs)
         return self.norm(h)
 
     def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
@@ -400,6 +460,16 @@ class DFlashDrafter:
         self.default_n_ref = DFLASH_DEFAULT_N_REF
         self.device = model.fc.weight.device
         self.eos_token_id = None if tokenizer is None else eos_token_id(tokenizer)
+        rope = "" if c.rope_scaling is None else f", {c.rope_scaling.rope_type} RoPE"
+        self.notes = [f"DFlash model ({c.num_hidden_layers} layers, block {c.block_size}{rope}); reads target "
+                      f"hidden_states {[i + 1 for i in c.target_layer_ids]}: target_layer_ids "
+                      f"{list(c.target_layer_ids)} read as id + 1 (the output of layer id), as DFlash does"]
+        if c.sliding_window is not None:
+            sliding = [i for i, t in enumerate(c.layer_types) if t == "sliding_attention"]
+            self.notes.append(
+                f"sliding-window layers {sliding} (W = {c.sliding_window}) use SpecForge's and vLLM's rule, a causal "
+                f"window over absolute positions: block row j at p sees min(p + j + 1, W) keys (z-lab's "
+                f"transformers path applies no window); each row's statistics use exactly the keys it sees")
 
     def tokenize(self, text: str) -> list[int]:
         """Target token ids of ``text``, without special tokens."""
@@ -415,6 +485,13 @@ class DFlashDrafter:
         block_size`` for every row (non-causal). Context keys are computed once and shared; blocks
         run one at a time, so keys are never padded. The tap is installed with
         ``calibrate.taps.attention_tap``, the function registered for every transformers drafter.
+
+        In sliding layers a row's visible keys (:meth:`DFlashDraftModel.visible_mask`) end at its own
+        position and need not start at key 0; the tap is then called once per group of rows with the
+        same first visible key, with the keys from that one on (:func:`_visible_from_start`), so that
+        every call keeps the tap's contract: each row sees the first ``n_visible`` keys it is given.
+        Unlike the EAGLE-3 head, which runs only the rows inside its window, rows whose window is
+        full (``n = W``) are kept.
         """
         c = self.model.config
         input_ids = input_ids.to(self.device)
@@ -423,15 +500,39 @@ class DFlashDrafter:
         context = self.model.encode_context(features, torch.arange(T, device=self.device)[None])
         embed = self.target.get_input_embeddings()
         dtype = self.model.fc.weight.dtype
-        with attention_tap(self.model, tap):
-            for p in positions.tolist():
-                if not 0 <= p < T:
-                    raise ValueError(f"position {p} is outside the sequence of {T} tokens")
-                block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=self.device)
-                block[0, 0] = input_ids[0, p]
-                noise = embed(block).to(dtype) * c.input_embedding_scale
+        for p in positions.tolist():
+            if not 0 <= p < T:
+                raise ValueError(f"position {p} is outside the sequence of {T} tokens")
+            block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=self.device)
+            block[0, 0] = input_ids[0, p]
+            noise = embed(block).to(dtype) * c.input_embedding_scale
+            with attention_tap(self.model, _visible_from_start(tap, self.model, p)):
                 self.model.forward_block(noise, torch.arange(p, p + c.block_size, device=self.device)[None],
                                          [(k[:, :, :p], v[:, :, :p]) for k, v in context])
+
+
+def _visible_from_start(tap: AttentionTap, model: DFlashDraftModel, p: int) -> AttentionTap:
+    """``tap`` for the block at ``p``, called so that each row's visible keys are the first it is given.
+
+    A full layer's call goes to ``tap`` as it is. In a sliding layer row ``j`` sees the contiguous
+    keys ``s_j .. s_j + n_j - 1`` of :meth:`DFlashDraftModel.visible_mask` (``n_j`` is the count the
+    attention function passes); rows with the same start ``s`` go to ``tap`` together with
+    ``key[:, :, s:]``. A query ``tap`` returns replaces those rows' queries.
+    """
+    def call(layer_idx, query, key, scaling, n_visible):
+        mask = model.visible_mask(layer_idx, p, query.shape[2], query.device)
+        if mask is None:
+            return tap(layer_idx, query, key, scaling, n_visible)
+        start = mask[0, 0].to(torch.int8).argmax(-1)  # (q,) first visible key of each row
+        parts, replaced = [], False
+        for s in start.unique_consecutive().tolist():
+            rows = (start == s).nonzero()[:, 0]
+            out = tap(layer_idx, query[:, :, rows], key[:, :, s:], scaling, n_visible[:, rows])
+            replaced |= out is not None
+            parts.append(query[:, :, rows] if out is None else out)
+        return torch.cat(parts, dim=2) if replaced else None
+
+    return call
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype) -> DFlashDrafter:
