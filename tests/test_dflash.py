@@ -150,7 +150,7 @@ def test_wrong_shape_names_key_and_shapes(ckpt, target, tmp_path):
     (lambda c: c.__setitem__("layer_types", ["sliding_attention", "full_attention"]), "no 'sliding_window'"),
     (lambda c: c.update(use_sliding_window=True, sliding_window=8), "without layer_types"),
     (lambda c: c.__setitem__("architectures", ["DSparkDraftModel"]), "DSpark or Domino"),
-    (lambda c: c.__setitem__("speculators_model_type", "dflash"), "speculators layout"),
+    (lambda c: c.__setitem__("speculators_model_type", "dflash"), "speculators config has no 'transformer_layer_config'"),
     (lambda c: c.__setitem__("rope_scaling", {"rope_type": "mrope", "mrope_section": [2, 3, 3]}), "'mrope'"),
     (lambda c: c.__setitem__("logit_softcap", 30.0), "field 'logit_softcap' is not understood by the DFlash loader"),
     (lambda c: c["dflash_config"].__setitem__("attention_modes", ["mla", "gqa"]),

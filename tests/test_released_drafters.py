@@ -400,32 +400,42 @@ def test_dflash_with_only_rope_parameters_matches_its_reference(target, tokens, 
         assert not torch.allclose(q_ref, q_def, atol=1e-2)  # the base matters at these positions
 
 
-DFLASH_IDS = {"specforge-qwen3.6-27b-dflash-swa": [0, 1, 3, 4, 6]}  # z-lab ids for the tiny target (h[k + 1])
+# aux ids for the tiny 8-layer target: z-lab / SpecForge name layers (read h[k + 1]), speculators h-indices
+DFLASH_IDS = {"specforge-qwen3.6-27b-dflash-swa": [0, 1, 3, 4, 6],
+              "speculators-dflash-qwen3.6-35b-a3b-converted-yarn": [1, 2, 4, 5, 7]}
 
 
 def shrink_dflash(name: str, vocab: int) -> dict:
     """The real DFlash config with the decoder shrunk to the tiny target's; every other field kept."""
     d = copy.deepcopy(real_config(name))
-    d.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-             vocab_size=vocab, num_target_layers=8)
-    if d.get("sliding_window"):
-        d["sliding_window"] = WINDOW
-    d["dflash_config"].update(mask_token_id=vocab - 1, target_layer_ids=DFLASH_IDS[name])
+    inner = d.get("transformer_layer_config", d)
+    inner.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                 vocab_size=vocab)
+    if inner.get("sliding_window"):
+        inner["sliding_window"] = WINDOW
+    if "speculators_model_type" in d:
+        d.update(mask_token_id=vocab - 1, draft_vocab_size=vocab, aux_hidden_state_layer_ids=DFLASH_IDS[name])
+    else:
+        d["num_target_layers"] = 8
+        d["dflash_config"].update(mask_token_id=vocab - 1, target_layer_ids=DFLASH_IDS[name])
     return d
 
 
 def write_dflash(directory: Path, name: str, vocab: int = 256, seed: int = 0) -> Path:
-    """A random DFlash model for the shrunk config ``name`` in z-lab's key layout."""
+    """A random DFlash model for the shrunk config ``name`` in its project's key layout (research notes
+    section 3c: speculators adds its own embed_tokens and lm_head to z-lab's keys)."""
     from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel
     d = shrink_dflash(name, vocab)
     with torch.device("meta"):
         model = DFlashDraftModel(DFlashConfig.from_dict(copy.deepcopy(d)))
     g = torch.Generator().manual_seed(seed)
-    state = {key: 1.0 + 0.1 * torch.randn(ref.shape, generator=g) if ref.dim() == 1
-             else torch.randn(ref.shape, generator=g) * ref.shape[-1] ** -0.5
-             for key, ref in sorted(model.state_dict().items())}
-    layers = d["num_hidden_layers"]
-    assert set(state) == {"fc.weight", "hidden_norm.weight", "norm.weight", *(
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    if "speculators_model_type" in d:
+        shapes.update({"embed_tokens.weight": (vocab, 64), "lm_head.weight": (vocab, 64)})
+    state = {key: 1.0 + 0.1 * torch.randn(shape, generator=g) if len(shape) == 1
+             else torch.randn(shape, generator=g) * shape[-1] ** -0.5 for key, shape in sorted(shapes.items())}
+    layers = d.get("transformer_layer_config", d)["num_hidden_layers"]
+    assert set(state) - {"embed_tokens.weight", "lm_head.weight"} == {"fc.weight", "hidden_norm.weight", "norm.weight", *(
         f"layers.{i}.{k}.weight" for i in range(layers) for k in (
             "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
             *(f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"))))}
@@ -501,6 +511,53 @@ def test_sliding_window_statistics_use_the_visible_keys(target, tokens, tmp_path
     assert mine.sum() == len(rows)
     # fp32 reduction vs float64 reference: ~1e-6 relative on O(1) logits
     assert torch.allclose(torch.as_tensor(stats.lse[mine]).double(), torch.as_tensor(ref.lse), atol=1e-4)
+
+
+def test_speculators_dflash_matches_its_reference(target, tokens, tmp_path, p=9):
+    """z-lab's Qwen3.6-35B-A3B head converted by speculators: aux ids are hidden-state indices already,
+    yarn RoPE (factor 64, theta 1e7: a = 0.1 ln 64 + 1 on cos and sin), its own embed_tokens."""
+    from safetensors.torch import load_file
+
+    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    name = "speculators-dflash-qwen3.6-35b-a3b-converted-yarn"
+    path = write_dflash(tmp_path / "spec", name)
+    d = json.loads((path / "config.json").read_text())
+    model = load_dflash(path, target)
+    c = model.config
+    assert (c.source, c.hidden_state_ids, c.rope_theta, c.rope_scaling.rope_type) == (
+        "speculators", (1, 2, 4, 5, 7), 1e7, "yarn")
+    drafter = DFlashDrafter(model, target, tokenizer=None)
+    assert "reads target hidden_states [1, 2, 4, 5, 7]: aux_hidden_state_layer_ids are hidden-state indices" in \
+        drafter.notes[0]
+    calls = collect_calls(drafter, tokens, p)
+    state = load_file(str(path / "model.safetensors"))
+    with torch.no_grad():
+        hs = target(tokens, output_hidden_states=True).hidden_states
+    seen, _ = reference_dflash(d, state, hs, tokens, p, state["embed_tokens.weight"], (1, 2, 4, 5, 7))
+    assert [call[0] for call in calls] == list(range(8))
+    for (_, q, k, _, n_visible), (q_ref, k_ref) in zip(calls, seen):
+        assert torch.equal(n_visible, torch.full((1, 16), p + 16))
+        # fp32 model vs float64 reference through 8 layers, q and k times a = 1.42: ~1e-6 per op
+        assert torch.allclose(q[0].transpose(0, 1).double(), q_ref, atol=1e-4)
+        assert torch.allclose(k[0].transpose(0, 1).double(), k_ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["transformer_layer_config"].__setitem__("layer_types", ["sliding_attention"] * 8),
+     "count the window back from the block's anchor"),
+    (lambda d: d.__setitem__("speculators_model_type", "dspark"), "speculators' DSpark"),
+    (lambda d: d.__setitem__("aux_hidden_state_layer_ids", [1, 2, 4, 5, 8]), r"aux_hidden_state_layer_ids \[1, 2, 4, 5, 8\]"),
+    (lambda d: d["transformer_layer_config"].__setitem__("attn_logit_softcapping", 50.0),
+     "transformer_layer_config: config.json field 'attn_logit_softcapping' is not understood"),
+])
+def test_speculators_dflash_refusals(edit, message, target, tmp_path):
+    from calibrate.drafters.dflash import load_dflash
+    path = write_dflash(tmp_path / "spec", "speculators-dflash-qwen3.6-35b-a3b-converted-yarn")
+    d = json.loads((path / "config.json").read_text())
+    edit(d)
+    (path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(UserError, match=message):
+        load_dflash(path, target)
 
 
 # ---------------------------------------------------------------------------------------------

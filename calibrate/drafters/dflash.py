@@ -66,6 +66,12 @@ _READ = frozenset({
     "attention_bias", "input_embedding_scale", "max_position_embeddings", "hidden_act", "mlp_bias", "is_causal",
     "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", _SECTION,
 })
+# vLLM speculators' DFlash top-level fields, beside transformer_layer_config (the decoder's own fields):
+# read (aux ids, window rule) or not changing the attention inputs (lm_head rows, training, proposals)
+_SPECULATORS = frozenset({
+    "aux_hidden_state_layer_ids", "sliding_window_non_causal", "transformer_layer_config", "draft_vocab_size",
+    "max_anchors", "sample_from_anchor", "speculators_config", "speculators_model_type", "speculators_version",
+})
 # config.json fields that do not change the attention inputs (they identify, train or serve the model)
 _HARMLESS = frozenset({
     "architectures", "model_type", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
@@ -93,7 +99,7 @@ class DFlashConfig:
     vocab_size: int  # the target's vocabulary (embedding and lm_head are the target's)
     block_size: int  # anchor + block_size - 1 mask tokens
     mask_token_id: int  # token id of the mask token
-    target_layer_ids: tuple[int, ...]  # target layers whose outputs feed fc (hidden_states[id + 1])
+    target_layer_ids: tuple[int, ...]  # aux layer ids as written (hidden_state_ids says what they read)
     head_dim: int = 0  # width of one head; 0 in the constructor means hidden_size // heads
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon (layer norms and q_norm / k_norm)
     rope_theta: float = 10000.0  # RoPE base (transformers' Qwen3 default when absent)
@@ -105,6 +111,7 @@ class DFlashConfig:
     max_position_embeddings: int | None = None  # recorded only (copied from the target by DFlash)
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention"; () = all full
     sliding_window: int | None = None  # W of the sliding layers (SpecForge / vLLM rule, visible_mask); None = none
+    source: str = "dflash"  # layout: "dflash" (z-lab / SpecForge) or "speculators" (vLLM speculators, converted)
     _attn_implementation: str = field(default="sdpa", compare=False, repr=False)  # attention dispatch name
 
     def __post_init__(self):
@@ -113,13 +120,19 @@ class DFlashConfig:
         if not self.target_hidden_size:
             object.__setattr__(self, "target_hidden_size", self.hidden_size)
 
+    @property
+    def hidden_state_ids(self) -> tuple[int, ...]:
+        """Target ``hidden_states`` indices fed to ``fc``: z-lab's ``target_layer_ids`` name layers whose
+        output is read (``id + 1``); speculators' ``aux_hidden_state_layer_ids`` are the indices already."""
+        return tuple(i + (self.source == "dflash") for i in self.target_layer_ids)
+
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
         """Read the fields DFlash uses; raise UserError naming a missing, malformed or unsupported field,
         or one this loader does not read and that is not known to be harmless (``_HARMLESS``)."""
+        source, ids_field = "dflash", "target_layer_ids"
         if "speculators_model_type" in d:
-            raise UserError(f"{where}: vLLM speculators layout ({d['speculators_model_type']}: nested "
-                            f"transformer_layer_config, aux ids already offset) is not supported for DFlash yet")
+            d, source, ids_field = _speculators_flat(d, where), "speculators", "aux_hidden_state_layer_ids"
         if not isinstance(d.get(_SECTION) or {}, dict):
             raise UserError(f"{where}: config.json field '{_SECTION}' should be an object, got {d[_SECTION]!r}")
         arch = d.get("architectures") or ()
@@ -133,7 +146,7 @@ class DFlashConfig:
         if d.get("is_causal"):
             raise UserError(f"{where}: is_causal true (causal DFlash blocks) is not supported; DFlash blocks are "
                             f"non-causal")
-        _check_known(d, where)
+        _check_known(d, where, _SPECULATORS if source == "speculators" else frozenset())
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses 'silu')")
         if d.get("mlp_bias"):
@@ -153,7 +166,7 @@ class DFlashConfig:
             **req, num_key_value_heads=kv,
             block_size=_field(d, "block_size", int, where, default=16, section=_SECTION),
             mask_token_id=_field(d, "mask_token_id", int, where, required=True, section=_SECTION),
-            target_layer_ids=_field(d, "target_layer_ids", tuple, where, required=True, section=_SECTION),
+            target_layer_ids=_field(d, ids_field, tuple, where, required=True, section=_SECTION),
             head_dim=_field(d, "head_dim", int, where, default=0),
             rms_norm_eps=_field(d, "rms_norm_eps", float, where, default=1e-6),
             rope_theta=theta, rope_scaling=scaling,
@@ -162,7 +175,7 @@ class DFlashConfig:
             attention_bias=bias,
             input_embedding_scale=_field(d, "input_embedding_scale", float, where, default=1.0, section=_SECTION),
             max_position_embeddings=_field(d, "max_position_embeddings", int, where),
-            layer_types=types, sliding_window=window,
+            layer_types=types, sliding_window=window, source=source,
         )
 
     @classmethod
@@ -172,6 +185,8 @@ class DFlashConfig:
     def to_dict(self, nested: bool = True) -> dict:
         """``config.json`` content in z-lab/dflash's layout (draft fields under ``dflash_config``
         when ``nested``, at the top level otherwise, as some checkpoints have them)."""
+        if self.source != "dflash":
+            raise ValueError("to_dict writes z-lab's layout; this config comes from another")
         d = {
             "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "model_type": "qwen3", "hidden_act": "silu", "hidden_size": self.hidden_size,
@@ -232,11 +247,35 @@ def _layer_windows(d: dict, where: str, num_layers: int) -> tuple[tuple[str, ...
     return tuple(types), window
 
 
-def _check_known(d: dict, where: str) -> None:
-    """Refuse a field this loader does not read and that is not known to be harmless (``_HARMLESS``),
-    at the top level and under ``dflash_config``: it could change what the model computes."""
+def _speculators_flat(d: dict, where: str) -> dict:
+    """A vLLM speculators DFlash config flattened: ``transformer_layer_config`` (the Qwen3 decoder)
+    with the top-level draft fields over it, each level checked against the allow-lists first."""
+    kind = d["speculators_model_type"]
+    if kind != "dflash":
+        hint = {"eagle3": " (use --drafter eagle3)",
+                "dspark": " (speculators' DSpark: the key names of its Markov and confidence heads are not known "
+                          "to this loader, so its weights cannot be checked)"}.get(kind, "")
+        raise UserError(f"{where}: speculators_model_type {kind!r} is not a DFlash model this loader runs{hint}")
+    inner = d.get("transformer_layer_config")
+    if not isinstance(inner, dict):
+        raise UserError(f"{where}: speculators config has no 'transformer_layer_config' object")
+    if inner.get("model_type", "qwen3") != "qwen3":
+        raise UserError(f"{where}: transformer_layer_config model_type {inner['model_type']!r} is not supported "
+                        f"(speculators' DFlash decoder is qwen3)")
+    _check_known(inner, where + " transformer_layer_config")
+    flat = {**inner, **{k: v for k, v in d.items() if k != "transformer_layer_config"}}
+    if "sliding_attention" in (flat.get("layer_types") or ()):
+        raise UserError(f"{where}: sliding-window layers in the speculators layout count the window back from the "
+                        f"block's anchor (sliding_window_non_causal {flat.get('sliding_window_non_causal', False)}), "
+                        f"a rule this loader does not implement; only SpecForge's and vLLM's")
+    return flat
+
+
+def _check_known(d: dict, where: str, extra: frozenset = frozenset()) -> None:
+    """Refuse a field this loader does not read and that is not known to be harmless (``_HARMLESS``,
+    ``extra``), at the top level and under ``dflash_config``: it could change what the model computes."""
     section = d.get(_SECTION) or {}
-    unknown = sorted(set(d) - _READ - _HARMLESS) + sorted(f"{_SECTION}.{k}" for k in set(section) - _READ)
+    unknown = sorted(set(d) - _READ - _HARMLESS - extra) + sorted(f"{_SECTION}.{k}" for k in set(section) - _READ)
     if unknown:
         raise UserError(f"{where}: config.json field '{unknown[0]}' is not understood by the DFlash loader and "
                         f"could change what the model computes; refusing rather than ignoring it")
@@ -335,6 +374,7 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.embed_tokens: nn.Embedding | None = None  # the checkpoint's own (speculators); None: the target's
 
     def set_attn_implementation(self, name: str) -> None:
         """Dispatch attention to ``ALL_ATTENTION_FUNCTIONS[name]`` (or ``"eager"``, plain math)."""
@@ -416,6 +456,9 @@ def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=Non
                 dtype: torch.dtype | None = None) -> DFlashDraftModel:
     """Load a DFlash draft model from a directory with ``config.json`` and its weights.
 
+    z-lab's key layout; the speculators layout adds ``embed_tokens.weight`` (used for the block
+    embeddings, as speculators does) and ``lm_head.weight`` / ``d2t`` / ``t2d`` (not run).
+
     When ``target`` is given, its width, vocabulary and depth are checked against the config.
     """
     path = Path(path)
@@ -423,12 +466,20 @@ def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=Non
         raise UserError(f"DFlash checkpoint {path}: not a directory")
     config = DFlashConfig.from_json(path / "config.json")
     weights, file = read_weights(path, "DFlash")
+    embed = weights.pop("embed_tokens.weight", None) if config.source == "speculators" else None
+    if embed is not None and tuple(embed.shape) != (config.vocab_size, config.target_hidden_size):
+        raise UserError(f"DFlash checkpoint {file}: weight 'embed_tokens.weight' has shape {tuple(embed.shape)}, "
+                        f"expected {(config.vocab_size, config.target_hidden_size)} from config.json")
     if target is not None:
         tc = target.config
         layers = tc.num_hidden_layers
-        bad = [i for i in config.target_layer_ids if not 0 <= i < layers]
+        # z-lab's id L - 1 reads transformers' hidden_states[L] as z-lab does; a speculators index L means
+        # vLLM's capture before the final norm, which hidden_states[L] (after it) is not
+        top = layers if config.source == "dflash" else layers - 1
+        bad = [i for i in config.hidden_state_ids if not 0 <= i <= top]
         if bad or (config.num_target_layers is not None and config.num_target_layers != layers):
-            raise UserError(f"DFlash checkpoint {path}: target_layer_ids {list(config.target_layer_ids)} "
+            name = "target_layer_ids" if config.source == "dflash" else "aux_hidden_state_layer_ids"
+            raise UserError(f"DFlash checkpoint {path}: {name} {list(config.target_layer_ids)} "
                             f"(num_target_layers={config.num_target_layers}) do not fit a target with {layers} layers")
         if (tc.hidden_size, tc.vocab_size) != (config.target_hidden_size, config.vocab_size):
             raise UserError(f"DFlash checkpoint {path}: expects a target with hidden size {config.target_hidden_size} "
@@ -436,7 +487,16 @@ def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=Non
         if not 0 <= config.mask_token_id < tc.vocab_size:
             raise UserError(f"DFlash checkpoint {path}: mask_token_id {config.mask_token_id} is outside the "
                             f"target's vocabulary of {tc.vocab_size}")
-    return build(lambda: DFlashDraftModel(config), weights, file, "DFlash", device=device, dtype=dtype)
+    model = build(lambda: DFlashDraftModel(config), weights, file, "DFlash", device=device, dtype=dtype,
+                  ignored=_IGNORED_WEIGHTS[config.source])
+    if embed is not None:
+        model.embed_tokens = nn.Embedding.from_pretrained(embed.to(device=device, dtype=dtype or embed.dtype))
+    return model
+
+
+# weights a layout may carry that do not reach the attention inputs: speculators' draft lm_head and its
+# draft -> target vocabulary maps (logits only; calibration computes none)
+_IGNORED_WEIGHTS = {"dflash": (), "speculators": ("lm_head.weight", "d2t", "t2d")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,9 +521,13 @@ class DFlashDrafter:
         self.device = model.fc.weight.device
         self.eos_token_id = None if tokenizer is None else eos_token_id(tokenizer)
         rope = "" if c.rope_scaling is None else f", {c.rope_scaling.rope_type} RoPE"
-        self.notes = [f"DFlash model ({c.num_hidden_layers} layers, block {c.block_size}{rope}); reads target "
-                      f"hidden_states {[i + 1 for i in c.target_layer_ids]}: target_layer_ids "
-                      f"{list(c.target_layer_ids)} read as id + 1 (the output of layer id), as DFlash does"]
+        ids = list(c.hidden_state_ids)
+        self.notes = [f"DFlash model in {c.source}'s layout ({c.num_hidden_layers} layers, block {c.block_size}{rope}); "
+                      + (f"reads target hidden_states {ids}: target_layer_ids {list(c.target_layer_ids)} read as "
+                         f"id + 1 (the output of layer id), as DFlash does" if c.source == "dflash" else
+                         f"reads target hidden_states {ids}: aux_hidden_state_layer_ids are hidden-state indices "
+                         f"already (z-lab's ids + 1), read as is; block embeddings from the checkpoint's "
+                         f"embed_tokens, its lm_head not run (calibration needs no logits)")]
         if c.sliding_window is not None:
             sliding = [i for i, t in enumerate(c.layer_types) if t == "sliding_attention"]
             self.notes.append(
@@ -496,9 +560,9 @@ class DFlashDrafter:
         c = self.model.config
         input_ids = input_ids.to(self.device)
         T = input_ids.shape[1]
-        features = context_features(self.target, input_ids, c.target_layer_ids)
+        features = hidden_state_features(self.target, input_ids, c.hidden_state_ids)
         context = self.model.encode_context(features, torch.arange(T, device=self.device)[None])
-        embed = self.target.get_input_embeddings()
+        embed = self.model.embed_tokens if self.model.embed_tokens is not None else self.target.get_input_embeddings()
         dtype = self.model.fc.weight.dtype
         for p in positions.tolist():
             if not 0 <= p < T:
