@@ -64,6 +64,7 @@ _READ = frozenset({
     "vocab_size", "block_size", "mask_token_id", "target_layer_ids", "head_dim", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "partial_rotary_factor", "target_hidden_size", "num_target_layers",
     "attention_bias", "input_embedding_scale", "max_position_embeddings", "hidden_act", "mlp_bias", "is_causal",
+    "attention_mode",
     "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", _SECTION,
 })
 # vLLM speculators' DFlash top-level fields, beside transformer_layer_config (the decoder's own fields):
@@ -72,6 +73,15 @@ _SPECULATORS = frozenset({
     "aux_hidden_state_layer_ids", "sliding_window_non_causal", "transformer_layer_config", "draft_vocab_size",
     "max_anchors", "sample_from_anchor", "speculators_config", "speculators_model_type", "speculators_version",
 })
+# SpecForge's DFlash-backbone variants (research notes section 7): the attention is DFlash's, unchanged; each
+# adds a logit term from heads with these weight prefixes, configured by these fields (logits only)
+_VARIANTS = {
+    "DSparkDraftModel": ("DSpark", "Markov and confidence heads", ("markov_head.", "confidence_head."),
+                         {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                          "confidence_head_alpha"}),
+    "DominoDraftModel": ("Domino", "GRU logit correction", ("prefix_gru.", "embed_proj."),
+                         {"projector_type", "emb_dim", "gru_hidden_dim", "pure_draft_prefix_len", "shift_label"}),
+}
 # config.json fields that do not change the attention inputs (they identify, train or serve the model)
 _HARMLESS = frozenset({
     "architectures", "model_type", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
@@ -112,6 +122,7 @@ class DFlashConfig:
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention"; () = all full
     sliding_window: int | None = None  # W of the sliding layers (SpecForge / vLLM rule, visible_mask); None = none
     source: str = "dflash"  # layout: "dflash" (z-lab / SpecForge) or "speculators" (vLLM speculators, converted)
+    variant: str = "DFlashDraftModel"  # architecture: DFlash, or a _VARIANTS key run as DFlash (its logit heads not)
     _attn_implementation: str = field(default="sdpa", compare=False, repr=False)  # attention dispatch name
 
     def __post_init__(self):
@@ -136,17 +147,24 @@ class DFlashConfig:
         if not isinstance(d.get(_SECTION) or {}, dict):
             raise UserError(f"{where}: config.json field '{_SECTION}' should be an object, got {d[_SECTION]!r}")
         arch = d.get("architectures") or ()
-        if any(a in ("DSparkDraftModel", "DominoDraftModel") for a in arch) or \
-                (d.get(_SECTION) or {}).get("projector_type") == "domino":
-            raise UserError(f"{where}: {list(arch)} is DSpark or Domino, a DFlash backbone with extra logit terms "
-                            f"that this loader does not run; refusing rather than loading it as plain DFlash")
+        section = d.get(_SECTION) or {}
+        variant = next((a for a in arch if a in _VARIANTS), "DFlashDraftModel")
+        projector = section.get("projector_type")
+        if projector is not None and (projector, variant) != ("domino", "DominoDraftModel"):
+            raise UserError(f"{where}: dflash_config.projector_type {projector!r} with architectures {list(arch)}: "
+                            f"only Domino's ('domino', DominoDraftModel) is known")
+        mode = section.get("attention_mode", "gqa")
+        if mode not in ("gqa", "mha"):
+            raise UserError(f"{where}: dflash_config.attention_mode {mode!r} is not supported (gqa or mha: "
+                            f"DFlash's attention)")
         if any("DFlash2" in a for a in arch):
             raise UserError(f"{where}: {d['architectures']} (DFlash2, with convolutions and a candidate "
                             f"selector) is not supported; only DFlashDraftModel")
         if d.get("is_causal"):
             raise UserError(f"{where}: is_causal true (causal DFlash blocks) is not supported; DFlash blocks are "
                             f"non-causal")
-        _check_known(d, where, _SPECULATORS if source == "speculators" else frozenset())
+        _check_known(d, where, _SPECULATORS if source == "speculators" else frozenset(
+            _VARIANTS[variant][3] if variant in _VARIANTS else ()))
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses 'silu')")
         if d.get("mlp_bias"):
@@ -155,8 +173,9 @@ class DFlashConfig:
                ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")}
         heads = req["num_attention_heads"]
         kv = _field(d, "num_key_value_heads", int, where, default=heads)
-        if heads <= 0 or kv <= 0 or heads % kv:
-            raise UserError(f"{where}: num_key_value_heads={kv} must divide num_attention_heads={heads}")
+        if heads <= 0 or kv <= 0 or heads % kv or (mode == "mha" and kv != heads):
+            raise UserError(f"{where}: num_key_value_heads={kv} must divide num_attention_heads={heads}"
+                            + (" and equal it (attention_mode mha)" if mode == "mha" else ""))
         bias = d.get("attention_bias", False)
         if not isinstance(bias, bool):
             raise UserError(f"{where}: config.json field 'attention_bias' should be true or false, got {bias!r}")
@@ -175,7 +194,7 @@ class DFlashConfig:
             attention_bias=bias,
             input_embedding_scale=_field(d, "input_embedding_scale", float, where, default=1.0, section=_SECTION),
             max_position_embeddings=_field(d, "max_position_embeddings", int, where),
-            layer_types=types, sliding_window=window, source=source,
+            layer_types=types, sliding_window=window, source=source, variant=variant,
         )
 
     @classmethod
@@ -185,8 +204,8 @@ class DFlashConfig:
     def to_dict(self, nested: bool = True) -> dict:
         """``config.json`` content in z-lab/dflash's layout (draft fields under ``dflash_config``
         when ``nested``, at the top level otherwise, as some checkpoints have them)."""
-        if self.source != "dflash":
-            raise ValueError("to_dict writes z-lab's layout; this config comes from another")
+        if self.source != "dflash" or self.variant != "DFlashDraftModel":
+            raise ValueError("to_dict writes z-lab's DFlash layout; this config comes from another")
         d = {
             "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "model_type": "qwen3", "hidden_act": "silu", "hidden_size": self.hidden_size,
@@ -275,7 +294,7 @@ def _check_known(d: dict, where: str, extra: frozenset = frozenset()) -> None:
     """Refuse a field this loader does not read and that is not known to be harmless (``_HARMLESS``,
     ``extra``), at the top level and under ``dflash_config``: it could change what the model computes."""
     section = d.get(_SECTION) or {}
-    unknown = sorted(set(d) - _READ - _HARMLESS - extra) + sorted(f"{_SECTION}.{k}" for k in set(section) - _READ)
+    unknown = sorted(set(d) - _READ - _HARMLESS - extra) + sorted(f"{_SECTION}.{k}" for k in set(section) - _READ - extra)
     if unknown:
         raise UserError(f"{where}: config.json field '{unknown[0]}' is not understood by the DFlash loader and "
                         f"could change what the model computes; refusing rather than ignoring it")
@@ -487,8 +506,10 @@ def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=Non
         if not 0 <= config.mask_token_id < tc.vocab_size:
             raise UserError(f"DFlash checkpoint {path}: mask_token_id {config.mask_token_id} is outside the "
                             f"target's vocabulary of {tc.vocab_size}")
+    extra = _VARIANTS[config.variant][2] if config.variant in _VARIANTS else ()
+    ignored = _IGNORED_WEIGHTS[config.source] + tuple(k for k in weights if k.startswith(extra))
     model = build(lambda: DFlashDraftModel(config), weights, file, "DFlash", device=device, dtype=dtype,
-                  ignored=_IGNORED_WEIGHTS[config.source])
+                  ignored=ignored)
     if embed is not None:
         model.embed_tokens = nn.Embedding.from_pretrained(embed.to(device=device, dtype=dtype or embed.dtype))
     return model
@@ -528,6 +549,11 @@ class DFlashDrafter:
                          f"reads target hidden_states {ids}: aux_hidden_state_layer_ids are hidden-state indices "
                          f"already (z-lab's ids + 1), read as is; block embeddings from the checkpoint's "
                          f"embed_tokens, its lm_head not run (calibration needs no logits)")]
+        if c.variant in _VARIANTS:
+            name, heads, prefixes, _ = _VARIANTS[c.variant]
+            self.notes.append(f"{c.variant} loaded as DFlash: {name}'s attention is DFlash's, unchanged (same "
+                              f"queries and keys); its {heads} ({', '.join(p + '*' for p in prefixes)}) only add to "
+                              f"the logits, which calibration does not compute, and are not run")
         if c.sliding_window is not None:
             sliding = [i for i, t in enumerate(c.layer_types) if t == "sliding_attention"]
             self.notes.append(
