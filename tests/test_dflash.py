@@ -146,15 +146,60 @@ def test_wrong_shape_names_key_and_shapes(ckpt, target, tmp_path):
     (lambda c: c["dflash_config"].pop("mask_token_id"), "no 'mask_token_id'"),
     (lambda c: c["dflash_config"].__setitem__("target_layer_ids", [1, 3, 8]), r"target_layer_ids \[1, 3, 8\]"),
     (lambda c: c.__setitem__("architectures", ["DFlash2DraftModel"]), "DFlash2"),
-    (lambda c: c.__setitem__("layer_types", ["sliding_attention", "full_attention"]), "sliding-window"),
-    (lambda c: c.__setitem__("architectures", ["DSparkDraftModel"]), "DSpark or Domino"),
-    (lambda c: c.__setitem__("speculators_model_type", "dflash"), "speculators layout"),
+    (lambda c: c.__setitem__("layer_types", ["sliding_attention"]), r"layer_types \['sliding_attention'\]: expected 2"),
+    (lambda c: c.__setitem__("layer_types", ["sliding_attention", "full_attention"]), "no 'sliding_window'"),
+    (lambda c: c.update(use_sliding_window=True, sliding_window=8), "without layer_types"),
+    (lambda c: c["dflash_config"].__setitem__("projector_type", "domino"), "only Domino's"),
+    (lambda c: c["dflash_config"].__setitem__("attention_mode", "mla"), "attention_mode 'mla' is not supported"),
+    (lambda c: c["dflash_config"].__setitem__("attention_mode", "mha"), "and equal it"),
+    (lambda c: c.__setitem__("speculators_model_type", "dflash"), "speculators config has no 'transformer_layer_config'"),
     (lambda c: c.__setitem__("rope_scaling", {"rope_type": "mrope", "mrope_section": [2, 3, 3]}), "'mrope'"),
+    (lambda c: c.__setitem__("logit_softcap", 30.0), "field 'logit_softcap' is not understood by the DFlash loader"),
+    (lambda c: c["dflash_config"].__setitem__("attention_modes", ["mla", "gqa"]),
+     "field 'dflash_config.attention_modes' is not understood"),
+    (lambda c: c.__setitem__("mlp_bias", True), "mlp_bias true is not supported"),
+    (lambda c: c.__setitem__("dflash_config", [1, 2]), "'dflash_config' should be an object"),
 ])
 def test_bad_config_is_a_user_error(ckpt, target, tmp_path, edit, message):
     path = corrupt_checkpoint(ckpt, tmp_path, edit_config=edit)
     with pytest.raises(UserError, match=message):
         load_dflash(path, target)
+
+
+def _variant(config: dict, state: dict, arch: str) -> None:
+    """Make a DFlash checkpoint SpecForge's DSpark or Domino: same backbone, extra logit heads."""
+    config["architectures"] = [arch]
+    if arch == "DSparkDraftModel":
+        config.update(markov_rank=8, markov_head_type="vanilla", enable_confidence_head=True,
+                      confidence_head_with_markov=True)
+        state.update({"markov_head.markov_w1.weight": torch.randn(256, 8), "markov_head.markov_w2.weight":
+                      torch.randn(256, 8), "confidence_head.proj.weight": torch.randn(1, 72),
+                      "confidence_head.proj.bias": torch.randn(1)})
+    else:
+        config["dflash_config"].update(projector_type="domino", emb_dim=32, gru_hidden_dim=16,
+                                       pure_draft_prefix_len=0, shift_label=False)
+        state.update({"prefix_gru.weight_ih_l0": torch.randn(48, 64), "prefix_gru.weight_hh_l0": torch.randn(48, 16),
+                      "embed_proj.0.weight": torch.randn(32, 80), "embed_proj.2.weight": torch.randn(256, 32)})
+
+
+@pytest.mark.parametrize("arch", ["DSparkDraftModel", "DominoDraftModel"])
+def test_dspark_and_domino_load_as_dflash_and_say_so(arch, ckpt, model, target, input_ids, tmp_path):
+    """Their attention is DFlash's: the same queries and keys reach the tap; the summary says so."""
+    state = {}
+    _variant({"dflash_config": {}}, state, arch)  # the extra heads' weights
+    path = corrupt_checkpoint(ckpt, tmp_path, edit_weights=lambda s: s.update(state),
+                              edit_config=lambda c: _variant(c, {}, arch))
+    loaded = load_dflash(path, target)
+    drafter = DFlashDrafter(loaded, target, tokenizer=None)
+    assert f"{arch} loaded as DFlash" in drafter.notes[1] and "are not run" in drafter.notes[1]
+    ours, plain = [], []
+    drafter.collect(input_ids, lambda *a: ours.append(a), torch.tensor([7]))
+    DFlashDrafter(model, target, tokenizer=None).collect(input_ids, lambda *a: plain.append(a), torch.tensor([7]))
+    for a, b in zip(ours, plain, strict=True):
+        assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and torch.equal(a[4], b[4])
+    bad = corrupt_checkpoint(path, tmp_path / "bad", edit_weights=lambda s: s.__setitem__("gate.weight", torch.ones(1)))
+    with pytest.raises(UserError, match="weight 'gate.weight' is not part of"):
+        load_dflash(bad, target)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -298,6 +298,269 @@ def test_fc_norm_changes_the_queries(target, tokens, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# DFlash formats
+# ---------------------------------------------------------------------------------------------
+
+def visible_keys_of(d: dict, layer: int, p: int, j: int) -> list[int]:
+    """Keys block row ``j`` at ``p`` sees (research notes section 7): all ``p + b`` in a full layer; in a
+    sliding layer SpecForge's causal window over absolute positions, keys p + j - W + 1 .. p + j."""
+    inner = d.get("transformer_layer_config", d)
+    b = d.get("block_size", 16)
+    if (inner.get("layer_types") or ["full_attention"] * 99)[layer] == "full_attention":
+        return list(range(p + b))
+    return [k for k in range(p + j + 1) if k > p + j - inner["sliding_window"]]
+
+
+def reference_dflash(d: dict, state: dict, hs, tokens, p: int, embed, h_ids):
+    """Float64 DFlash block at position ``p`` (z-lab dflash/model.py math, research notes section 3d):
+    per layer the post-RoPE q (b, heads, D) and k (p + b, kv, D), and the block output.
+
+    ctx = hidden_norm(fc(cat h[id])) at positions 0..p-1; block = embed(anchor, mask...) at p..p+b-1;
+    q = RoPE(q_norm(q_proj(x))), k = RoPE(k_norm(k_proj(cat(ctx, x)))), x = input_layernorm(h);
+    block row j sees the keys of :func:`visible_keys_of`.
+    """
+    inner = d.get("transformer_layer_config", d)
+    eps, b = inner["rms_norm_eps"], d.get("block_size", 16)
+    heads, kv, hd = inner["num_attention_heads"], inner["num_key_value_heads"], inner["head_dim"]
+    mask_id = (d.get("dflash_config") or d)["mask_token_id"]
+    w = {k: v.double() for k, v in state.items()}
+    ctx = rms(torch.cat([hs[i][0, :p].double() for i in h_ids], -1) @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    block = torch.tensor([int(tokens[0, p])] + [mask_id] * (b - 1))
+    h = embed[block].double()
+    params, theta = rope_of(inner)
+    inv, a = ref_inv_freq(params, theta, hd)
+
+    def rot(x, pos):
+        angle = pos.double()[:, None] * inv
+        cos, sin = (a * angle.cos())[:, None], (a * angle.sin())[:, None]
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+    seen = []
+    for i in range(inner["num_hidden_layers"]):
+        lw = {k[len(f"layers.{i}."):]: v for k, v in w.items() if k.startswith(f"layers.{i}.")}
+        x = rms(h, lw["input_layernorm.weight"], eps)
+        kv_in = torch.cat((ctx, x))
+        q = rot(rms((x @ lw["self_attn.q_proj.weight"].T).view(b, heads, hd), lw["self_attn.q_norm.weight"], eps),
+                torch.arange(p, p + b))
+        k = rot(rms((kv_in @ lw["self_attn.k_proj.weight"].T).view(p + b, kv, hd), lw["self_attn.k_norm.weight"], eps),
+                torch.arange(p + b))
+        v = (kv_in @ lw["self_attn.v_proj.weight"].T).view(p + b, kv, hd)
+        seen.append((q, k))
+        hidden = torch.ones(b, p + b, dtype=torch.bool)
+        for j in range(b):
+            hidden[j, visible_keys_of(d, i, p, j)] = False
+        out = torch.stack([torch.softmax(((q[:, j] @ k[:, j * kv // heads].T) * hd ** -0.5).masked_fill(hidden, -math.inf),
+                                         -1) @ v[:, j * kv // heads] for j in range(heads)], 1)
+        h = h + out.reshape(b, -1) @ lw["self_attn.o_proj.weight"].T
+        m = rms(h, lw["post_attention_layernorm.weight"], eps)
+        h = h + (torch.nn.functional.silu(m @ lw["mlp.gate_proj.weight"].T) * (m @ lw["mlp.up_proj.weight"].T)
+                 ) @ lw["mlp.down_proj.weight"].T
+    return seen, rms(h, w["norm.weight"], eps)
+
+
+def collect_calls(drafter, tokens, p):
+    calls = []
+    drafter.collect(tokens, lambda *a: calls.append(a), torch.tensor([p]))
+    return calls
+
+
+def only_rope_parameters(path: Path, theta: float) -> dict:
+    """Rewrite a z-lab DFlash config.json transformers-5 style: RoPE only in ``rope_parameters``."""
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["rope_theta"], cfg["rope_scaling"]
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
+def test_dflash_with_only_rope_parameters_matches_its_reference(target, tokens, tmp_path, p=11):
+    """theta 1e6 from rope_parameters reaches the post-RoPE queries and keys (not 10000)."""
+    from safetensors.torch import load_file
+
+    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    path = write_tiny_dflash(tmp_path / "dflash", target, seed=3, target_layer_ids=(1, 3, 5))
+    d = only_rope_parameters(path, 1e6)
+    model = load_dflash(path, target)
+    assert model.config.rope_theta == 1e6
+    calls = collect_calls(DFlashDrafter(model, target, tokenizer=None), tokens, p)
+    state = load_file(str(path / "model.safetensors"))
+    with torch.no_grad():
+        hs = target(tokens, output_hidden_states=True).hidden_states
+    embed = target.get_input_embeddings().weight.detach()
+    seen, _ = reference_dflash(d, state, hs, tokens, p, embed, (2, 4, 6))
+    d_default = {**d, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    seen_default, _ = reference_dflash(d_default, state, hs, tokens, p, embed, (2, 4, 6))
+    assert [c[0] for c in calls] == [0, 1]
+    for (layer, q, k, _, n_visible), (q_ref, k_ref), (q_def, _) in zip(calls, seen, seen_default):
+        assert torch.equal(n_visible, torch.full((1, 4), p + 4))
+        # fp32 model vs float64 reference, O(1) activations through 2 layers: ~1e-6 per op
+        assert torch.allclose(q[0].transpose(0, 1).double(), q_ref, atol=1e-4)
+        assert torch.allclose(k[0].transpose(0, 1).double(), k_ref, atol=1e-4)
+        assert not torch.allclose(q_ref, q_def, atol=1e-2)  # the base matters at these positions
+
+
+# aux ids for the tiny 8-layer target: z-lab / SpecForge name layers (read h[k + 1]), speculators h-indices
+DFLASH_IDS = {"specforge-qwen3.6-27b-dflash-swa": [0, 1, 3, 4, 6],
+              "speculators-dflash-qwen3.6-35b-a3b-converted-yarn": [1, 2, 4, 5, 7]}
+
+
+def shrink_dflash(name: str, vocab: int) -> dict:
+    """The real DFlash config with the decoder shrunk to the tiny target's; every other field kept."""
+    d = copy.deepcopy(real_config(name))
+    inner = d.get("transformer_layer_config", d)
+    inner.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                 vocab_size=vocab)
+    if inner.get("sliding_window"):
+        inner["sliding_window"] = WINDOW
+    if "speculators_model_type" in d:
+        d.update(mask_token_id=vocab - 1, draft_vocab_size=vocab, aux_hidden_state_layer_ids=DFLASH_IDS[name])
+    else:
+        d["num_target_layers"] = 8
+        d["dflash_config"].update(mask_token_id=vocab - 1, target_layer_ids=DFLASH_IDS[name])
+    return d
+
+
+def write_dflash(directory: Path, name: str, vocab: int = 256, seed: int = 0) -> Path:
+    """A random DFlash model for the shrunk config ``name`` in its project's key layout (research notes
+    section 3c: speculators adds its own embed_tokens and lm_head to z-lab's keys)."""
+    from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel
+    d = shrink_dflash(name, vocab)
+    with torch.device("meta"):
+        model = DFlashDraftModel(DFlashConfig.from_dict(copy.deepcopy(d)))
+    g = torch.Generator().manual_seed(seed)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    if "speculators_model_type" in d:
+        shapes.update({"embed_tokens.weight": (vocab, 64), "lm_head.weight": (vocab, 64)})
+    state = {key: 1.0 + 0.1 * torch.randn(shape, generator=g) if len(shape) == 1
+             else torch.randn(shape, generator=g) * shape[-1] ** -0.5 for key, shape in sorted(shapes.items())}
+    layers = d.get("transformer_layer_config", d)["num_hidden_layers"]
+    assert set(state) - {"embed_tokens.weight", "lm_head.weight"} == {"fc.weight", "hidden_norm.weight", "norm.weight", *(
+        f"layers.{i}.{k}.weight" for i in range(layers) for k in (
+            "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+            *(f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"))))}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(d, indent=2))
+    save_file(state, str(directory / "model.safetensors"))
+    return directory
+
+
+@pytest.mark.parametrize("p", [3, 15])  # rows inside the window only, then rows with a full window too
+def test_sliding_window_dflash_matches_its_reference(p, target, tokens, tmp_path):
+    """SpecForge's Qwen3.6-27B recipe (4 sliding layers, W shrunk to 8, then 1 full layer): each tap
+    call hands a row exactly the keys it sees, as the first n_visible, and the block output matches."""
+    from safetensors.torch import load_file
+
+    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    name = "specforge-qwen3.6-27b-dflash-swa"
+    path = write_dflash(tmp_path / "swa", name)
+    d = json.loads((path / "config.json").read_text())
+    model = load_dflash(path, target)
+    drafter = DFlashDrafter(model, target, tokenizer=None)
+    assert "sliding-window layers [0, 1, 2, 3] (W = 8) use SpecForge's and vLLM's rule" in " ".join(drafter.notes)
+    state = load_file(str(path / "model.safetensors"))
+    with torch.no_grad():
+        hs = target(tokens, output_hidden_states=True).hidden_states
+    embed = target.get_input_embeddings().weight.detach()
+    h_ids = [k + 1 for k in DFLASH_IDS[name]]
+    seen, out_ref = reference_dflash(d, state, hs, tokens, p, embed, h_ids)
+    feats = torch.cat([hs[i] for i in h_ids], -1)
+    block = torch.tensor([[int(tokens[0, p])] + [255] * 15])
+    for impl in ("sdpa", "eager"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out = model(embed[block], feats[:, :p], torch.arange(p + 16)[None])[0].double()
+        assert torch.allclose(out, out_ref, atol=1e-4)  # fp32 vs float64 through 5 layers, O(1) activations
+    model.set_attn_implementation("sdpa")
+    calls = collect_calls(drafter, tokens, p)
+    for layer, (q_ref, k_ref) in enumerate(seen):
+        mine = [c for c in calls if c[0] == layer]
+        rows = torch.cat([c[1] for c in mine], dim=2)[0].transpose(0, 1).double()  # (16, heads, D), rows in order
+        assert torch.allclose(rows, q_ref, atol=1e-4)
+        j = 0
+        for _, q, k, _, n_visible in mine:
+            for r in range(q.shape[2]):
+                keys = visible_keys_of(d, layer, p, j)
+                assert int(n_visible[0, r]) == len(keys)  # the count the attention function passed
+                assert torch.allclose(k[0, :, :len(keys)].transpose(0, 1).double(), k_ref[keys], atol=1e-4)
+                j += 1
+        assert j == 16
+        inside = max(0, WINDOW - p)  # rows whose window starts at key 0: one call; then one call per row
+        assert len(mine) == (1 if layer == 4 else min(1, inside) + 16 - inside)
+
+
+def test_sliding_window_statistics_use_the_visible_keys(target, tokens, tmp_path, p=15):
+    """RowCollector's statistics of a sliding layer's rows equal those of the keys each row sees."""
+    from calibrate.collect import RowCollector
+    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    from sharpdraft_theory.stats import row_stats_from_logits
+    path = write_dflash(tmp_path / "swa", "specforge-qwen3.6-27b-dflash-swa")
+    drafter = DFlashDrafter(load_dflash(path, target), target, tokenizer=None)
+    calls = collect_calls(drafter, tokens, p)
+    collector = RowCollector([WINDOW], k_max=4)
+    collector.start(0)
+    drafter.collect(tokens, collector, torch.tensor([p]))
+    stats = collector.take()
+    sliding = stats.layer < 4
+    assert set(stats.n[sliding].tolist()) == {WINDOW} and set(stats.n[~sliding].tolist()) == {p + 16}  # full: a block
+    # layer 0, head 0, block rows with a full window: logits over their own W keys, in float64
+    rows = [(q, k) for layer, q, k, _, n in calls if layer == 0 and int(n[0, 0]) == WINDOW]
+    logits = torch.stack([(q[0, 0, 0].double() @ k[0, 0, :WINDOW].double().T) * 16 ** -0.5 for q, k in rows])
+    ref = row_stats_from_logits(logits.numpy(), k_max=4, alpha_grid=stats.alpha_grid)
+    mine = (stats.layer == 0) & (stats.head == 0)
+    assert mine.sum() == len(rows)
+    # fp32 reduction vs float64 reference: ~1e-6 relative on O(1) logits
+    assert torch.allclose(torch.as_tensor(stats.lse[mine]).double(), torch.as_tensor(ref.lse), atol=1e-4)
+
+
+def test_speculators_dflash_matches_its_reference(target, tokens, tmp_path, p=9):
+    """z-lab's Qwen3.6-35B-A3B head converted by speculators: aux ids are hidden-state indices already,
+    yarn RoPE (factor 64, theta 1e7: a = 0.1 ln 64 + 1 on cos and sin), its own embed_tokens."""
+    from safetensors.torch import load_file
+
+    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    name = "speculators-dflash-qwen3.6-35b-a3b-converted-yarn"
+    path = write_dflash(tmp_path / "spec", name)
+    d = json.loads((path / "config.json").read_text())
+    model = load_dflash(path, target)
+    c = model.config
+    assert (c.source, c.hidden_state_ids, c.rope_theta, c.rope_scaling.rope_type) == (
+        "speculators", (1, 2, 4, 5, 7), 1e7, "yarn")
+    drafter = DFlashDrafter(model, target, tokenizer=None)
+    assert "reads target hidden_states [1, 2, 4, 5, 7]: aux_hidden_state_layer_ids are hidden-state indices" in \
+        drafter.notes[0]
+    calls = collect_calls(drafter, tokens, p)
+    state = load_file(str(path / "model.safetensors"))
+    with torch.no_grad():
+        hs = target(tokens, output_hidden_states=True).hidden_states
+    seen, _ = reference_dflash(d, state, hs, tokens, p, state["embed_tokens.weight"], (1, 2, 4, 5, 7))
+    assert [call[0] for call in calls] == list(range(8))
+    for (_, q, k, _, n_visible), (q_ref, k_ref) in zip(calls, seen):
+        assert torch.equal(n_visible, torch.full((1, 16), p + 16))
+        # fp32 model vs float64 reference through 8 layers, q and k times a = 1.42: ~1e-6 per op
+        assert torch.allclose(q[0].transpose(0, 1).double(), q_ref, atol=1e-4)
+        assert torch.allclose(k[0].transpose(0, 1).double(), k_ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["transformer_layer_config"].__setitem__("layer_types", ["sliding_attention"] * 8),
+     "count the window back from the block's anchor"),
+    (lambda d: d.__setitem__("speculators_model_type", "dspark"), "speculators' DSpark"),
+    (lambda d: d.__setitem__("aux_hidden_state_layer_ids", [1, 2, 4, 5, 8]), r"aux_hidden_state_layer_ids \[1, 2, 4, 5, 8\]"),
+    (lambda d: d["transformer_layer_config"].__setitem__("attn_logit_softcapping", 50.0),
+     "transformer_layer_config: config.json field 'attn_logit_softcapping' is not understood"),
+])
+def test_speculators_dflash_refusals(edit, message, target, tmp_path):
+    from calibrate.drafters.dflash import load_dflash
+    path = write_dflash(tmp_path / "spec", "speculators-dflash-qwen3.6-35b-a3b-converted-yarn")
+    d = json.loads((path / "config.json").read_text())
+    edit(d)
+    (path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(UserError, match=message):
+        load_dflash(path, target)
+
+
+# ---------------------------------------------------------------------------------------------
 # end to end: sharpdraft calibrate
 # ---------------------------------------------------------------------------------------------
 
@@ -332,10 +595,7 @@ def test_cli_calibrates_released_eagle_heads(name, disk_target, tmp_path):
 def test_cli_calibrates_a_dflash_head_with_only_rope_parameters(disk_target, tmp_path):
     target_dir, model = disk_target
     path = write_tiny_dflash(tmp_path / "dflash", model, seed=3, target_layer_ids=(1, 3, 5))
-    cfg = json.loads((path / "config.json").read_text())
-    del cfg["rope_theta"], cfg["rope_scaling"]
-    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
-    (path / "config.json").write_text(json.dumps(cfg))
+    only_rope_parameters(path, 1e6)
     from calibrate.drafters.dflash import DFlashConfig
     assert DFlashConfig.from_json(path / "config.json").rope_theta == 1e6
     res, _ = _calibrate(tmp_path, "dflash", path, target_dir, "--n-ref", "64")

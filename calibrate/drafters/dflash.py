@@ -13,7 +13,8 @@ keys / values from ``cat(context, block)``::
 
     q = RoPE(q_norm(q_proj(x)))                  # per head, norm before RoPE
     k = RoPE(k_norm(k_proj(cat(c_0..c_{p-1}, x))))  # the context uses positions 0 .. p-1
-    attention is non-causal: every block query sees all p context keys and the whole block
+    full layers are non-causal: every block query sees all p context keys and the whole block;
+    sliding layers (layer_types) see a causal window of W keys (DFlashDraftModel.visible_mask)
 
 The context keys depend only on ``c`` (not on the layer's input), so they are computed once per
 sequence and shared by all blocks (:meth:`DFlashDraftModel.encode_context`), just as DFlash's own
@@ -24,7 +25,8 @@ Attention is dispatched through transformers' ``ALL_ATTENTION_FUNCTIONS[config._
 ``fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs)``; ``module``
 has ``layer_idx`` and ``is_causal = False``, so a registered function sees post-RoPE queries and
 keys (and may scale the queries), and ``sharpdraft_runtime.visible_keys`` counts every key as
-visible to every block query, as the non-causal attention without a mask computes.
+visible to every block query in a full layer, as the non-causal attention without a mask
+computes, and the keys the window's mask leaves in a sliding layer.
 Checked against z-lab/dflash ``dflash/model.py``; ``docs/drafters.md`` lists what was verified.
 """
 
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sharpdraft_runtime import causal_n_visible
 from sharpdraft_theory.spec import DrafterInfo
 
 from ..errors import UserError
@@ -55,6 +58,35 @@ DFLASH_DEFAULT_N_REF = 3072
 
 _SECTION = "dflash_config"  # DFlash draft fields may sit here or at the top level of config.json
 _field = partial(config_field, what="DFlash")
+# config.json fields read by DFlashConfig.from_dict (each checked where it is read)
+_READ = frozenset({
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "num_hidden_layers",
+    "vocab_size", "block_size", "mask_token_id", "target_layer_ids", "head_dim", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "partial_rotary_factor", "target_hidden_size", "num_target_layers",
+    "attention_bias", "input_embedding_scale", "max_position_embeddings", "hidden_act", "mlp_bias", "is_causal",
+    "attention_mode",
+    "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", _SECTION,
+})
+# vLLM speculators' DFlash top-level fields, beside transformer_layer_config (the decoder's own fields):
+# read (aux ids, window rule) or not changing the attention inputs (lm_head rows, training, proposals)
+_SPECULATORS = frozenset({
+    "aux_hidden_state_layer_ids", "sliding_window_non_causal", "transformer_layer_config", "draft_vocab_size",
+    "max_anchors", "sample_from_anchor", "speculators_config", "speculators_model_type", "speculators_version",
+})
+# SpecForge's DFlash-backbone variants (research notes section 7): the attention is DFlash's, unchanged; each
+# adds a logit term from heads with these weight prefixes, configured by these fields (logits only)
+_VARIANTS = {
+    "DSparkDraftModel": ("DSpark", "Markov and confidence heads", ("markov_head.", "confidence_head."),
+                         {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                          "confidence_head_alpha"}),
+    "DominoDraftModel": ("Domino", "GRU logit correction", ("prefix_gru.", "embed_proj."),
+                         {"projector_type", "emb_dim", "gru_hidden_dim", "pure_draft_prefix_len", "shift_label"}),
+}
+# config.json fields that do not change the attention inputs (they identify, train or serve the model)
+_HARMLESS = frozenset({
+    "architectures", "model_type", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
+    "transformers_version", "use_cache", "initializer_range", "tie_word_embeddings", "attention_dropout",
+})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,7 +109,7 @@ class DFlashConfig:
     vocab_size: int  # the target's vocabulary (embedding and lm_head are the target's)
     block_size: int  # anchor + block_size - 1 mask tokens
     mask_token_id: int  # token id of the mask token
-    target_layer_ids: tuple[int, ...]  # target layers whose outputs feed fc (hidden_states[id + 1])
+    target_layer_ids: tuple[int, ...]  # aux layer ids as written (hidden_state_ids says what they read)
     head_dim: int = 0  # width of one head; 0 in the constructor means hidden_size // heads
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon (layer norms and q_norm / k_norm)
     rope_theta: float = 10000.0  # RoPE base (transformers' Qwen3 default when absent)
@@ -87,6 +119,10 @@ class DFlashConfig:
     attention_bias: bool = False  # q/k/v/o biases
     input_embedding_scale: float = 1.0  # block embeddings are multiplied by this (DFlash option)
     max_position_embeddings: int | None = None  # recorded only (copied from the target by DFlash)
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention"; () = all full
+    sliding_window: int | None = None  # W of the sliding layers (SpecForge / vLLM rule, visible_mask); None = none
+    source: str = "dflash"  # layout: "dflash" (z-lab / SpecForge) or "speculators" (vLLM speculators, converted)
+    variant: str = "DFlashDraftModel"  # architecture: DFlash, or a _VARIANTS key run as DFlash (its logit heads not)
     _attn_implementation: str = field(default="sdpa", compare=False, repr=False)  # attention dispatch name
 
     def __post_init__(self):
@@ -95,41 +131,61 @@ class DFlashConfig:
         if not self.target_hidden_size:
             object.__setattr__(self, "target_hidden_size", self.hidden_size)
 
+    @property
+    def hidden_state_ids(self) -> tuple[int, ...]:
+        """Target ``hidden_states`` indices fed to ``fc``: z-lab's ``target_layer_ids`` name layers whose
+        output is read (``id + 1``); speculators' ``aux_hidden_state_layer_ids`` are the indices already."""
+        return tuple(i + (self.source == "dflash") for i in self.target_layer_ids)
+
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
-        """Read the fields DFlash uses; raise UserError naming a missing, malformed or unsupported field."""
+        """Read the fields DFlash uses; raise UserError naming a missing, malformed or unsupported field,
+        or one this loader does not read and that is not known to be harmless (``_HARMLESS``)."""
+        source, ids_field = "dflash", "target_layer_ids"
         if "speculators_model_type" in d:
-            raise UserError(f"{where}: vLLM speculators layout ({d['speculators_model_type']}: nested "
-                            f"transformer_layer_config, aux ids already offset) is not supported for DFlash yet")
+            d, source, ids_field = _speculators_flat(d, where), "speculators", "aux_hidden_state_layer_ids"
+        if not isinstance(d.get(_SECTION) or {}, dict):
+            raise UserError(f"{where}: config.json field '{_SECTION}' should be an object, got {d[_SECTION]!r}")
         arch = d.get("architectures") or ()
-        if any(a in ("DSparkDraftModel", "DominoDraftModel") for a in arch) or \
-                (d.get(_SECTION) or {}).get("projector_type") == "domino":
-            raise UserError(f"{where}: {list(arch)} is DSpark or Domino, a DFlash backbone with extra logit terms "
-                            f"that this loader does not run; refusing rather than loading it as plain DFlash")
+        section = d.get(_SECTION) or {}
+        variant = next((a for a in arch if a in _VARIANTS), "DFlashDraftModel")
+        projector = section.get("projector_type")
+        if projector is not None and (projector, variant) != ("domino", "DominoDraftModel"):
+            raise UserError(f"{where}: dflash_config.projector_type {projector!r} with architectures {list(arch)}: "
+                            f"only Domino's ('domino', DominoDraftModel) is known")
+        mode = section.get("attention_mode", "gqa")
+        if mode not in ("gqa", "mha"):
+            raise UserError(f"{where}: dflash_config.attention_mode {mode!r} is not supported (gqa or mha: "
+                            f"DFlash's attention)")
         if any("DFlash2" in a for a in arch):
             raise UserError(f"{where}: {d['architectures']} (DFlash2, with convolutions and a candidate "
                             f"selector) is not supported; only DFlashDraftModel")
-        types = d.get("layer_types") or ()
-        if any(t != "full_attention" for t in types) or d.get("is_causal"):
-            raise UserError(f"{where}: causal or sliding-window DFlash layers (layer_types={list(types)}, "
-                            f"is_causal={d.get('is_causal')}) are not supported; only non-causal full attention")
+        if d.get("is_causal"):
+            raise UserError(f"{where}: is_causal true (causal DFlash blocks) is not supported; DFlash blocks are "
+                            f"non-causal")
+        _check_known(d, where, _SPECULATORS if source == "speculators" else frozenset(
+            _VARIANTS[variant][3] if variant in _VARIANTS else ()))
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses 'silu')")
+        if d.get("mlp_bias"):
+            raise UserError(f"{where}: mlp_bias true is not supported (DFlash's MLP has no biases)")
         req = {n: _field(d, n, int, where, required=True) for n in
                ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")}
         heads = req["num_attention_heads"]
         kv = _field(d, "num_key_value_heads", int, where, default=heads)
-        if heads <= 0 or kv <= 0 or heads % kv:
-            raise UserError(f"{where}: num_key_value_heads={kv} must divide num_attention_heads={heads}")
+        if heads <= 0 or kv <= 0 or heads % kv or (mode == "mha" and kv != heads):
+            raise UserError(f"{where}: num_key_value_heads={kv} must divide num_attention_heads={heads}"
+                            + (" and equal it (attention_mode mha)" if mode == "mha" else ""))
         bias = d.get("attention_bias", False)
         if not isinstance(bias, bool):
             raise UserError(f"{where}: config.json field 'attention_bias' should be true or false, got {bias!r}")
         theta, scaling = read_rope(d, where, "DFlash")
+        types, window = _layer_windows(d, where, req["num_hidden_layers"])
         return cls(
             **req, num_key_value_heads=kv,
             block_size=_field(d, "block_size", int, where, default=16, section=_SECTION),
             mask_token_id=_field(d, "mask_token_id", int, where, required=True, section=_SECTION),
-            target_layer_ids=_field(d, "target_layer_ids", tuple, where, required=True, section=_SECTION),
+            target_layer_ids=_field(d, ids_field, tuple, where, required=True, section=_SECTION),
             head_dim=_field(d, "head_dim", int, where, default=0),
             rms_norm_eps=_field(d, "rms_norm_eps", float, where, default=1e-6),
             rope_theta=theta, rope_scaling=scaling,
@@ -138,6 +194,7 @@ class DFlashConfig:
             attention_bias=bias,
             input_embedding_scale=_field(d, "input_embedding_scale", float, where, default=1.0, section=_SECTION),
             max_position_embeddings=_field(d, "max_position_embeddings", int, where),
+            layer_types=types, sliding_window=window, source=source, variant=variant,
         )
 
     @classmethod
@@ -147,6 +204,8 @@ class DFlashConfig:
     def to_dict(self, nested: bool = True) -> dict:
         """``config.json`` content in z-lab/dflash's layout (draft fields under ``dflash_config``
         when ``nested``, at the top level otherwise, as some checkpoints have them)."""
+        if self.source != "dflash" or self.variant != "DFlashDraftModel":
+            raise ValueError("to_dict writes z-lab's DFlash layout; this config comes from another")
         d = {
             "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "model_type": "qwen3", "hidden_act": "silu", "hidden_size": self.hidden_size,
@@ -161,6 +220,10 @@ class DFlashConfig:
             d["max_position_embeddings"] = self.max_position_embeddings
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
+        if self.layer_types:
+            d["layer_types"] = list(self.layer_types)
+        if self.sliding_window is not None:
+            d.update(use_sliding_window=True, sliding_window=self.sliding_window)
         if self.target_hidden_size != self.hidden_size:
             d["target_hidden_size"] = self.target_hidden_size
         draft = {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
@@ -171,6 +234,70 @@ class DFlashConfig:
         else:
             d.update(draft)
         return d
+
+
+def _layer_windows(d: dict, where: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """``(layer_types, sliding_window)``: which layers slide, and their window ``W``.
+
+    A ``sliding_window`` with no ``sliding_attention`` layer is the target's value copied over (no
+    layer uses it). Refused: ``layer_types`` of the wrong length or with other types, and what
+    transformers' ``Qwen3Config`` would reinterpret: ``use_sliding_window`` true without
+    ``layer_types`` (it derives them from ``max_window_layers``), or sliding layers with
+    ``use_sliding_window`` false (it drops ``sliding_window``).
+    """
+    types = d.get("layer_types")
+    if types is None:
+        if d.get("use_sliding_window") and d.get("sliding_window"):
+            raise UserError(f"{where}: use_sliding_window true without layer_types: which layers slide is unclear "
+                            f"(transformers would derive them from max_window_layers); write layer_types")
+        return (), None
+    if (not isinstance(types, list) or len(types) != num_layers
+            or any(t not in ("full_attention", "sliding_attention") for t in types)):
+        raise UserError(f"{where}: layer_types {types!r}: expected {num_layers} entries, each full_attention or "
+                        f"sliding_attention")
+    if "sliding_attention" not in types:
+        return tuple(types), None
+    if d.get("use_sliding_window") is False:
+        raise UserError(f"{where}: layer_types has sliding_attention layers but use_sliding_window is false "
+                        f"(transformers then drops sliding_window); which window applies is unclear")
+    window = _field(d, "sliding_window", int, where, required=True)
+    if window <= 0:
+        raise UserError(f"{where}: sliding_window should be positive, got {window}")
+    return tuple(types), window
+
+
+def _speculators_flat(d: dict, where: str) -> dict:
+    """A vLLM speculators DFlash config flattened: ``transformer_layer_config`` (the Qwen3 decoder)
+    with the top-level draft fields over it, each level checked against the allow-lists first."""
+    kind = d["speculators_model_type"]
+    if kind != "dflash":
+        hint = {"eagle3": " (use --drafter eagle3)",
+                "dspark": " (speculators' DSpark: the key names of its Markov and confidence heads are not known "
+                          "to this loader, so its weights cannot be checked)"}.get(kind, "")
+        raise UserError(f"{where}: speculators_model_type {kind!r} is not a DFlash model this loader runs{hint}")
+    inner = d.get("transformer_layer_config")
+    if not isinstance(inner, dict):
+        raise UserError(f"{where}: speculators config has no 'transformer_layer_config' object")
+    if inner.get("model_type", "qwen3") != "qwen3":
+        raise UserError(f"{where}: transformer_layer_config model_type {inner['model_type']!r} is not supported "
+                        f"(speculators' DFlash decoder is qwen3)")
+    _check_known(inner, where + " transformer_layer_config")
+    flat = {**inner, **{k: v for k, v in d.items() if k != "transformer_layer_config"}}
+    if "sliding_attention" in (flat.get("layer_types") or ()):
+        raise UserError(f"{where}: sliding-window layers in the speculators layout count the window back from the "
+                        f"block's anchor (sliding_window_non_causal {flat.get('sliding_window_non_causal', False)}), "
+                        f"a rule this loader does not implement; only SpecForge's and vLLM's")
+    return flat
+
+
+def _check_known(d: dict, where: str, extra: frozenset = frozenset()) -> None:
+    """Refuse a field this loader does not read and that is not known to be harmless (``_HARMLESS``,
+    ``extra``), at the top level and under ``dflash_config``: it could change what the model computes."""
+    section = d.get(_SECTION) or {}
+    unknown = sorted(set(d) - _READ - _HARMLESS - extra) + sorted(f"{_SECTION}.{k}" for k in set(section) - _READ - extra)
+    if unknown:
+        raise UserError(f"{where}: config.json field '{unknown[0]}' is not understood by the DFlash loader and "
+                        f"could change what the model computes; refusing rather than ignoring it")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,11 +393,30 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.embed_tokens: nn.Embedding | None = None  # the checkpoint's own (speculators); None: the target's
 
     def set_attn_implementation(self, name: str) -> None:
         """Dispatch attention to ``ALL_ATTENTION_FUNCTIONS[name]`` (or ``"eager"``, plain math)."""
         resolve_attention(name)
         self.config._attn_implementation = name
+
+    def visible_mask(self, layer_idx: int, p: int, q_len: int, device=None) -> torch.Tensor | None:
+        """Keys a block at ``p`` sees in layer ``layer_idx``: None (all ``p + q_len``: full layers)
+        or a bool mask (1, 1, q_len, p + q_len), True where visible (sliding layers).
+
+        Sliding layers follow SpecForge's training mask and vLLM's serving (research notes, section
+        7): a causal window over absolute positions, so block row ``j`` (position ``p + j``) sees
+        keys ``p + j - n + 1 .. p + j`` with ``n = min(p + j + 1, W)`` from
+        :func:`sharpdraft_runtime.causal_n_visible` (context and block keys alike). z-lab's
+        transformers sdpa path would apply no window, and vLLM speculators counts it from the anchor.
+        """
+        c = self.config
+        if not c.layer_types or c.layer_types[layer_idx] != "sliding_attention":
+            return None
+        n = causal_n_visible(q_len, p, sliding_window=c.sliding_window, device=device)[0, :, None]  # (q, 1)
+        end = torch.arange(p + 1, p + q_len + 1, device=device)[:, None]  # one past each row's last key
+        key = torch.arange(p + q_len, device=device)
+        return ((key < end) & (key >= end - n))[None, None]
 
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         c = self.config
@@ -287,17 +433,19 @@ class DFlashDraftModel(nn.Module):
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     def forward_block(self, noise_embedding: torch.Tensor, position_ids: torch.Tensor, context,
-                      attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+                      **kwargs) -> torch.Tensor:
         """Normed output hidden states (B, q, H) of a block.
 
         ``noise_embedding`` (B, q, H): the target's embedding of anchor + mask tokens (times
         ``input_embedding_scale``); ``position_ids`` (B, q); ``context`` from :meth:`encode_context`
-        cut to the block's prefix. Without a mask every query sees every key (``p + q`` of them).
+        cut to the block's prefix (``p`` positions). Each layer sees the keys of :meth:`visible_mask`:
+        all ``p + q`` in full layers, a window in sliding ones.
         """
         cos, sin = self._rope(position_ids, noise_embedding.dtype)
         h = noise_embedding
-        for layer, ctx in zip(self.layers, context):
-            h = layer(h, ctx, cos, sin, attention_mask, **kwargs)
+        p, q_len = context[0][0].shape[2], noise_embedding.shape[1]
+        for i, (layer, ctx) in enumerate(zip(self.layers, context)):
+            h = layer(h, ctx, cos, sin, self.visible_mask(i, p, q_len, h.device), **kwargs)
         return self.norm(h)
 
     def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
@@ -327,6 +475,9 @@ def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=Non
                 dtype: torch.dtype | None = None) -> DFlashDraftModel:
     """Load a DFlash draft model from a directory with ``config.json`` and its weights.
 
+    z-lab's key layout; the speculators layout adds ``embed_tokens.weight`` (used for the block
+    embeddings, as speculators does) and ``lm_head.weight`` / ``d2t`` / ``t2d`` (not run).
+
     When ``target`` is given, its width, vocabulary and depth are checked against the config.
     """
     path = Path(path)
@@ -334,12 +485,20 @@ def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=Non
         raise UserError(f"DFlash checkpoint {path}: not a directory")
     config = DFlashConfig.from_json(path / "config.json")
     weights, file = read_weights(path, "DFlash")
+    embed = weights.pop("embed_tokens.weight", None) if config.source == "speculators" else None
+    if embed is not None and tuple(embed.shape) != (config.vocab_size, config.target_hidden_size):
+        raise UserError(f"DFlash checkpoint {file}: weight 'embed_tokens.weight' has shape {tuple(embed.shape)}, "
+                        f"expected {(config.vocab_size, config.target_hidden_size)} from config.json")
     if target is not None:
         tc = target.config
         layers = tc.num_hidden_layers
-        bad = [i for i in config.target_layer_ids if not 0 <= i < layers]
+        # z-lab's id L - 1 reads transformers' hidden_states[L] as z-lab does; a speculators index L means
+        # vLLM's capture before the final norm, which hidden_states[L] (after it) is not
+        top = layers if config.source == "dflash" else layers - 1
+        bad = [i for i in config.hidden_state_ids if not 0 <= i <= top]
         if bad or (config.num_target_layers is not None and config.num_target_layers != layers):
-            raise UserError(f"DFlash checkpoint {path}: target_layer_ids {list(config.target_layer_ids)} "
+            name = "target_layer_ids" if config.source == "dflash" else "aux_hidden_state_layer_ids"
+            raise UserError(f"DFlash checkpoint {path}: {name} {list(config.target_layer_ids)} "
                             f"(num_target_layers={config.num_target_layers}) do not fit a target with {layers} layers")
         if (tc.hidden_size, tc.vocab_size) != (config.target_hidden_size, config.vocab_size):
             raise UserError(f"DFlash checkpoint {path}: expects a target with hidden size {config.target_hidden_size} "
@@ -347,7 +506,18 @@ def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=Non
         if not 0 <= config.mask_token_id < tc.vocab_size:
             raise UserError(f"DFlash checkpoint {path}: mask_token_id {config.mask_token_id} is outside the "
                             f"target's vocabulary of {tc.vocab_size}")
-    return build(lambda: DFlashDraftModel(config), weights, file, "DFlash", device=device, dtype=dtype)
+    extra = _VARIANTS[config.variant][2] if config.variant in _VARIANTS else ()
+    ignored = _IGNORED_WEIGHTS[config.source] + tuple(k for k in weights if k.startswith(extra))
+    model = build(lambda: DFlashDraftModel(config), weights, file, "DFlash", device=device, dtype=dtype,
+                  ignored=ignored)
+    if embed is not None:
+        model.embed_tokens = nn.Embedding.from_pretrained(embed.to(device=device, dtype=dtype or embed.dtype))
+    return model
+
+
+# weights a layout may carry that do not reach the attention inputs: speculators' draft lm_head and its
+# draft -> target vocabulary maps (logits only; calibration computes none)
+_IGNORED_WEIGHTS = {"dflash": (), "speculators": ("lm_head.weight", "d2t", "t2d")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,6 +541,25 @@ class DFlashDrafter:
         self.default_n_ref = DFLASH_DEFAULT_N_REF
         self.device = model.fc.weight.device
         self.eos_token_id = None if tokenizer is None else eos_token_id(tokenizer)
+        rope = "" if c.rope_scaling is None else f", {c.rope_scaling.rope_type} RoPE"
+        ids = list(c.hidden_state_ids)
+        self.notes = [f"DFlash model in {c.source}'s layout ({c.num_hidden_layers} layers, block {c.block_size}{rope}); "
+                      + (f"reads target hidden_states {ids}: target_layer_ids {list(c.target_layer_ids)} read as "
+                         f"id + 1 (the output of layer id), as DFlash does" if c.source == "dflash" else
+                         f"reads target hidden_states {ids}: aux_hidden_state_layer_ids are hidden-state indices "
+                         f"already (z-lab's ids + 1), read as is; block embeddings from the checkpoint's "
+                         f"embed_tokens, its lm_head not run (calibration needs no logits)")]
+        if c.variant in _VARIANTS:
+            name, heads, prefixes, _ = _VARIANTS[c.variant]
+            self.notes.append(f"{c.variant} loaded as DFlash: {name}'s attention is DFlash's, unchanged (same "
+                              f"queries and keys); its {heads} ({', '.join(p + '*' for p in prefixes)}) only add to "
+                              f"the logits, which calibration does not compute, and are not run")
+        if c.sliding_window is not None:
+            sliding = [i for i, t in enumerate(c.layer_types) if t == "sliding_attention"]
+            self.notes.append(
+                f"sliding-window layers {sliding} (W = {c.sliding_window}) use SpecForge's and vLLM's rule, a causal "
+                f"window over absolute positions: block row j at p sees min(p + j + 1, W) keys (z-lab's "
+                f"transformers path applies no window); each row's statistics use exactly the keys it sees")
 
     def tokenize(self, text: str) -> list[int]:
         """Target token ids of ``text``, without special tokens."""
@@ -386,23 +575,54 @@ class DFlashDrafter:
         block_size`` for every row (non-causal). Context keys are computed once and shared; blocks
         run one at a time, so keys are never padded. The tap is installed with
         ``calibrate.taps.attention_tap``, the function registered for every transformers drafter.
+
+        In sliding layers a row's visible keys (:meth:`DFlashDraftModel.visible_mask`) end at its own
+        position and need not start at key 0; the tap is then called once per group of rows with the
+        same first visible key, with the keys from that one on (:func:`_visible_from_start`), so that
+        every call keeps the tap's contract: each row sees the first ``n_visible`` keys it is given.
+        Unlike the EAGLE-3 head, which runs only the rows inside its window, rows whose window is
+        full (``n = W``) are kept.
         """
         c = self.model.config
         input_ids = input_ids.to(self.device)
         T = input_ids.shape[1]
-        features = context_features(self.target, input_ids, c.target_layer_ids)
+        features = hidden_state_features(self.target, input_ids, c.hidden_state_ids)
         context = self.model.encode_context(features, torch.arange(T, device=self.device)[None])
-        embed = self.target.get_input_embeddings()
+        embed = self.model.embed_tokens if self.model.embed_tokens is not None else self.target.get_input_embeddings()
         dtype = self.model.fc.weight.dtype
-        with attention_tap(self.model, tap):
-            for p in positions.tolist():
-                if not 0 <= p < T:
-                    raise ValueError(f"position {p} is outside the sequence of {T} tokens")
-                block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=self.device)
-                block[0, 0] = input_ids[0, p]
-                noise = embed(block).to(dtype) * c.input_embedding_scale
+        for p in positions.tolist():
+            if not 0 <= p < T:
+                raise ValueError(f"position {p} is outside the sequence of {T} tokens")
+            block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=self.device)
+            block[0, 0] = input_ids[0, p]
+            noise = embed(block).to(dtype) * c.input_embedding_scale
+            with attention_tap(self.model, _visible_from_start(tap, self.model, p)):
                 self.model.forward_block(noise, torch.arange(p, p + c.block_size, device=self.device)[None],
                                          [(k[:, :, :p], v[:, :, :p]) for k, v in context])
+
+
+def _visible_from_start(tap: AttentionTap, model: DFlashDraftModel, p: int) -> AttentionTap:
+    """``tap`` for the block at ``p``, called so that each row's visible keys are the first it is given.
+
+    A full layer's call goes to ``tap`` as it is. In a sliding layer row ``j`` sees the contiguous
+    keys ``s_j .. s_j + n_j - 1`` of :meth:`DFlashDraftModel.visible_mask` (``n_j`` is the count the
+    attention function passes); rows with the same start ``s`` go to ``tap`` together with
+    ``key[:, :, s:]``. A query ``tap`` returns replaces those rows' queries.
+    """
+    def call(layer_idx, query, key, scaling, n_visible):
+        mask = model.visible_mask(layer_idx, p, query.shape[2], query.device)
+        if mask is None:
+            return tap(layer_idx, query, key, scaling, n_visible)
+        start = mask[0, 0].to(torch.int8).argmax(-1)  # (q,) first visible key of each row
+        parts, replaced = [], False
+        for s in start.unique_consecutive().tolist():
+            rows = (start == s).nonzero()[:, 0]
+            out = tap(layer_idx, query[:, :, rows], key[:, :, s:], scaling, n_visible[:, rows])
+            replaced |= out is not None
+            parts.append(query[:, :, rows] if out is None else out)
+        return torch.cat(parts, dim=2) if replaced else None
+
+    return call
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype) -> DFlashDrafter:
