@@ -197,17 +197,18 @@ def window_overlay(window: int, sinks: int | None = None, first: torch.Tensor | 
 
 
 def causal_mask(q_len: int, past: int = 0, *, sliding_window: int | None = None, sinks: int | None = None,
-                device: torch.device | str | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean mask (q_len, past + q_len) of causal queries after ``past`` cached keys, window and sinks applied.
 
     For attention code that builds its own mask (calibrate's EAGLE-3 head); row ``i`` has
     ``causal_n_visible(q_len, past, sliding_window=..., sinks=...)[0, i]`` True entries.
+    ``positions`` (shape (rows,)) builds only the rows of the queries at those positions instead.
     """
-    q = torch.arange(past, past + q_len, device=device)[:, None]  # (q_len, 1) query positions
+    q = torch.arange(past, past + q_len, device=device) if positions is None else positions  # query positions
     kv = torch.arange(past + q_len, device=device)[None]  # (1, k_len) key positions
-    visible = kv <= q
+    visible = kv <= q[:, None]  # (rows, k_len)
     if sliding_window is not None:
-        visible &= window_overlay(sliding_window, sinks)(0, 0, q, kv)
+        visible &= window_overlay(sliding_window, sinks)(0, 0, q[:, None], kv)
     return visible
 
 
