@@ -7,6 +7,12 @@ Sources (the ``--corpus`` option):
     113k SmolLM2 tokens, shipped with every Python). The split is deterministic: topics sorted
     by name, every 10th one (sorted indices 9, 19, 29, ...) is **held out** for evaluation;
     calibration reads the other nine in ten (``train``) unless told otherwise.
+``stdlib`` (also ``stdlib:train``), ``stdlib:heldout``, ``stdlib:all``
+    the Python standard library's own source files (``sysconfig``'s ``stdlib`` path): real code
+    with long-range structure, long enough for held-out sequences of 8,192 tokens. One document
+    per ``.py`` file; test suites (folders named ``test``, ``tests``, ``idle_test``) and
+    ``site-packages`` are left out. Split by file like pydoc: module paths sorted, every 10th
+    (sorted indices 9, 19, ...) held out.
 a ``.txt`` file
     one document.
 a ``.jsonl`` file
@@ -25,28 +31,57 @@ continue a run.
 from __future__ import annotations
 
 import json
+import os
+import sysconfig
+import tokenize
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import UserError
 
-__all__ = ["PYDOC_SPLITS", "documents", "pack", "pydoc_topics"]
+__all__ = ["SPLITS", "documents", "pack", "pydoc_topics", "stdlib_modules"]
 
-PYDOC_SPLITS = ("train", "heldout", "all")
-HELD_OUT_EVERY = 10  # every 10th topic (sorted by name) is held out
+SPLITS = ("train", "heldout", "all")
+HELD_OUT_EVERY = 10  # every 10th document (sorted by name) is held out
+STDLIB_LEFT_OUT = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+
+
+def _split(named: list, split: str, source: str) -> list:
+    """The ``split`` of ``named`` (sorted): every 10th item held out, the rest train."""
+    if split not in SPLITS:
+        raise UserError(f"--corpus {source}:{split}: unknown split; use one of {', '.join(SPLITS)}")
+    if split == "all":
+        return named
+    held = split == "heldout"
+    return [item for i, item in enumerate(named) if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held]
 
 
 def pydoc_topics(split: str = "train") -> list[tuple[str, str]]:
     """``(name, text)`` of the pydoc topics in ``split`` (train, heldout or all), sorted by name."""
     from pydoc_data.topics import topics
 
-    if split not in PYDOC_SPLITS:
-        raise UserError(f"--corpus pydoc:{split}: unknown split; use one of {', '.join(PYDOC_SPLITS)}")
-    named = sorted(topics.items())
-    if split == "all":
-        return named
-    held = split == "heldout"
-    return [item for i, item in enumerate(named) if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held]
+    return _split(sorted(topics.items()), split, "pydoc")
+
+
+def stdlib_modules(split: str = "train", root: str | os.PathLike | None = None) -> list[tuple[str, Path]]:
+    """``(module path, file)`` of the standard library's ``.py`` files in ``split``, sorted by path.
+
+    ``root`` defaults to ``sysconfig.get_paths()["stdlib"]``; folders in ``STDLIB_LEFT_OUT`` (test
+    suites, installed packages, caches) are not entered.
+    """
+    root = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in STDLIB_LEFT_OUT]
+        found += [(Path(folder, f).relative_to(root).as_posix(), Path(folder, f)) for f in files if f.endswith(".py")]
+    return _split(sorted(found), split, "stdlib")
+
+
+def _source_text(file: Path) -> str:
+    """A Python file's text in its declared encoding (PEP 263); undecodable bytes replaced."""
+    with file.open("rb") as handle:
+        encoding, _ = tokenize.detect_encoding(handle.readline)
+    return file.read_bytes().decode(encoding, errors="replace")
 
 
 def documents(source: str) -> Iterator[str]:
@@ -56,9 +91,16 @@ def documents(source: str) -> Iterator[str]:
         for _, text in pydoc_topics(split):
             yield text
         return
+    if source == "stdlib" or source.startswith("stdlib:"):
+        for _, file in stdlib_modules(source.partition(":")[2] or "train"):
+            text = _source_text(file)
+            if text.strip():
+                yield text
+        return
     path = Path(source)
     if not path.exists():
-        raise UserError(f"--corpus {source}: no such file or folder (use pydoc, a .txt or .jsonl file, or a folder)")
+        raise UserError(f"--corpus {source}: no such file or folder (use pydoc, stdlib, a .txt or .jsonl file, "
+                        "or a folder)")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl"))
         if not files:

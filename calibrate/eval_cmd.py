@@ -29,6 +29,10 @@ def _lengths(text: str) -> list[int]:
     return values
 
 
+def _variants(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def eval_command(
     *,
     drafter: Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names(evaluates=True))}.")] = "eagle3",
@@ -42,7 +46,8 @@ def eval_command(
         = "256,512,1024,2048",
     corpus: Annotated[str, typer.Option(help="Held-out text: pydoc:heldout, a .txt or .jsonl file, or a folder.")]
         = "pydoc:heldout",
-    sequences: Annotated[int, typer.Option(help="At most this many sequences of the largest length.")] = 4,
+    sequences: Annotated[Optional[int], typer.Option(help="At most this many sequences of the largest length "
+                                                     "(default: all the corpus holds).")] = None,
     skip: Annotated[int, typer.Option(help="Sequences of the corpus to pass over first.")] = 0,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Top set size for the mass (default: the spec's).")]
         = None,
@@ -50,6 +55,15 @@ def eval_command(
                                               "acceptance length and speedup.")] = False,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per speculative prompt.")] = 32,
     num_draft: Annotated[int, typer.Option("--num-draft", help="Draft chain length K.")] = 4,
+    variants: Annotated[str, typer.Option(help="Variants to compare, comma-separated: none, spec, qwen-logn, window, "
+                                          "sinks, reference (none is always run).")]
+        = "none,spec,qwen-logn,window,sinks",
+    window: Annotated[Optional[int], typer.Option(help="The window variant's W: the drafter attends to its last W "
+                                                  "keys (default: its n_ref).")] = None,
+    sinks: Annotated[int, typer.Option(help="The sinks variant's S: the first S keys plus the last W - S.")] = 4,
+    reference_drafter_path: Annotated[Optional[str], typer.Option(
+        "--reference-drafter-path", help="Another head of the same kind (e.g. long-trained), run unscaled as the "
+                                         "variant 'reference'.")] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16.")]
         = "auto",
@@ -59,17 +73,26 @@ def eval_command(
     out: Annotated[Optional[Path], typer.Option(help="Also write the JSON result here (atomically).")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Save mass and agreement versus n as a PNG here.")] = None,
 ):
-    """Mass, agreement and (with --speculative) acceptance per context length: no scaling, the spec, qwen-logn."""
+    """Mass, agreement and (with --speculative) acceptance per context length, per variant, with paired intervals."""
     import torch
 
     from sharpdraft_theory import ScaleSpec
     from sharpdraft_theory.atomic import atomic_write_text
 
     from .drafters import load_drafter, resolve_device, resolve_dtype
-    from .evaluate import default_spec, evaluate
+    from .evaluate import bucket_edges, check_variants, default_spec, evaluate
 
     drafter_kind(drafter, evaluates=True)
     edges = _lengths(lengths)
+    bucket_edges(edges)
+    names = _variants(variants)
+    if reference_drafter_path is not None and "reference" not in names:
+        names.append("reference")  # the reference head is a variant once given
+    chosen = check_variants(names, window=window, sinks=sinks, has_reference=reference_drafter_path is not None)
+    if reference_drafter_path is not None and not Path(reference_drafter_path).exists() and drafter == "eagle3":
+        raise UserError(f"--reference-drafter-path {reference_drafter_path}: no such folder")
+    if sequences is not None and sequences < 1:
+        raise UserError(f"--sequences {sequences}: expected at least 1 (default: every held-out sequence)")
     if threads < 0:
         raise UserError(f"--threads {threads}: expected 0 (torch's default) or a positive count")
     if threads:
@@ -82,6 +105,8 @@ def eval_command(
     dev = resolve_device(device)
     with torch.inference_mode():
         d = load_drafter(drafter, drafter_path, target_path, dev, resolve_dtype(dtype, dev))
+        ref = None if reference_drafter_path is None else load_drafter(drafter, reference_drafter_path, target_path,
+                                                                       dev, resolve_dtype(dtype, dev))
         k = top_k or (loaded_spec.top_k if loaded_spec else 4)
         if loaded_spec is None:
             loaded_spec = default_spec(d.default_n_ref, k)
@@ -89,7 +114,8 @@ def eval_command(
             loaded_spec = ScaleSpec.from_dict({**loaded_spec.to_dict(), "top_k": k})
         progress = None if as_json else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
         result = evaluate(d, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
-                          speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, progress=progress)
+                          speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,
+                          window=window, sinks=sinks, reference=ref, progress=progress)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)
     if out is not None:
@@ -104,25 +130,28 @@ def eval_command(
 
 def _table(result: dict) -> None:
     v = result["variants"]
-    spec = v["spec"]
+    spec = v.get("spec")
     console.print(f"[bold]{result['drafter']['kind']}[/] drafter, n_ref = {result['drafter']['n_ref']}; "
                   f"{result['sequences']} sequence(s) x {result['sequence_length']} tokens of {result['corpus']}"
                   + (f" after {result['skip']}" if result["skip"] else "") + "; "
-                  f"spec: {spec['law']}, slope {spec['slope']}; top-{result['top_k']} mass")
+                  + (f"spec: {spec['law']}, slope {spec['slope']}; " if spec else "")
+                  + f"top-{result['top_k']} mass; deltas: paired, 95% bootstrap over sequences")
     speculative = result["speculative"] is not None
-    table = Table(title="Held-out evaluation per context-length bucket (rows with n_prev < n_visible <= n)")
+    table = Table(title="Held-out evaluation per context-length bucket (rows whose full context n_prev < n <= n)")
     table.add_column("n", justify="right")
     table.add_column("variant")
-    for col in ("mass", "agreement") + (("accept len", "speedup") if speculative else ()):
+    for col in ("mass", "agreement", "Δ agreement [95%]") + (("accept len", "Δ accept [95%]", "speedup")
+                                                             if speculative else ()):
         table.add_column(col, justify="right")
     for row in result["buckets"]:
         for i, variant in enumerate(v):
             cells = row[variant]
-            values = [cells["mass"], cells["agreement"]]
+            delta = cells.get("delta_vs_none", {})
+            values = [_number(cells["mass"]), _number(cells["agreement"]), _delta(delta.get("agreement"))]
             if speculative:
-                values += [cells.get("acceptance_length"), cells.get("speedup")]
-            table.add_row(str(row["n"]) if i == 0 else "", variant,
-                          *("-" if x is None else f"{x:.3f}" for x in values), end_section=i == len(v) - 1)
+                values += [_number(cells.get("acceptance_length")), _delta(delta.get("acceptance_length")),
+                           _number(cells.get("speedup"))]
+            table.add_row(str(row["n"]) if i == 0 else "", variant, *values, end_section=i == len(v) - 1)
     console.print(table)
     if speculative:
         s = result["speculative"]
@@ -131,28 +160,49 @@ def _table(result: dict) -> None:
                       + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
 
 
+def _number(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _delta(triple) -> str:
+    return "" if triple is None else f"{triple[0]:+.3f} [{triple[1]:+.3f}, {triple[2]:+.3f}]"
+
+
 def plot_result(result: dict, path: Path) -> None:
-    """Mass and agreement versus n (log x), one line per variant."""
+    """Mass, agreement and (with acceptance) acceptance length versus n (log x), one line per variant,
+    agreement and acceptance with their 95% bootstrap bands over sequences."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panels = [("mass", f"mean top-{result['top_k']} attention mass"), ("agreement", "teacher-forced top-1 agreement")]
+    if result["speculative"] is not None:
+        panels.append(("acceptance_length", "acceptance length (tokens per target forward)"))
     n = [row["n"] for row in result["buckets"]]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "mass", f"mean top-{result['top_k']} attention mass"),
-                           (axes[1], "agreement", "teacher-forced top-1 agreement")):
-        for variant, style in zip(result["variants"], ("o-", "s-", "^--")):
-            ys = [row[variant][key] for row in result["buckets"]]
-            ax.plot(n, [float("nan") if y is None else y for y in ys], style, label=variant)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    styles = ("o-", "s-", "^--", "v-.", "D:", "*-")
+    for ax, (key, label) in zip(axes, panels):
+        for variant, style in zip(result["variants"], styles):
+            cells = [row[variant] for row in result["buckets"]]
+            line, = ax.plot(n, [_nan(c.get(key)) for c in cells], style, label=variant)
+            bands = [c.get(f"{key}_interval") for c in cells]
+            if any(b is not None for b in bands):
+                ax.fill_between(n, [_nan(b and b[0]) for b in bands], [_nan(b and b[1]) for b in bands],
+                                color=line.get_color(), alpha=0.15, lw=0)
         ax.axvline(result["drafter"]["n_ref"], color="grey", lw=0.8, ls=":", label="n_ref")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("visible keys n (bucket upper edge)")
+        ax.set_xlabel("context n (bucket upper edge)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{result['drafter']['kind']} drafter on {result['corpus']}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['drafter']['kind']} drafter on {result['corpus']} ({result['sequences']} sequences; "
+                 "bands: 95% bootstrap over sequences)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _nan(x):
+    return float("nan") if x is None else x

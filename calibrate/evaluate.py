@@ -1,26 +1,51 @@
-"""``sharpdraft eval``: does the spec recover the drafter at long context? Measured on held-out text.
+"""``sharpdraft eval``: does the spec recover the drafter at long context, and better than the alternatives?
 
-For each context-length bucket and each variant - ``none`` (no scaling), ``spec`` (the scale spec
-under test) and ``qwen-logn`` (Qwen's log-n query scaling with the drafter's ``n_ref``, the usual
-baseline) - it reports:
+For each context-length bucket and each variant it reports, on the same held-out rows:
+
+``none``
+    the drafter as it is (no scaling, full attention);
+``spec``
+    the scale spec under test;
+``qwen-logn``
+    Qwen's log-n query scaling at the drafter's ``n_ref`` (the usual scaling baseline);
+``window``
+    the drafter attends to its last W keys only (SGLang's ``--speculative-draft-window-size``;
+    W = n_ref by default), a spec with law ``constant``, slope 0 and ``window`` W;
+``sinks``
+    the first S keys plus the last W - S (StreamingLLM; S = 4), so it too is the plain drafter at
+    n <= W;
+``reference``
+    another head of the same kind, unscaled (a long-trained head), when one is given.
+
+Per bucket and variant:
 
 ``mass``
-    mean top-k attention mass of the drafter's query rows whose visible-key count ``n`` falls in
-    the bucket, measured on the queries the variant's run attends with (scaled by its spec), in
-    every attention layer (``sharpdraft_theory.mass.topk_mass``, float64).
+    mean top-k attention mass of the drafter's query rows in the bucket, measured on the queries
+    the variant's run attends with (scaled by its spec, over the keys its window keeps), in every
+    attention layer (``sharpdraft_theory.mass.topk_mass``, float64).
 ``agreement``
     teacher-forced top-1 agreement: the drafter's greedy next token equals the target's greedy
     next token, over the same positions (the adapter's ``teacher_forced``; EAGLE-3: the head row
     at position ``t`` predicts token ``t + 2`` from the target feature at ``t`` and token ``t + 1``;
     ``hf`` / ``pard``: the drafter's and the target's next token at ``t``).
 ``acceptance_length``, ``speedup`` (with ``speculative=True``)
-    greedy chain speculative decoding (``calibrate.speculative``) after a prompt of ``n`` tokens:
-    tokens committed per target forward, and target-only decode time over speculative decode
-    time (prefill excluded from both). The output is checked against target-only greedy decoding.
+    greedy chain speculative decoding (``calibrate.speculative``) after a prompt of ``n`` tokens,
+    one prompt per sequence: tokens committed per target forward, and target-only decode time
+    over speculative decode time (prefill excluded from both). The output is checked against
+    target-only greedy decoding.
+``delta_vs_none``
+    ``{"agreement": [mean, lo, hi], "acceptance_length": [mean, lo, hi]}``: the paired difference
+    from ``none`` over the same rows (agreement: pooled over the bucket's rows; acceptance: mean
+    over prompts), with a 95% percentile bootstrap interval that resamples **sequences** (rows of
+    one sequence are not independent), :func:`paired_bootstrap`.
+``recovered``
+    where the reference's own ``delta_vs_none`` interval excludes 0: the variant's mean delta over
+    the reference's, the share of the long-trained head's gain the variant recovers (else None).
 
-A bucket ``n`` holds the rows with ``n_prev < n_visible <= n`` (``n_prev`` the previous length, 0
-for the first), so at ``n <= n_ref`` every variant is the unscaled drafter (alpha = 1 there for
-both laws): the table must show no change in those buckets.
+A bucket ``n`` holds the rows with ``n_prev < n <= n_edge`` where ``n`` is the number of keys
+the full drafter sees at that row (a window lowers what the row really sees, not its bucket), so
+at ``n <= n_ref`` every variant but ``reference`` is the plain drafter (alpha = 1, the window not
+yet reached): the table must show no change in those buckets.
 
 Every kind whose registry entry ``evaluates`` (``calibrate.drafters.KINDS``) runs the same way:
 the drafter adapter provides the teacher-forced runs and the chain drafter.
@@ -30,11 +55,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from sharpdraft_runtime import causal_mask
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.mass import topk_mass
 
@@ -42,9 +67,14 @@ from .corpus import pack
 from .drafters import drafter_kind
 from .errors import UserError
 
-__all__ = ["VARIANTS", "default_spec", "variant_specs", "bucket_edges", "MassMeter", "evaluate"]
+__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_SINKS", "default_spec", "variant_specs", "check_variants",
+           "bucket_edges", "paired_bootstrap", "MassMeter", "evaluate"]
 
-VARIANTS = ("none", "spec", "qwen-logn")
+VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", "reference")  # every variant eval knows
+DEFAULT_VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks")  # reference joins when a reference head is given
+DEFAULT_SINKS = 4  # StreamingLLM keeps 4 sink tokens
+RESAMPLES = 2000  # bootstrap resamples of the sequences
+MAX_LENGTH = 8192  # the longest bucket edge eval accepts
 
 
 def default_spec(n_ref: int, top_k: int) -> ScaleSpec:
@@ -57,18 +87,91 @@ def default_spec(n_ref: int, top_k: int) -> ScaleSpec:
     return ScaleSpec(law="log-linear", n_ref=n_ref, slope=round(float(slope), 6), top_k=top_k)
 
 
-def variant_specs(spec: ScaleSpec, n_ref: int) -> dict[str, ScaleSpec | None]:
-    """``{"none": None, "spec": spec, "qwen-logn": qwen-logn at n_ref}``."""
-    return {"none": None, "spec": spec,
-            "qwen-logn": ScaleSpec(law="qwen-logn", n_ref=n_ref, slope=None, top_k=spec.top_k)}
+def check_variants(names: list[str], *, window: int | None, sinks: int, has_reference: bool) -> tuple[str, ...]:
+    """Validate ``--variants``, ``--window`` and ``--sinks`` (before any model loads); the variants in order."""
+    if not names:
+        raise UserError(f"--variants: give at least one of {', '.join(VARIANTS)}")
+    for name in names:
+        if name not in VARIANTS:
+            raise UserError(f"--variants {','.join(names)}: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    if len(set(names)) != len(names):
+        raise UserError(f"--variants {','.join(names)}: a variant is named twice")
+    if "reference" in names and not has_reference:
+        raise UserError("--variants reference: pass --reference-drafter-path with the reference head")
+    if window is not None and window < 1:
+        raise UserError(f"--window {window}: expected a positive number of keys (default: the drafter's n_ref)")
+    if sinks < 1:
+        raise UserError(f"--sinks {sinks}: expected a positive number of sink keys (default {DEFAULT_SINKS})")
+    if window is not None and sinks >= window:
+        raise UserError(f"--sinks {sinks}: must be below --window {window} (the sinks variant keeps S sinks "
+                        f"plus the last W - S keys)")
+    names = tuple(names)
+    return names if "none" in names else ("none", *names)  # every delta is against none
+
+
+def variant_specs(spec: ScaleSpec, n_ref: int, variants=DEFAULT_VARIANTS, *, window: int | None = None,
+                  sinks: int = DEFAULT_SINKS) -> dict[str, ScaleSpec | None]:
+    """The spec of each drafter variant (``reference`` is another drafter and has none here).
+
+    ``window`` W defaults to ``n_ref``; ``sinks`` keeps S sinks and the last W - S keys, so both
+    restrictions leave the drafter unchanged at n <= W.
+    """
+    window = n_ref if window is None else window
+    if sinks >= window:
+        raise UserError(f"--sinks {sinks}: must be below the window {window} (the drafter's n_ref by default)")
+
+    def baseline(**restriction):
+        return ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=spec.top_k, **restriction)
+
+    made = {"none": None, "spec": spec, "qwen-logn": ScaleSpec(law="qwen-logn", n_ref=n_ref, slope=None,
+                                                               top_k=spec.top_k),
+            "window": baseline(window=window), "sinks": baseline(window=window - sinks, sinks=sinks)}
+    return {v: made[v] for v in variants if v != "reference"}
 
 
 def bucket_edges(lengths: list[int]) -> np.ndarray:
     """Sorted, distinct bucket upper edges; a row with ``n`` visible keys falls in the first edge >= n."""
     edges = sorted(set(int(n) for n in lengths))
-    if not edges or edges[0] < 2:
-        raise UserError(f"--lengths {','.join(map(str, lengths))}: give context lengths >= 2, e.g. 256,512,1024,2048")
+    if not edges or edges[0] < 2 or edges[-1] > MAX_LENGTH:
+        raise UserError(f"--lengths {','.join(map(str, lengths))}: give context lengths from 2 to {MAX_LENGTH}, "
+                        "e.g. 256,512,1024,2048")
     return np.asarray(edges)
+
+
+def paired_bootstrap(numerator: np.ndarray, denominator: np.ndarray | None = None, *, resamples: int = RESAMPLES,
+                     seed: int = 0) -> list[float] | None:
+    """``[mean, lo, hi]`` of ``sum(numerator) / sum(denominator)`` with a 95% bootstrap over sequences.
+
+    Parameters
+    ----------
+    numerator : array of shape (sequences,)
+        Per sequence: a paired difference (hits of a variant minus hits of ``none`` on the same
+        rows), or a value.
+    denominator : array of shape (sequences,), optional
+        Per sequence: rows (default: 1 each, so the statistic is the mean over sequences).
+
+    Returns
+    -------
+    [mean, lo, hi] or None
+        ``lo``, ``hi``: 2.5% and 97.5% percentiles of the statistic over ``resamples`` resamples
+        of the sequences with replacement (the same resamples for every call with the same
+        number of sequences and ``seed``, so intervals of different variants are paired too).
+        None when the denominator is 0.
+
+    Examples
+    --------
+    >>> paired_bootstrap(np.array([1.0, 1.0, 1.0]))
+    [1.0, 1.0, 1.0]
+    """
+    numerator = np.asarray(numerator, dtype=np.float64)
+    denominator = np.ones_like(numerator) if denominator is None else np.asarray(denominator, dtype=np.float64)
+    if denominator.sum() == 0:
+        return None
+    picks = np.random.default_rng(seed).integers(0, len(numerator), size=(resamples, len(numerator)))  # (R, S)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        stats = numerator[picks].sum(1) / denominator[picks].sum(1)  # (R,), nan where a resample has no rows
+    lo, hi = np.nanpercentile(stats, [2.5, 97.5])
+    return [float(numerator.sum() / denominator.sum()), float(lo), float(hi)]
 
 
 class MassMeter:
@@ -76,11 +179,15 @@ class MassMeter:
 
     Up to ``rows_per_bucket`` query rows per bucket, evenly spaced, are measured (all heads of
     each), so the cost does not grow with n^2. The meter reads the query as it comes: show it the
-    scaled query (``calibrate.taps.ScalingTap``) to measure a spec.
+    scaled query (``calibrate.taps.ScalingTap``) to measure a spec. Calls are eval's layout: one
+    unpadded causal sequence whose query ``i`` sits at position ``k_len - q_len + i``, so it is
+    bucketed by ``n = position + 1`` and sees the keys ``restrict``'s window and sinks keep
+    (:func:`sharpdraft_runtime.causal_mask`'s rule; none: keys ``0 .. position``).
     """
 
-    def __init__(self, edges: np.ndarray, top_k: int, rows_per_bucket: int = 96):
+    def __init__(self, edges: np.ndarray, top_k: int, rows_per_bucket: int = 96, restrict: ScaleSpec | None = None):
         self.edges, self.top_k, self.rows_per_bucket = edges, top_k, rows_per_bucket
+        self.window, self.sinks = (None, None) if restrict is None else (restrict.window, restrict.sinks)
         self.sums = defaultdict(float)
         self.counts = defaultdict(int)
 
@@ -98,7 +205,8 @@ class MassMeter:
     @torch.no_grad()
     def __call__(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
                  n_visible: torch.Tensor) -> None:
-        n = n_visible[0].cpu().numpy()  # (q,), one sequence per call
+        q_len, k_len = query.shape[2], key.shape[2]
+        n = np.arange(k_len - q_len, k_len) + 1  # (q,) keys the full drafter's row sees: its position + 1
         rows = self._rows(n)
         if len(rows) == 0:
             return
@@ -108,7 +216,8 @@ class MassMeter:
             sel = rows[start:start + 32]
             q = query[0, :, torch.as_tensor(sel, device=query.device)].float()  # (heads, r, D)
             logits = (q @ k.transpose(-1, -2) * scaling).double().cpu().numpy()  # (heads, r, k_len)
-            visible = np.arange(logits.shape[-1])[None, :] < n[sel][:, None]  # (r, k_len)
+            visible = causal_mask(k_len, sliding_window=self.window, sinks=self.sinks,
+                                  positions=torch.as_tensor(n[sel] - 1)).numpy()  # (r, k_len)
             logits = np.where(visible[None], logits, -np.inf)
             mass = topk_mass(logits, self.top_k)  # (heads, r)
             for b, m in zip(np.searchsorted(self.edges, n[sel]), mass.mean(axis=0)):
@@ -119,23 +228,11 @@ class MassMeter:
         return {b: (self.sums[b] / self.counts[b] if self.counts[b] else None) for b in range(len(self.edges))}
 
 
-@dataclass
-class _Agreement:
-    edges: np.ndarray
-    hits: np.ndarray | None = None
-    totals: np.ndarray | None = None
-
-    def add(self, n: np.ndarray, match: np.ndarray) -> None:
-        b = np.searchsorted(self.edges, n)
-        keep = b < len(self.edges)
-        size = len(self.edges)
-        hits = np.bincount(b[keep], weights=match[keep].astype(float), minlength=size)
-        totals = np.bincount(b[keep], minlength=size)
-        self.hits = hits if self.hits is None else self.hits + hits
-        self.totals = totals if self.totals is None else self.totals + totals
-
-    def result(self) -> dict[int, float | None]:
-        return {b: (float(self.hits[b] / self.totals[b]) if self.totals[b] else None) for b in range(len(self.edges))}
+def _per_bucket(edges: np.ndarray, n: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Sums of ``values`` (rows,) per bucket of ``n`` (rows,): shape (buckets,); rows past the last edge dropped."""
+    b = np.searchsorted(edges, n)
+    keep = b < len(edges)
+    return np.bincount(b[keep], weights=values[keep].astype(float), minlength=len(edges))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,8 +240,9 @@ class _Agreement:
 # ----------------------------------------------------------------------------------------------
 
 def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pydoc:heldout",
-             sequences: int = 4, skip: int = 0, rows_per_bucket: int = 96, speculative: bool = False,
-             new_tokens: int = 32, num_draft: int = 4, progress=None) -> dict:
+             sequences: int | None = None, skip: int = 0, rows_per_bucket: int = 96, speculative: bool = False,
+             new_tokens: int = 32, num_draft: int = 4, variants=DEFAULT_VARIANTS, window: int | None = None,
+             sinks: int = DEFAULT_SINKS, reference=None, progress=None) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
     Parameters
@@ -156,81 +254,135 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         Bucket upper edges; the longest is the packed sequence length.
     corpus : str
         Held-out text (``calibrate.corpus`` source); default the pydoc held-out split.
-    sequences : int
-        At most this many sequences of ``max(lengths)`` tokens.
+    sequences : int, optional
+        At most this many sequences of ``max(lengths)`` tokens (None: every one the corpus holds).
     skip : int
         Sequences to pass over first (e.g. those of ``pydoc:train`` a demo head was trained on).
+    variants : sequence of str
+        Names from :data:`VARIANTS` (``none`` is always run: the deltas are against it).
+    window, sinks : int
+        The ``window`` variant's W (default ``n_ref``) and the ``sinks`` variant's S (window W - S).
+    reference : drafter adapter, optional
+        Another head of the same kind, run unscaled as the variant ``reference``.
     """
     drafter_kind(drafter.kind, evaluates=True)
     edges = bucket_edges(lengths)
     n_ref = drafter.default_n_ref
-    specs = variant_specs(spec, n_ref)
-    texts = list(pack(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]), skip + sequences))[skip:]
+    variants = check_variants(list(variants), window=window, sinks=sinks, has_reference=reference is not None)
+    if reference is not None and reference.kind != drafter.kind:
+        raise UserError(f"--reference-drafter-path: the reference is a {reference.kind} drafter, "
+                        f"expected {drafter.kind} like the drafter")
+    specs = variant_specs(spec, n_ref, variants, window=window, sinks=sinks)
+    texts = list(pack(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]),
+                      None if sequences is None else skip + sequences))[skip:]
     if not texts:
         raise UserError(f"--skip {skip}: {corpus} holds no more than {skip} sequences of {edges[-1]} tokens; "
                         "lower --skip or the largest length")
-    meters = {v: MassMeter(edges, spec.top_k, rows_per_bucket) for v in specs}
-    agreements = {v: _Agreement(edges) for v in specs}
+    names = list(specs) + (["reference"] if reference is not None else [])
+    meters = {v: MassMeter(edges, spec.top_k, rows_per_bucket, specs.get(v)) for v in names}
+    hits = {v: np.zeros((len(texts), len(edges))) for v in names}  # (sequences, buckets) rows agreeing
+    rows = np.zeros((len(texts), len(edges)))  # (sequences, buckets) rows per bucket, the same for every variant
     for i, text in enumerate(texts):
         if progress:
-            progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {', '.join(specs)}")
-        forced = drafter.teacher_forced(torch.tensor([text]), [(s, meters[v]) for v, s in specs.items()])
-        n = forced.n_visible.cpu().numpy()
+            progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {', '.join(names)}")
+        ids = torch.tensor([text])
+        forced = drafter.teacher_forced(ids, [(s, meters[v]) for v, s in specs.items()])
+        n = np.arange(1, forced.drafted.shape[1] + 1)  # row t: the full drafter sees t + 1 keys (adapters' layout)
+        rows[i] = _per_bucket(edges, n, np.ones(len(n)))
         for variant, drafted in zip(specs, forced.drafted):
-            agreements[variant].add(n, (drafted == forced.target_next).cpu().numpy())
-    buckets = [{"n": int(n), "rows": int(agreements["none"].totals[b])} for b, n in enumerate(edges)]
-    for variant in specs:
-        mass, agree = meters[variant].result(), agreements[variant].result()
+            hits[variant][i] = _per_bucket(edges, n, (drafted == forced.target_next).cpu().numpy())
+        if reference is not None:
+            ref = reference.teacher_forced(ids, [(None, meters["reference"])])
+            hits["reference"][i] = _per_bucket(edges, n, (ref.drafted[0] == ref.target_next).cpu().numpy())
+    buckets = [{"n": int(n), "rows": int(rows[:, b].sum())} for b, n in enumerate(edges)]
+    for variant in names:
+        mass = meters[variant].result()
         for b, row in enumerate(buckets):
-            row[variant] = {"mass": _round(mass[b]), "agreement": _round(agree[b])}
+            row[variant] = {"mass": _round(mass[b]),
+                            "agreement": _round(hits[variant][:, b].sum() / rows[:, b].sum() if row["rows"] else None),
+                            "agreement_interval": _interval(paired_bootstrap(hits[variant][:, b], rows[:, b]))}
+            if variant != "none":
+                row[variant]["delta_vs_none"] = {
+                    "agreement": _triple(paired_bootstrap(hits[variant][:, b] - hits["none"][:, b], rows[:, b]))}
     all_identical = None
     if speculative:
-        all_identical = _speculative(drafter, texts, edges, specs, buckets, new_tokens, num_draft, progress)
+        all_identical = _speculative(drafter, reference, texts, edges, specs, buckets, new_tokens, num_draft,
+                                     progress)
+    if reference is not None:
+        _recovered(buckets, names)
     return {
         "drafter": {"kind": drafter.kind, "path": drafter.info.path, "n_ref": n_ref},
+        "reference": None if reference is None else {"kind": reference.kind, "path": reference.info.path},
         "corpus": corpus, "skip": skip, "sequences": len(texts), "sequence_length": int(edges[-1]),
-        "top_k": spec.top_k,
-        "variants": {v: (None if s is None else {"law": s.law, "n_ref": s.n_ref, "slope": _slope(s)})
-                     for v, s in specs.items()},
+        "top_k": spec.top_k, "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
+        "variants": {v: (None if s is None else {"law": s.law, "n_ref": s.n_ref, "slope": _slope(s),
+                                                 "window": s.window, "sinks": s.sinks})
+                     for v, s in specs.items()} | ({"reference": None} if reference is not None else {}),
         "speculative": None if not speculative else {"new_tokens": new_tokens, "num_draft": num_draft,
                                                      "outputs_identical": all_identical},
         "buckets": buckets,
     }
 
 
-def _speculative(drafter, texts, edges, specs, buckets, new_tokens, num_draft, progress) -> bool:
-    """Fill acceptance_length and speedup per bucket: one prompt of ``n`` tokens per sequence."""
+def _speculative(drafter, reference, texts, edges, specs, buckets, new_tokens, num_draft, progress) -> bool:
+    """Fill acceptance_length, speedup and their deltas per bucket: one prompt of ``n`` tokens per sequence."""
     from .speculative import greedy_generate, speculative_generate
 
     target = drafter.target
+    chains = [(v, drafter, s) for v, s in specs.items()] + ([("reference", reference, None)] if reference else [])
     identical = True
     for b, n in enumerate(edges):
-        stats = defaultdict(lambda: [0.0, 0.0, 0.0])  # accepted tokens, steps, decode seconds
+        lengths = {v: np.zeros(len(texts)) for v, _, _ in chains}  # per sequence: tokens per target forward
+        seconds = defaultdict(float)
         base_seconds = 0.0
         for i, text in enumerate(texts):
             # decoding runs over positions n - new_tokens .. n, inside the bucket
             prompt = torch.tensor([text[:max(int(n) - new_tokens, 2)]], device=drafter.device)
             if progress:
                 progress(f"speculative decoding: n = {n}, prompt {i + 1}/{len(texts)}")
-            reference = greedy_generate(target, prompt, new_tokens)
-            base_seconds += reference.decode_seconds
-            for variant, s in specs.items():
-                chain = drafter.chain_drafter(s)
+            reference_out = greedy_generate(target, prompt, new_tokens)
+            base_seconds += reference_out.decode_seconds
+            for variant, source, s in chains:
+                chain = source.chain_drafter(s)
                 try:
                     out = speculative_generate(target, chain, prompt, new_tokens, num_draft)
                 finally:
                     chain.close()
-                identical &= out.tokens == reference.tokens
-                acc = stats[variant]
-                acc[0] += sum(a + 1 for a in out.accepted)
-                acc[1] += len(out.accepted)
-                acc[2] += out.decode_seconds
+                identical &= out.tokens == reference_out.tokens
+                lengths[variant][i] = out.acceptance_length
+                seconds[variant] += out.decode_seconds
         buckets[b]["acceptance_prompts"] = len(texts)
-        for variant in specs:
-            tokens, steps, seconds = stats[variant]
-            buckets[b][variant]["acceptance_length"] = _round(tokens / steps if steps else None)
-            buckets[b][variant]["speedup"] = _round(base_seconds / seconds if seconds else None)
+        for variant, _, _ in chains:
+            cell = buckets[b][variant]
+            cell["acceptance_length"] = _round(float(lengths[variant].mean()))
+            cell["acceptance_length_interval"] = _interval(paired_bootstrap(lengths[variant]))
+            cell["speedup"] = _round(base_seconds / seconds[variant] if seconds[variant] else None)
+            if variant != "none":
+                cell["delta_vs_none"]["acceptance_length"] = _triple(paired_bootstrap(lengths[variant]
+                                                                                      - lengths["none"]))
     return identical
+
+
+def _recovered(buckets: list[dict], names: list[str]) -> None:
+    """Each variant's share of the reference's gain, where the reference's delta interval excludes 0."""
+    for row in buckets:
+        gains = row["reference"]["delta_vs_none"]
+        for variant in names:
+            if variant in ("none", "reference"):
+                continue
+            share = {}
+            for metric, (mean, lo, hi) in ((m, t) for m, t in gains.items() if t is not None):
+                mine = row[variant]["delta_vs_none"].get(metric)
+                share[metric] = _round(mine[0] / mean) if (lo > 0 or hi < 0) and mine is not None else None
+            row[variant]["recovered"] = share
+
+
+def _triple(values: list[float] | None):
+    return None if values is None else [_round(v) for v in values]
+
+
+def _interval(values: list[float] | None):
+    return None if values is None else [_round(values[1]), _round(values[2])]
 
 
 def _slope(spec: ScaleSpec):

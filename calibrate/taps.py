@@ -12,8 +12,9 @@ scaling, :class:`ScalingTap`) has it attended instead. The same name is register
 ``attention_mask=None``, which would silently drop padding masks. See
 https://huggingface.co/docs/transformers/attention_interface.
 
-``attention_tap(model, tap)`` switches a model to the tap for the duration of a ``with`` block
-and restores its previous implementation afterwards. hf, pard and DFlash drafters use it; the
+``attention_tap(model, tap, restrict=spec)`` switches a model to the tap for the duration of a
+``with`` block and restores its previous implementation afterwards; a spec with a ``window`` (and
+``sinks``) restricts the mask as the runtime does (``sharpdraft_runtime.hf.restrict_mask_kwargs``). hf, pard and DFlash drafters use it; the
 EAGLE-3 head calls the same kind of tap from its own attention.
 """
 
@@ -28,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from sharpdraft_runtime import query_hook, visible_keys
+from sharpdraft_runtime.hf import restrict_mask_kwargs
 from sharpdraft_theory import ScaleSpec
 
 from .drafters.base import AttentionTap
@@ -36,6 +38,7 @@ __all__ = ["TAP_IMPLEMENTATION", "attention_tap", "ScalingTap"]
 
 TAP_IMPLEMENTATION = "sharpdraft-tap"
 _ACTIVE: contextvars.ContextVar[AttentionTap | None] = contextvars.ContextVar("sharpdraft_tap", default=None)
+_RESTRICT: contextvars.ContextVar[ScaleSpec | None] = contextvars.ContextVar("sharpdraft_tap_restrict", default=None)
 
 
 def _rows(n: int | torch.Tensor, batch: int, q_len: int, device: torch.device) -> torch.LongTensor:
@@ -62,24 +65,31 @@ def _tap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
                                   **kwargs)
 
 
+def _tap_mask(*args, **kwargs):
+    return sdpa_mask(*args, **restrict_mask_kwargs(_RESTRICT.get(), kwargs))
+
+
 AttentionInterface.register(TAP_IMPLEMENTATION, _tap_attention)
-AttentionMaskInterface.register(TAP_IMPLEMENTATION, sdpa_mask)
+AttentionMaskInterface.register(TAP_IMPLEMENTATION, _tap_mask)
 
 
 @contextlib.contextmanager
-def attention_tap(model, tap: AttentionTap):
+def attention_tap(model, tap: AttentionTap, restrict: ScaleSpec | None = None):
     """Route ``model``'s attention through ``tap`` inside the block; restore it on exit.
 
     Works for any model that dispatches through ``AttentionInterface`` (``set_attn_implementation``).
+    ``restrict``: a spec whose ``window`` and ``sinks`` restrict the attention (None: none).
     """
     previous = model.config._attn_implementation
     token = _ACTIVE.set(tap)
+    restrict_token = _RESTRICT.set(restrict)
     model.set_attn_implementation(TAP_IMPLEMENTATION)
     try:
         yield model
     finally:
         model.set_attn_implementation(previous)
         _ACTIVE.reset(token)
+        _RESTRICT.reset(restrict_token)
 
 
 class ScalingTap:

@@ -9,14 +9,16 @@ as the number of visible keys ``n`` grows; SharpDraft multiplies each query by `
 * :func:`query_hook` - the same for attention code with a query hook (calibrate's EAGLE-3 head);
 * :func:`visible_keys` - the keys each query row of an attention call sees (the ``n`` of ``alpha(n)``);
   :func:`causal_n_visible`, :func:`mask_n_visible` - the same from positions or from a mask;
-* :func:`flex_score_mod` - the same scaling as a FlexAttention ``score_mod``;
+* :func:`flex_score_mod` - the same scaling as a FlexAttention ``score_mod``; :func:`flex_mask_mod` - the
+  spec's window and sinks as a FlexAttention ``mask_mod``;
 * :func:`enable` / :func:`disable` - transformers models, through the attention interface.
 """
 
-from .core import (QueryScaler, alpha_for, causal_n_visible, flex_score_mod, mask_n_visible, query_hook,
-                   scale_query_, visible_keys)
+from .core import (QueryScaler, alpha_for, causal_n_visible, flex_mask_mod, flex_score_mod, mask_n_visible,
+                   query_hook, scale_query_, visible_keys)
+from .visible import causal_mask, window_overlay
 from .hf import NAME, disable, enable, is_enabled, sharpdraft_attention
 
 __all__ = ["QueryScaler", "alpha_for", "scale_query_", "query_hook", "visible_keys", "causal_n_visible", "mask_n_visible",
-           "flex_score_mod",
+           "causal_mask", "window_overlay", "flex_score_mod", "flex_mask_mod",
            "NAME", "enable", "disable", "is_enabled", "sharpdraft_attention"]

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 from sharpdraft_theory import ScaleSpec, get_law
 
-from .visible import causal_n_visible, mask_n_visible, visible_keys
+from .visible import causal_n_visible, mask_n_visible, visible_keys, window_overlay
 
 __all__ = ["QueryScaler", "alpha_for", "scale_query_", "query_hook", "causal_n_visible", "mask_n_visible",
-           "visible_keys", "flex_score_mod"]
+           "visible_keys", "flex_score_mod", "flex_mask_mod"]
 
 
 class QueryScaler:
@@ -215,3 +215,33 @@ def flex_score_mod(spec: ScaleSpec | QueryScaler, n_visible: torch.Tensor | int,
         return score * alpha[b if whole_batch else 0, h if per_head else 0, q_idx if per_row else 0]
 
     return score_mod
+
+
+def flex_mask_mod(spec: ScaleSpec, past: int = 0, first: torch.Tensor | None = None):
+    """A FlexAttention ``mask_mod`` for causal queries after ``past`` cached keys, with the spec's window and sinks.
+
+    Parameters
+    ----------
+    spec : ScaleSpec
+        Its ``window`` and ``sinks`` (none: plain causal attention) are applied by
+        :func:`~sharpdraft_runtime.visible.window_overlay`, the rule the transformers binding uses.
+    past : int
+        Keys before the first query (query ``q_idx`` sits at position ``past + q_idx``).
+    first : Tensor of shape (batch,), optional
+        Each sequence's first real key (left padding; sinks count from it). Padding itself is
+        not masked here: and it in with the caller's own mask_mod.
+
+    Returns
+    -------
+    callable ``mask_mod(b, h, q_idx, kv_idx) -> bool``
+        For ``create_block_mask(mask_mod, B, H, q_len, k_len)`` and ``flex_attention(..., block_mask=...)``,
+        beside :func:`flex_score_mod` (whose ``n_visible`` is then :func:`causal_n_visible` with the
+        same window and sinks).
+    """
+    overlay = None if not spec.restricts() else window_overlay(spec.window, spec.sinks, first)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        causal = kv_idx <= q_idx + past
+        return causal if overlay is None else causal & overlay(b, h, q_idx + past, kv_idx)
+
+    return mask_mod

@@ -17,6 +17,10 @@ outlives the layer's own temporaries); without a mask, sdpa's causal path (upper
 ``n_i = i + 1``) when causal with ``q_len > 1``, and otherwise every key (decoding one token,
 non-causal blocks such as DFlash's, eager attention).
 
+A spec with a ``window`` (and ``sinks``) restricts the mask itself: the registered mask function
+ands the window rule into the mask transformers builds once per forward
+(:func:`restrict_mask_kwargs`), so the kernel attends, and the count counts, only the keys kept.
+
 When every row sees one number of keys and the spec has no per-head slopes, ``alpha`` is folded
 into ``scaling`` instead (no tensor op at all); when ``k_len`` is within the spec's identity limit
 the wrapped implementation is called untouched.
@@ -31,13 +35,15 @@ from dataclasses import dataclass, field
 import torch
 from sharpdraft_theory import ScaleSpec
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, and_masks,
+                                       causal_mask_function)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .core import QueryScaler
-from .visible import IMPLEMENTATIONS, visible_keys
+from .visible import IMPLEMENTATIONS, first_key, visible_keys, window_overlay
 
-__all__ = ["NAME", "WRAPPABLE", "enable", "disable", "is_enabled", "sharpdraft_attention", "sharpdraft_mask"]
+__all__ = ["NAME", "WRAPPABLE", "enable", "disable", "is_enabled", "sharpdraft_attention", "sharpdraft_mask",
+           "restrict_mask_kwargs"]
 
 NAME = "sharpdraft"
 WRAPPABLE = IMPLEMENTATIONS  # the implementations whose visible keys visible_keys counts
@@ -122,6 +128,10 @@ def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     binding = _binding(module.config)
     attend = _attention_fn(binding, module)
     k_len = key.shape[-2]
+    spec = binding.spec
+    if attention_mask is None and spec.restricts() and k_len > spec.window + (spec.sinks or 0):
+        raise ValueError(f"the spec's window ({spec.window}) restricts causal attention through its mask; this call "
+                         f"has no mask (a non-causal block), so its {k_len} keys cannot be restricted")
     scaler = binding.scaler(query.device)
     if k_len > scaler.identity_limit:
         layer = getattr(module, "layer_idx", None)
@@ -134,9 +144,29 @@ def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def restrict_mask_kwargs(spec: ScaleSpec | None, kwargs: dict) -> dict:
+    """The keyword arguments of a transformers mask function, with the spec's window and sinks and-ed in.
+
+    transformers builds a model's 4D mask once per forward from ``mask_function`` (causal, sliding
+    window, ...) and the 2D padding ``attention_mask``; the window and sinks rule
+    (:func:`~sharpdraft_runtime.visible.window_overlay`, sinks counted from each row's first real
+    key) joins ``mask_function``, so the mask the attention calls receive is the restricted one and
+    nothing else is allocated. sdpa may skip a causal mask (``is_causal``) when nothing is padded;
+    with a window it must not, so the skip is turned off. A spec without a window changes nothing.
+    """
+    if spec is None or not spec.restricts():
+        return kwargs
+    overlay = window_overlay(spec.window, spec.sinks, first_key(kwargs.get("attention_mask")))
+    return {**kwargs, "mask_function": and_masks(kwargs.get("mask_function", causal_mask_function), overlay),
+            "allow_is_causal_skip": False}
+
+
 def sharpdraft_mask(*args, config=None, **kwargs):
-    """transformers mask function: the mask of the implementation :func:`sharpdraft_attention` wraps."""
-    return ALL_MASK_ATTENTION_FUNCTIONS[_binding(config).wrapped](*args, config=config, **kwargs)
+    """transformers mask function: the mask of the implementation :func:`sharpdraft_attention` wraps,
+    restricted to the spec's window and sinks (:func:`restrict_mask_kwargs`)."""
+    binding = _binding(config)
+    return ALL_MASK_ATTENTION_FUNCTIONS[binding.wrapped](*args, config=config,
+                                                         **restrict_mask_kwargs(binding.spec, kwargs))
 
 
 def _configs(model: torch.nn.Module) -> dict[int, object]:

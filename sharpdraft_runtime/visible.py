@@ -24,15 +24,20 @@ What the kernels compute, case by case:
   ``is_causal`` off for it: decoding), a non-causal call (DFlash blocks, ``module.is_causal =
   False``), and eager attention, which adds a mask when there is one and otherwise none.
 
-:func:`causal_n_visible` gives the same counts from positions (cache length, padding, window) for
-attention code that builds its own mask, such as calibrate's EAGLE-3 head.
+:func:`causal_n_visible` gives the same counts from positions (cache length, padding, window, sinks)
+for attention code that builds its own mask (:func:`causal_mask`), such as calibrate's EAGLE-3 head.
+
+A spec's ``window`` and ``sinks`` (the attention restrictions serving engines use for long contexts)
+are one rule, :func:`window_overlay`, and-ed into the mask the attention call receives; the count
+is then the count of that mask, so ``n`` is the number of keys a query really sees.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["visible_keys", "causal_n_visible", "mask_n_visible", "IMPLEMENTATIONS"]
+__all__ = ["visible_keys", "causal_n_visible", "mask_n_visible", "window_overlay", "causal_mask", "first_key",
+           "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("sdpa", "eager")  # attention functions whose no-mask semantics visible_keys knows
 _GROUP = 128  # mask entries summed in uint8 before widening (must stay <= 255)
@@ -94,7 +99,8 @@ def visible_keys(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.T
 
 
 def causal_n_visible(q_len: int, past: int = 0, *, key_mask: torch.Tensor | None = None,
-                     sliding_window: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, sinks: int | None = None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
     """Visible keys of causal queries: ``n_i = past + i + 1``, less padding and keys outside the window.
 
     Parameters
@@ -107,7 +113,12 @@ def causal_n_visible(q_len: int, past: int = 0, *, key_mask: torch.Tensor | None
         1/True for real keys, 0/False for padding (the tokenizer's ``attention_mask``); any
         padding pattern, left padding included.
     sliding_window : int, optional
-        A query at position ``p`` sees keys ``p - sliding_window < j <= p`` (transformers' convention).
+        A query at position ``p`` sees keys ``p - sliding_window < j <= p`` (transformers' convention;
+        the spec's ``window``).
+    sinks : int, optional
+        Besides the window, keys at the first ``sinks`` positions from the first real key stay
+        visible (StreamingLLM; the spec's ``sinks``; needs ``sliding_window``). The rule is
+        :func:`window_overlay`'s.
     device : torch.device or str, optional
         Device of the result (default: that of ``key_mask``, else CPU).
 
@@ -115,24 +126,95 @@ def causal_n_visible(q_len: int, past: int = 0, *, key_mask: torch.Tensor | None
     -------
     Tensor of shape (batch or 1, q_len), int64
 
+    Notes
+    -----
+    With ``seen[j]`` the real keys at positions ``<= j``, ``cut = p - W`` the last position left
+    of the window and ``f`` the first real position::
+
+        n_p = seen[p] - seen[cut] + seen[min(f + S - 1, cut)]      (seen[< 0] = 0)
+
+    Without padding and with both, ``n_p = min(p + 1, W + S)``.
+
     Examples
     --------
     >>> causal_n_visible(3, past=2).tolist()
     [[3, 4, 5]]
     >>> causal_n_visible(2, past=1, key_mask=torch.tensor([[0, 1, 1]]), sliding_window=2).tolist()
     [[1, 2]]
+    >>> causal_n_visible(4, past=4, sliding_window=3, sinks=2).tolist()
+    [[5, 5, 5, 5]]
     """
+    if sinks is not None and sliding_window is None:
+        raise ValueError("sinks are kept besides a sliding window: give sliding_window too")
     device = key_mask.device if key_mask is not None and device is None else device
     pos = torch.arange(past, past + q_len, device=device)  # (q_len,) absolute positions
     if key_mask is None:
-        n = pos + 1
-        return (n.clamp(max=sliding_window) if sliding_window is not None else n)[None]
+        key_mask = torch.ones(1, past + q_len, dtype=torch.bool, device=device)
     seen = key_mask.to(torch.int64).cumsum(-1)  # (B, past + q_len): real keys at positions <= j
-    n = seen[:, pos]
+    n = seen[:, pos]  # (B, q_len)
     if sliding_window is not None:
-        cut = pos - sliding_window  # keys at positions <= cut are outside the window
+        cut = pos - sliding_window  # (q_len,) keys at positions <= cut are outside the window
         n = n - torch.where(cut >= 0, seen[:, cut.clamp(min=0)], 0)
+        if sinks is not None:
+            first = (seen == 0).sum(-1, keepdim=True)  # (B, 1) position of the first real key
+            last_sink = torch.minimum(first + sinks - 1, cut)  # (B, q_len) last sink position left of the window
+            n = n + torch.where(last_sink >= 0, seen.gather(1, last_sink.clamp(min=0)), 0)
     return n
+
+
+def window_overlay(window: int, sinks: int | None = None, first: torch.Tensor | None = None):
+    """The keys a window (and sinks) keep, as a ``mask_mod(batch_idx, head_idx, q_idx, kv_idx) -> bool``.
+
+    Key ``kv`` stays visible to the query at position ``q`` when ``kv > q - window`` (its last
+    ``window`` positions, the query's own included) or ``kv < first + sinks`` (the first ``sinks``
+    positions from the sequence's first real key). Causality and padding are separate masks,
+    combined with this one by "and". The signature is transformers' ``mask_function`` and
+    FlexAttention's ``mask_mod``; indices may be broadcasting tensors.
+
+    Parameters
+    ----------
+    window : int
+        W, the spec's ``window``.
+    sinks : int, optional
+        S, the spec's ``sinks``.
+    first : Tensor of shape (batch,), optional
+        Position of each sequence's first real key (left padding); default 0.
+
+    Examples
+    --------
+    >>> q, kv = torch.arange(5)[:, None], torch.arange(5)[None]
+    >>> (window_overlay(2, sinks=1)(0, 0, q, kv) & (kv <= q)).int().tolist()
+    [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 0, 0, 1, 1]]
+    """
+
+    def overlay(batch_idx, head_idx, q_idx, kv_idx):
+        keep = kv_idx > q_idx - window
+        if sinks is not None:
+            keep = keep | (kv_idx < (0 if first is None else first[batch_idx]) + sinks)
+        return keep
+
+    return overlay
+
+
+def causal_mask(q_len: int, past: int = 0, *, sliding_window: int | None = None, sinks: int | None = None,
+                positions: torch.Tensor | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean mask (q_len, past + q_len) of causal queries after ``past`` cached keys, window and sinks applied.
+
+    For attention code that builds its own mask (calibrate's EAGLE-3 head); row ``i`` has
+    ``causal_n_visible(q_len, past, sliding_window=..., sinks=...)[0, i]`` True entries.
+    ``positions`` (shape (rows,)) builds only the rows of the queries at those positions instead.
+    """
+    q = torch.arange(past, past + q_len, device=device) if positions is None else positions  # query positions
+    kv = torch.arange(past + q_len, device=device)[None]  # (1, k_len) key positions
+    visible = kv <= q[:, None]  # (rows, k_len)
+    if sliding_window is not None:
+        visible &= window_overlay(sliding_window, sinks)(0, 0, q[:, None], kv)
+    return visible
+
+
+def first_key(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Position of the first real key per row of a 2D padding mask (batch, k_len); None for None."""
+    return None if padding_mask is None else (padding_mask.to(torch.int64).cumsum(-1) == 0).sum(-1)
 
 
 def mask_n_visible(attention_mask: torch.Tensor, k_len: int | None = None) -> torch.Tensor:

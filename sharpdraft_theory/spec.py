@@ -2,8 +2,12 @@
 
 A spec says which law scales the drafter's queries, with what reference length and slope(s), at
 which granularity (one slope, one per layer, or one per layer and head), and records how the
-slope was obtained. It is versioned (``"schema": "sharpdraft.scale-spec/v1"``), validated on
-load with errors that name the field and the bad value, and written atomically.
+slope was obtained. It may also restrict the keys each query sees, as serving engines do for
+long contexts: a sliding ``window`` of the last W visible keys, plus ``sinks``, the first S keys
+(StreamingLLM); then ``n`` is the number of keys the query really sees. A spec with law
+``constant``, slope 0 and a window is a pure baseline (no scaling). It is versioned
+(``"schema": "sharpdraft.scale-spec/v1"``), validated on load with errors that name the field and
+the bad value, and written atomically.
 ``scale_spec.schema.json`` beside this file is the same contract as a JSON Schema.
 
 The lists a spec is checked against live where they are defined: the laws and the parameters each
@@ -142,6 +146,8 @@ class ScaleSpec:
     top_k: int  # size of the top set whose mass the slope restores
     granularity: str = "global"  # global, layer or head: how `slope` is nested
     alpha_max: float | None = None  # cap on alpha (None: no cap)
+    window: int | None = None  # W: each query sees only its last W visible keys (drafter sliding window); None: all
+    sinks: int | None = None  # S: the first S keys of the sequence stay visible besides the window (needs window)
     drafter: DrafterInfo | None = None  # what the spec was made for
     calibration: Calibration | None = None  # how the slope was obtained (None for hand-written specs)
     schema: str = SCHEMA  # format version
@@ -181,6 +187,10 @@ class ScaleSpec:
         alpha_max = check_num("alpha_max", d.get("alpha_max"), 0.0, exclusive=True, nullable=True)
         if alpha_max is not None and alpha_max < law.min_alpha_max:
             raise field_error("alpha_max", f"{law.name} needs alpha_max >= {law.min_alpha_max:g}", alpha_max)
+        window = check_int("window", d.get("window"), 1, nullable=True)
+        sinks = check_int("sinks", d.get("sinks"), 1, nullable=True)
+        if sinks is not None and window is None:
+            raise field_error("sinks", "sinks keep the first keys besides a window: set window too", sinks)
         drafter = d.get("drafter")
         if isinstance(drafter, dict):
             drafter = DrafterInfo.from_dict(drafter)
@@ -198,7 +208,7 @@ class ScaleSpec:
             if granularity == "head" and len(slope[0]) != drafter.num_heads:
                 raise field_error("slope[0]", f"needs one entry per head ({drafter.num_heads})", f"{len(slope[0])} entries")
         return dict(law=law.name, n_ref=n_ref, slope=slope, top_k=top_k, granularity=granularity, alpha_max=alpha_max,
-                    drafter=drafter, calibration=calibration, schema=schema)
+                    window=window, sinks=sinks, drafter=drafter, calibration=calibration, schema=schema)
 
     # -- I/O ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -237,6 +247,10 @@ class ScaleSpec:
         return cls.from_json(text)
 
     # -- evaluation --------------------------------------------------------------------------
+    def restricts(self) -> bool:
+        """Whether the spec restricts which keys a query sees (a window, with or without sinks)."""
+        return self.window is not None
+
     def slopes(self) -> np.ndarray | None:
         """Slopes as an array: shape (), (layers,) or (layers, heads); None when the law has none."""
         return None if self.slope is None else np.asarray(self.slope, dtype=np.float64)

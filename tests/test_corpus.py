@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from calibrate.corpus import documents, pack, pydoc_topics
+from calibrate.corpus import documents, pack, pydoc_topics, stdlib_modules
 from calibrate.errors import UserError
 
 
@@ -106,3 +106,44 @@ def test_empty_or_short_corpus_is_a_user_error(tmp_path):
     short.write_text("abc", encoding="utf-8")
     with pytest.raises(UserError, match="its 3 tokens do not fill one sequence of --max-length 8"):
         list(pack(str(short), _chars, 0, 8))
+
+
+def _fake_stdlib(root):
+    for name in ("a.py", "b.py", "json/__init__.py", "json/decoder.py", "test/test_a.py", "unittest/test/t.py",
+                 "idlelib/idle_test/x.py", "lib2to3/tests/y.py", "site-packages/pkg/z.py", "notes.txt",
+                 *(f"m{i:02d}.py" for i in range(20))):
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# {name}\n", encoding="utf-8")
+    (root / "latin.py").write_bytes("# -*- coding: latin-1 -*-\nname = 'caf\xe9'\n".encode("latin-1"))
+
+
+def test_stdlib_split_is_deterministic_disjoint_and_leaves_tests_out(tmp_path):
+    _fake_stdlib(tmp_path)
+    everything = stdlib_modules("all", tmp_path)
+    names = [name for name, _ in everything]
+    assert names == sorted(names) and len(names) == 25  # 2 + 2 + 20 + latin.py
+    assert not any(part in ("test", "tests", "idle_test", "site-packages") for n in names for part in n.split("/"))
+    train, held = (stdlib_modules(split, tmp_path) for split in ("train", "heldout"))
+    assert [n for n, _ in held] == names[9::10]
+    assert not {n for n, _ in train} & {n for n, _ in held}
+    assert sorted(train + held) == everything
+    assert stdlib_modules("heldout", tmp_path) == held  # deterministic
+
+
+def test_stdlib_corpus_reads_the_real_standard_library():
+    train, held = stdlib_modules("train"), stdlib_modules("heldout")
+    assert len(held) >= 50 and len(train) >= 9 * len(held) - 9
+    assert not {n for n, _ in train} & {n for n, _ in held}
+    assert any(n == "json/decoder.py" for n, _ in train + held)
+    first = next(documents("stdlib:heldout"))
+    assert first == held[0][1].read_text(encoding="utf-8")
+    with pytest.raises(UserError, match="--corpus stdlib:dev: unknown split"):
+        list(documents("stdlib:dev"))
+
+
+def test_stdlib_files_are_read_in_their_declared_encoding(tmp_path):
+    from calibrate.corpus import _source_text
+
+    _fake_stdlib(tmp_path)
+    assert "café" in _source_text(tmp_path / "latin.py")

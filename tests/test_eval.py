@@ -15,7 +15,7 @@ from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
 from calibrate.drafters.hf import CausalLMDrafter
 from calibrate.errors import UserError
 from calibrate.eval_cmd import plot_result
-from calibrate.evaluate import MassMeter, bucket_edges, default_spec, evaluate
+from calibrate.evaluate import DEFAULT_VARIANTS, MassMeter, bucket_edges, default_spec, evaluate, paired_bootstrap
 from calibrate.taps import ScalingTap
 from sharpdraft_theory import ScaleSpec
 
@@ -75,22 +75,35 @@ def test_eagle3_result_shape(eagle3_result):
     assert [b["n"] for b in r["buckets"]] == LENGTHS
     assert r["speculative"]["outputs_identical"] is True
     assert r["drafter"]["n_ref"] == 64
+    assert list(r["variants"]) == list(DEFAULT_VARIANTS)
+    assert r["variants"]["window"]["window"] == 64 and r["variants"]["sinks"] == {
+        "law": "constant", "n_ref": None, "slope": 0.0, "window": 60, "sinks": 4}
     for row in r["buckets"]:
-        for variant in ("none", "spec", "qwen-logn"):
+        for variant in DEFAULT_VARIANTS:
             cell = row[variant]
             assert 0 < cell["mass"] <= 1 and 0 <= cell["agreement"] <= 1
             assert 1 <= cell["acceptance_length"] <= 4 and cell["speedup"] > 0
+            lo, hi = cell["agreement_interval"]
+            assert lo <= cell["agreement"] <= hi
+            if variant != "none":
+                for metric in ("agreement", "acceptance_length"):
+                    mean, lo, hi = cell["delta_vs_none"][metric]
+                    assert lo <= mean <= hi
     json.dumps(r)  # JSON-ready
 
 
 def test_no_change_at_or_below_n_ref(eagle3_result):
     """alpha = 1 for n <= n_ref under both laws: mass and agreement are those of the plain drafter."""
     for row in eagle3_result["buckets"][:2]:
-        for variant in ("spec", "qwen-logn"):
+        for variant in ("spec", "qwen-logn", "window", "sinks"):
             assert row[variant]["mass"] == row["none"]["mass"]
             assert row[variant]["agreement"] == row["none"]["agreement"]
+            assert row[variant]["delta_vs_none"]["agreement"] == [0.0, 0.0, 0.0]
+            assert row[variant]["delta_vs_none"]["acceptance_length"] == [0.0, 0.0, 0.0]
     last = eagle3_result["buckets"][-1]
     assert last["spec"]["mass"] > last["none"]["mass"]  # sharper queries, more mass on the top keys
+    # past the window the restricted head attends to fewer keys: its mass over them differs
+    assert last["window"]["mass"] != last["none"]["mass"] and last["sinks"]["mass"] != last["window"]["mass"]
 
 
 def test_scaling_tap_shows_the_meter_the_scaled_query():
@@ -120,10 +133,15 @@ def test_causal_lm_drafter(corpus):
     r = evaluate(drafter, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
                  speculative=True, new_tokens=6, num_draft=2)
     assert r["speculative"]["outputs_identical"] is True
-    first = r["buckets"][0]
-    for variant in ("spec", "qwen-logn"):
+    first, last = r["buckets"][0], r["buckets"][-1]
+    for variant in ("spec", "qwen-logn", "window", "sinks"):
         for key in ("mass", "agreement", "acceptance_length"):  # speedup is a timing
             assert first[variant][key] == first["none"][key]
+    assert last["window"]["mass"] != last["none"]["mass"]
+    # the taps' mask keeps the window: the rows count (and attend) at most W keys
+    window = ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=2, window=16, sinks=2)
+    forced = drafter.teacher_forced(torch.arange(1, 41)[None], [(None, None), (window, None)])
+    assert torch.equal(forced.n_visible, torch.arange(1, 41).clamp(max=18))
 
 
 def test_default_spec():
@@ -142,6 +160,16 @@ def test_plot(eagle3_result, tmp_path):
     (["--plot", "out.pdf"], "give a .png"),
     (["--drafter", "dflash"], "--drafter dflash: eval supports hf, pard, eagle3"),
     (["--drafter", "medusa"], "--drafter medusa: expected one of hf, pard, eagle3, dflash"),
+    (["--lengths", "256,16384"], "from 2 to 8192"),
+    (["--variants", "none,magic"], "unknown variant 'magic'"),
+    (["--variants", ","], "--variants: give at least one"),
+    (["--variants", "spec,spec"], "named twice"),
+    (["--variants", "none,reference"], "pass --reference-drafter-path"),
+    (["--window", "0"], "--window 0: expected a positive number"),
+    (["--sinks", "0"], "--sinks 0: expected a positive number"),
+    (["--window", "8", "--sinks", "8"], "--sinks 8: must be below --window 8"),
+    (["--sequences", "0"], "--sequences 0: expected at least 1"),
+    (["--reference-drafter-path", "/no/such/head"], "--reference-drafter-path /no/such/head: no such folder"),
 ])
 def test_cli_user_errors(args, message):
     result = CliRunner().invoke(app, ["eval", *args])
@@ -152,3 +180,58 @@ def test_cli_user_errors(args, message):
 def test_skip_past_the_corpus(eagle3, corpus):
     with pytest.raises(UserError, match="--skip 50"):
         evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, skip=50)
+
+
+def test_bootstrap_resamples_sequences_not_rows():
+    """Two sequences of 10 rows, all hits in one: the sequence bootstrap spans 0 .. 0.1 (row resampling would not)."""
+    mean, lo, hi = paired_bootstrap(np.array([1.0, 0.0]), np.array([10.0, 10.0]))
+    assert mean == pytest.approx(0.05)
+    # resampling 2 sequences: both the first (0.1), one each (0.05), both the second (0.0), each with its share
+    assert (lo, hi) == (0.0, pytest.approx(0.1))
+    assert paired_bootstrap(np.zeros(3), np.zeros(3)) is None
+    diffs = np.array([0.2, 0.1, 0.3, 0.0])  # a paired difference per sequence
+    exact = np.mean(diffs)
+    mean, lo, hi = paired_bootstrap(diffs)
+    assert mean == pytest.approx(exact, abs=1e-15) and lo < exact < hi
+
+
+def test_mass_meter_sees_the_window():
+    """The window variant's meter measures the mass over the keys the window keeps, in float64."""
+    g = torch.Generator().manual_seed(1)
+    query, key = torch.randn(1, 2, 50, 8, generator=g), torch.randn(1, 2, 50, 8, generator=g)
+    restrict = ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=2, window=10, sinks=2)
+    meter = MassMeter(bucket_edges([50]), 2, rows_per_bucket=50, restrict=restrict)
+    meter(0, query, key, 0.35, torch.arange(1, 51)[None])
+    logits = (query[0].double() @ key[0].double().transpose(-1, -2)) * 0.35  # (heads, 50, 50)
+    masses = []
+    for p in range(2, 50):  # rows with more than top_k keys
+        keep = [j for j in range(p + 1) if j > p - 10 or j < 2]
+        w = torch.softmax(logits[:, p, keep], -1)
+        masses.append(w.topk(2, -1).values.sum(-1).mean())
+    np.testing.assert_allclose(meter.result()[0], float(np.mean(masses)), rtol=1e-6)  # float32 logits
+
+
+def test_reference_head_and_the_share_it_recovers(eagle3, corpus, tmp_path):
+    target = eagle3.target
+    other = Eagle3Drafter(load_eagle3_head(write_tiny_eagle3(tmp_path, target, seed=7), target), target,
+                          ByteTokenizer(), path="other")
+    r = evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=3, rows_per_bucket=8,
+                 variants=("none", "spec", "window", "reference"), reference=other)
+    assert list(r["variants"]) == ["none", "spec", "window", "reference"] and r["reference"]["path"] == "other"
+    assert r["sequences"] == 3
+    for row in r["buckets"]:
+        mean, lo, hi = row["reference"]["delta_vs_none"]["agreement"]
+        for variant in ("spec", "window"):
+            share = row[variant]["recovered"]["agreement"]
+            if lo > 0 or hi < 0:
+                assert share == pytest.approx(row[variant]["delta_vs_none"]["agreement"][0] / mean, abs=1e-3)
+            else:
+                assert share is None
+    assert any(row["reference"]["agreement"] != row["none"]["agreement"] for row in r["buckets"])  # another head
+    with pytest.raises(UserError, match="pass --reference-drafter-path"):
+        evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, variants=("reference",))
+
+
+def test_every_sequence_by_default(eagle3, corpus):
+    r = evaluate(eagle3, spec=SPEC, lengths=[64], corpus=corpus, rows_per_bucket=4, variants=("none",))
+    assert r["sequences"] == 1109 // 64  # the corpus's 1109 byte tokens hold 17 sequences of 64

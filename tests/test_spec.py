@@ -36,6 +36,7 @@ def schema():
 
 
 def test_round_trip_through_json_and_file(tmp_path):
+    assert ScaleSpec.from_json(full_spec(window=60, sinks=4).to_json()).sinks == 4
     spec = full_spec()
     assert ScaleSpec.from_json(spec.to_json()) == spec
     spec.save(tmp_path / "s.json")
@@ -56,7 +57,9 @@ def test_alpha_per_layer_and_head():
 def test_valid_specs_pass_the_schema(schema):
     for spec in (full_spec(), ScaleSpec(law="qwen-logn", n_ref=64, slope=None, top_k=1),
                  ScaleSpec(law="ssmax", n_ref=None, slope=0.3, top_k=2),
-                 ScaleSpec(law="log-linear", n_ref=512, slope=[0.1, 0.2], top_k=4, granularity="layer")):
+                 ScaleSpec(law="log-linear", n_ref=512, slope=[0.1, 0.2], top_k=4, granularity="layer"),
+                 ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=4, window=256),
+                 full_spec(window=252, sinks=4)):
         jsonschema.validate(spec.to_dict(), schema)
 
 
@@ -114,6 +117,12 @@ MALFORMED = [
      True),
     (("calibration", "rows"), _DELETE, "calibration.rows", "required field is missing", True),
     (("extra_field",), 1, "extra_field", "unknown field", True),
+    (("window",), 0, "window", "expected an integer >= 1", True),
+    (("window",), 2.5, "window", "expected an integer", True),
+    (("window",), "256", "window", "expected an integer", True),
+    (("sinks",), -1, "sinks", "expected an integer >= 1", True),
+    (("sinks",), True, "sinks", "expected an integer", True),
+    (("sinks",), 4, "sinks", "set window too", True),
 ]
 
 

@@ -46,7 +46,9 @@ class AttentionTap(Protocol):
         n_visible : LongTensor, shape (batch, q_len)
             Keys each query attends to (:func:`sharpdraft_runtime.visible_keys`). In the layouts
             that calibration and eval run (one unpadded sequence, causal rows or non-causal
-            blocks, no sliding window) they are the first ``n_visible[b, i]`` positions of ``key``.
+            blocks, no window) they are the first ``n_visible[b, i]`` positions of ``key``; under a
+            spec's ``window`` and ``sinks`` they are the keys that rule keeps
+            (``sharpdraft_runtime.causal_mask``).
 
         Returns
         -------

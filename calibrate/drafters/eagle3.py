@@ -24,7 +24,9 @@ The attention has one hook point, an ``AttentionTap`` (``calibrate.drafters.base
 and key (cache included) right before the logits are formed; it may scale ``query`` (the
 runtime's query scaling, ``sharpdraft_runtime.query_hook``) or only read it (calibration taps).
 Query ``i`` of a call after ``past`` cached rows sees ``past + i + 1`` rows
-(``sharpdraft_runtime.causal_n_visible``); the attention mask is built from that count.
+(``sharpdraft_runtime.causal_n_visible``), or, with a spec's ``window`` and ``sinks`` (the serving
+engines' drafter window), the rows that rule keeps (``sharpdraft_runtime.causal_mask``, the same
+count).
 
 The adapter (``Eagle3Drafter``) runs the head over a text for calibration and teacher-forced
 evaluation, and drafts chains for speculative decoding (``Eagle3ChainDrafter``).
@@ -40,7 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from sharpdraft_runtime import causal_n_visible, query_hook
+from sharpdraft_runtime import causal_mask, causal_n_visible, query_hook
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import DrafterInfo
 
@@ -275,7 +277,8 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None,
-                hook: AttentionTap | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                hook: AttentionTap | None = None, window: int | None = None,
+                sinks: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         B, T, _ = x.shape
         query = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)
@@ -288,16 +291,17 @@ class Eagle3Attention(nn.Module):
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         if past is not None:
             key, value = torch.cat((past[0], key), dim=2), torch.cat((past[1], value), dim=2)
-        # Query i sits after the cached keys: it sees keys past + i + 1 - n .. past + i (causal, no tree
-        # mask; n = past + i + 1, or at most the window).
+        # Query i sits after the cached keys: it sees keys 0 .. past + i (causal, no tree mask), less those
+        # outside the narrower of the head's own sliding window and the spec's window (its sinks kept).
         past_len = key.shape[2] - T
-        n_visible = causal_n_visible(T, past_len, sliding_window=c.sliding_window, device=x.device).expand(B, T)
+        if c.sliding_window is not None:
+            window = c.sliding_window if window is None else min(window, c.sliding_window)
+        n_visible = causal_n_visible(T, past_len, sliding_window=window, sinks=sinks,
+                                     device=x.device).expand(B, T)  # (B, T)
         if hook is not None:
             replaced = hook(self.layer_idx, query, key, self.scaling, n_visible)
             query = query if replaced is None else replaced
-        k_idx = torch.arange(key.shape[2], device=x.device)
-        end = torch.arange(past_len + 1, past_len + T + 1, device=x.device)[:, None]  # (T, 1) one past the last key
-        visible = (k_idx[None, :] < end) & (k_idx[None, :] >= end - n_visible[0, :, None])  # (T, k)
+        visible = causal_mask(T, past_len, sliding_window=window, sinks=sinks, device=x.device)  # (T, k)
         out = attention(query, key, value, self.scaling, visible, self.implementation)  # (B, h, T, D)
         out = out.transpose(1, 2).reshape(B, T, c.num_attention_heads * c.head_dim)
         return self.o_proj(out), (key, value)
@@ -315,12 +319,12 @@ class Eagle3MidLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, embeds, hidden, position_ids, past=None, hook=None):
+    def forward(self, embeds, hidden, position_ids, past=None, hook=None, window=None, sinks=None):
         normed = self.hidden_norm(hidden)
         # EAGLE keeps the un-normed fc output as residual; vLLM's norm_before_residual keeps the normed one.
         residual = normed if self.config.norm_before_residual else hidden
         x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # (B, T, 2H), embedding first
-        attn, cache = self.self_attn(x, position_ids, past, hook)
+        attn, cache = self.self_attn(x, position_ids, past, hook, window, sinks)
         h = residual + attn
         return h + self.mlp(self.post_attention_layernorm(h)), cache
 
@@ -369,7 +373,8 @@ class Eagle3Head(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor,
                 position_ids: torch.Tensor | None = None,
                 past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attention_hook: AttentionTap | None = None, return_logits: bool = True) -> Eagle3Output:
+                attention_hook: AttentionTap | None = None, return_logits: bool = True,
+                window: int | None = None, sinks: int | None = None) -> Eagle3Output:
         """Run the head.
 
         Parameters
@@ -385,6 +390,9 @@ class Eagle3Head(nn.Module):
             The head's cache from a previous call.
         attention_hook : callable, optional
             Called once per call with post-RoPE query / key (see module docstring).
+        window, sinks : int, optional
+            Restrict each query to its last ``window`` rows plus the first ``sinks`` (a spec's
+            ``window`` and ``sinks``); None: every earlier row.
         """
         c = self.config
         B, T = input_ids.shape
@@ -397,7 +405,7 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"hidden_states width {hidden_states.shape[-1]} is neither {c.num_aux} * "
                              f"target_hidden_size = {c.num_aux * c.target_hidden_size} nor hidden_size = {c.hidden_size}")
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
-        out, cache = self.midlayer(embeds, hidden_states, position_ids, past_key_values, attention_hook)
+        out, cache = self.midlayer(embeds, hidden_states, position_ids, past_key_values, attention_hook, window, sinks)
         normed = self.norm(out)
         logits = self.lm_head(normed) if return_logits else None
         return Eagle3Output(logits, normed if c.norm_output else out, cache)
@@ -606,7 +614,8 @@ class Eagle3Drafter:
         drafted = []
         for spec, tap in runs:
             scaled = ScalingTap(spec, tap)
-            logits = self.head(input_ids[:, 1:], features[:, :-1], attention_hook=scaled).logits[0]  # (T-1, draft)
+            logits = self.head(input_ids[:, 1:], features[:, :-1], attention_hook=scaled,
+                               **_restriction(spec)).logits[0]  # (T-1, draft)
             drafted.append(self.head.draft_to_target(logits.argmax(-1)))
         return TeacherForced(n_visible=scaled.n_visible[0], target_next=target_next[1:], drafted=torch.stack(drafted))
 
@@ -635,6 +644,7 @@ class Eagle3ChainDrafter:
         self.head = head
         self.feature_ids = feature_ids
         self.hook = None if spec is None else query_hook(spec)
+        self.restriction = _restriction(spec)
 
     def close(self) -> None:
         """Nothing to undo: the spec lives in this drafter's hook."""
@@ -644,7 +654,7 @@ class Eagle3ChainDrafter:
         T = input_ids.shape[1]
         pos = torch.arange(position, position + T, device=input_ids.device)[None]
         out = self.head(input_ids, hidden, position_ids=pos, past_key_values=self.past,
-                        attention_hook=self.hook)
+                        attention_hook=self.hook, **self.restriction)
         self.past = out.past_key_values
         return out.logits[0, -1], out.hidden_states[:, -1:]
 
@@ -672,6 +682,11 @@ class Eagle3ChainDrafter:
         ids = torch.tensor([new], device=features.device)  # token after each verified position
         self.logits, self.hidden = self._run(ids, features, self.rows)
         self.rows += len(new)
+
+
+def _restriction(spec: ScaleSpec | None) -> dict:
+    """The head's ``window`` / ``sinks`` arguments for ``spec`` (None: no restriction)."""
+    return {} if spec is None else {"window": spec.window, "sinks": spec.sinks}
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype, *,

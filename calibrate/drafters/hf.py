@@ -94,7 +94,7 @@ class CausalLMDrafter:
         drafted = []
         for spec, tap in runs:
             scaled = ScalingTap(spec, tap)
-            with attention_tap(self.model, scaled):
+            with attention_tap(self.model, scaled, restrict=spec):
                 drafted.append(self.model(input_ids=input_ids, use_cache=False).logits[0].argmax(-1))  # (T,)
         return TeacherForced(n_visible=scaled.n_visible[0], target_next=target_next, drafted=torch.stack(drafted))
 
