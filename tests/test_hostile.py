@@ -230,7 +230,7 @@ CALIBRATE = [
     _cal("drafter-path-not-gguf", "--drafter-path {fx}/corpus.txt", "corpus.txt"),
     _cal("drafter-path-no-config", "--drafter-path {w}/empty", "empty", (("empty", None),)),
     _cal("drafter-path-offline-hub-id", "--drafter-path nosuch-org-sd/nosuch-model", "nosuch-org-sd/nosuch-model"),
-    _cal("pard-truncated-weights", "--drafter-path {fx}/pard-truncated", "model.safetensors"),
+    _cal("pard-truncated-weights", "--drafter-path {fx}/pard-truncated", ".safetensors"),
     _cal("eagle3-truncated-weights", "--drafter eagle3 --drafter-path {fx}/eagle3-truncated "
          "--target-path {fx}/target", "model.safetensors"),
     _cal("eagle3-config-array", "--drafter eagle3 --drafter-path {fx}/eagle3-array --target-path {fx}/target",
@@ -481,3 +481,60 @@ def test_api_refuses_in_one_line(case_id, text, call, fragment, tmp_path):
         verdict = "data-loss"
     _report(f"api-{case_id}", verdict, detail)
     assert verdict == "ok", detail
+
+
+# -- writes ---------------------------------------------------------------------------------------
+
+def test_atomic_write_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    from sharpdraft_theory.atomic import atomic_write_text
+
+    path = tmp_path / "spec.json"
+    path.write_text("old")
+    path.chmod(0o644)
+    atomic_write_text(path, "new")
+    assert path.read_text() == "new" and (path.stat().st_mode & 0o777) == 0o644
+    umask = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "fresh.json", "x")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "fresh.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_full_disk_leaves_the_previous_spec_and_the_progress(fx, tmp_path, monkeypatch):
+    """ENOSPC half-way through writing the spec: one UserError, old spec intact, --resume possible."""
+    import errno
+
+    import sharpdraft_theory.spec as spec_module
+    from calibrate.errors import UserError
+    from sharpdraft_theory.atomic import atomic_path
+
+    out = tmp_path / "spec.json"
+    out.write_text(_spec())
+    before = out.read_bytes()
+
+    def half_then_enospc(path, text):
+        with atomic_path(path) as tmp:
+            tmp.write_text(text[: len(text) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+
+    monkeypatch.setattr(spec_module, "atomic_write_text", half_then_enospc)
+    opts = CalibrateOptions(out=out, drafter="pard", drafter_path=str(fx / "pard"), corpus=str(fx / "corpus.txt"),
+                            max_length=256, sequences=2, n_ref=64, device="cpu", bootstrap=20)
+    with pytest.raises(UserError, match=f"cannot write --out {out}: No space left on device"):
+        run_calibration(opts)
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.json", "spec.json.partial"]
+    monkeypatch.undo()
+    from dataclasses import replace
+    assert run_calibration(replace(opts, resume=True)).resumed == 2
+
+
+def test_console_script_usage_error_is_one_line_exit_1():
+    import subprocess
+
+    script = str(Path(sys.executable).with_name("sharpdraft"))
+    proc = subprocess.run([script, "predict", "--top-k", "four"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: Invalid value for '--top-k'") and "sharpdraft predict" in lines[0]
