@@ -133,7 +133,7 @@ INSPECT = [
     _inspect("alpha-max-negative", _spec(alpha_max=-1.0), "alpha_max"),
     _inspect("law-unknown", _spec(law="cubic"), "law"),
     _inspect("schema-v2", _spec(schema="sharpdraft.scale-spec/v2"), "schema"),
-    _inspect("extra-field", _spec(window=7), "window"),
+    _inspect("extra-field", _spec(alpha_min=0.5), "alpha_min"),
     _inspect("short-per-layer", _spec(granularity="layer", slope=[0.1, 0.2], drafter=_drafter_info(4, 4)), "slope"),
 ]
 
