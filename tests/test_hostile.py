@@ -175,6 +175,11 @@ EVAL_CASES = [
     Case("eval-spec-9-heads", EVAL + " --spec {w}/s.json", "9 heads", (("s.json", SPEC_9_HEADS),)),
     Case("eval-spec-other-drafter", EVAL + " --spec {w}/s.json", "30 layers", (("s.json", SPEC_OTHER_DRAFTER),)),
     Case("eval-drafter-path-missing", EVAL.replace("{fx}/pard", "{w}/none"), "none"),
+    Case("eval-window-zero", EVAL + " --window 0", "--window 0"),
+    Case("eval-sinks-negative", EVAL + " --sinks -1", "--sinks -1"),
+    Case("eval-variants-unknown", EVAL + " --variants none,magic", "magic"),
+    Case("eval-out-in-reference-head", EVAL + " --reference-drafter-path {w}/ref --out {w}/ref/config.json", "--out",
+         (("ref", "@pard"),)),
 ]
 
 CAL = ("calibrate --drafter pard --drafter-path {fx}/pard --corpus {fx}/corpus.txt --n-ref 64 --max-length 256 "
