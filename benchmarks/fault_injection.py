@@ -72,10 +72,15 @@ def kill_and_resume(work: Path, trials: int, rng: random.Random) -> list[bool]:
         after = rng.randint(0, SEQUENCES)
         proc = subprocess.Popen([SHARPDRAFT, *_calibrate_args(work), "--out", str(out)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        began = time.perf_counter()
-        while len(list(partial.glob("seq-*.npz"))) < after and proc.poll() is None:
-            time.sleep(0.005)
-        per_sequence = (time.perf_counter() - began) / max(after, 1) if after else 0.5
+        began, first = time.perf_counter(), None
+        while (saved := len(list(partial.glob("seq-*.npz")))) < after and proc.poll() is None:
+            if saved and first is None:
+                first = time.perf_counter()
+            time.sleep(0.002)
+        if after >= 2 and first is not None:  # the time one sequence takes, start-up excluded
+            per_sequence = (time.perf_counter() - first) / (after - 1)
+        else:
+            per_sequence = 0.1
         time.sleep(rng.uniform(0.0, per_sequence))
         at = time.perf_counter() - began
         alive = proc.poll() is None  # a kill that lands after the run ended tests nothing
