@@ -543,3 +543,24 @@ def test_console_script_usage_error_is_one_line_exit_1():
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: Invalid value for '--top-k'") and "sharpdraft predict" in lines[0]
+
+
+def test_implausible_fits_warn():
+    """A random-weight model's slope 19.5 with a wide interval: every warning fires; a sane fit gives none."""
+    from types import SimpleNamespace
+
+    from calibrate.run import plausibility_notes
+    from sharpdraft_theory import Calibration, EstimatorResult
+
+    def notes(slope, low, high, alpha_max=None):
+        calibration = Calibration(estimator="mass-matching", corpus="c", sequences=2, max_length=256, rows=10,
+                                  buckets=(), results=(), tool_version="0")
+        spec = ScaleSpec(law="log-linear", n_ref=64, slope=slope, top_k=4, alpha_max=alpha_max, calibration=calibration)
+        fit = SimpleNamespace(result=lambda name: EstimatorResult("mass-matching", slope, low, high, {}))
+        return plausibility_notes(spec, fit)
+
+    wild = notes(19.5, -3.0, 40.0)
+    assert len(wild) == 3 and "slope 19.5000 is beyond" in wild[0] and "alpha(16 n_ref) = 55" in wild[1]
+    assert "wider than the slope" in wild[2]
+    assert notes(0.2, 0.18, 0.22) == []
+    assert "exceeds --alpha-max 1.2" in notes(0.2, 0.18, 0.22, alpha_max=1.2)[0]
