@@ -14,6 +14,7 @@ from rich.table import Table
 from sharpdraft_theory.estimators import ESTIMATOR_CHOICES, get_estimator
 
 from .drafters import kind_names
+from .errors import UserError
 
 __all__ = ["calibrate"]
 
@@ -37,7 +38,9 @@ def calibrate(
     granularity: Annotated[str, typer.Option(help="Slope per global, layer or head.")] = "global",
     estimator: Annotated[str, typer.Option(help=f"Slope written to the spec: {ESTIMATOR_CHOICES} (name or label).")]
         = "mass-matching",
-    alpha_max: Annotated[Optional[float], typer.Option("--alpha-max", help="Cap on alpha written to the spec.")] = None,
+    alpha_max: Annotated[Optional[float], typer.Option("--alpha-max", help="Cap on alpha written to the spec (default: "
+                                                       "none; the summary warns when alpha(16 n_ref) passes 4).")]
+        = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16.")]
         = "auto",
@@ -52,7 +55,10 @@ def calibrate(
     """Collect attention-logit statistics from a drafter over a corpus and fit the query-scaling slope."""
     from .run import CalibrateOptions, run_calibration
 
-    estimator = get_estimator(estimator).name  # a label or alias (E1, closed_form, ...) to the canonical name
+    try:
+        estimator = get_estimator(estimator).name  # a label or alias (E1, closed_form, ...) to the canonical name
+    except ValueError as err:
+        raise UserError(f"--estimator {estimator}: {err}") from None
     opts = CalibrateOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path,
                             corpus=corpus, max_length=max_length, sequences=sequences, n_ref=n_ref, top_k=top_k,
                             granularity=granularity, estimator=estimator, alpha_max=alpha_max, device=device,

@@ -1,7 +1,10 @@
 """The ``sharpdraft`` command line: thin typer commands over library functions.
 
-User errors (``UserError``, or a ``ValueError`` from validating input) print one line and exit 1;
-set ``SHARPDRAFT_DEBUG=1`` to see the traceback instead.
+User errors print one line (``error: ...``) and exit 1: a ``UserError`` from the commands (library
+code turns file, decode and spec errors into one at its own boundary), and a bad or missing
+option, which click would report in a box with exit 2. Set ``SHARPDRAFT_DEBUG=1`` to see the
+traceback of a ``UserError`` instead. Any other exception is a bug and keeps its traceback.
+Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer._click.exceptions import ClickException, NoArgsIsHelpError  # typer's own copy of click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import UserError
@@ -89,9 +94,9 @@ def predict(
 @app.command()
 def inspect(spec: Annotated[Path, typer.Argument(help="Scale spec JSON file to validate and show.")]):
     """Validate a scale spec and print it."""
-    from sharpdraft_theory import ScaleSpec
+    from .preflight import load_spec
 
-    s = ScaleSpec.load(spec)
+    s = load_spec(spec)
     table = Table(title=f"{spec} ({s.schema})", show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value")
@@ -120,7 +125,8 @@ def inspect(spec: Annotated[Path, typer.Argument(help="Scale spec JSON file to v
             table.add_row(f"  {r.estimator}", f"{_fmt(r.slope)}{ci}" + (f"  ({r.note})" if r.note else ""))
     console.print(table)
     if s.law != "qwen-logn" or s.n_ref:
-        grid = [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768) if s.n_ref is None or n >= s.n_ref // 2]
+        grid = ([256 << i for i in range(8)] if s.n_ref is None  # n_ref / 2 .. 64 n_ref otherwise
+                else [max(2, s.n_ref // 2)] + [s.n_ref << i for i in range(7)])
         alphas = s.alpha(grid, layer=0) if slopes is not None and slopes.ndim else s.alpha(grid)
         shown = [float(a.mean()) if getattr(a, "ndim", 0) else float(a) for a in alphas]
         console.print("alpha(n)" + (" (layer 0, mean over heads)" if slopes is not None and slopes.ndim else "") + ": "
@@ -132,12 +138,25 @@ from .plot_cmd import plot as _plot; app.command(name="plot")(_plot)  # noqa: E4
 from .eval_cmd import eval_command as _eval; app.command(name="eval")(_eval)  # noqa: E402, E702
 
 
+def _fail(message: str) -> None:
+    err_console.print(f"[red]error:[/] {escape(' '.join(message.split()))}", highlight=False, soft_wrap=True)
+    raise SystemExit(1)
+
+
 def main() -> None:
     """Console-script entry point: run the app, turning user errors into one line and exit 1."""
     try:
-        app()
-    except (UserError, ValueError) as err:
+        status = app(standalone_mode=False)
+    except UserError as err:
         if os.environ.get("SHARPDRAFT_DEBUG"):
             raise
-        err_console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
-        raise SystemExit(1) from None
+        _fail(str(err))
+    except NoArgsIsHelpError as err:
+        typer.echo(err.ctx.get_help())
+        raise SystemExit(0) from None
+    except ClickException as err:  # a bad or missing option: one line too, exit 1 (the README's promise)
+        command = err.ctx.command_path if getattr(err, "ctx", None) else "sharpdraft"
+        _fail(f"{err.format_message()} (see `{command} --help`)")
+    except typer.Abort:  # end of input at a prompt
+        raise SystemExit(130) from None
+    raise SystemExit(status if isinstance(status, int) else 0)  # Ctrl-C comes back as 130

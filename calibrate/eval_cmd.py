@@ -76,11 +76,12 @@ def eval_command(
     """Mass, agreement and (with --speculative) acceptance per context length, per variant, with paired intervals."""
     import torch
 
-    from sharpdraft_theory import ScaleSpec
+    from sharpdraft_theory import ScaleSpec, SpecError
     from sharpdraft_theory.atomic import atomic_write_text
 
     from .drafters import load_drafter, resolve_device, resolve_dtype
     from .evaluate import bucket_edges, check_variants, default_spec, evaluate
+    from .preflight import check_corpus, check_outputs, load_spec, local_inputs
 
     drafter_kind(drafter, evaluates=True)
     edges = _lengths(lengths)
@@ -93,35 +94,52 @@ def eval_command(
         raise UserError(f"--reference-drafter-path {reference_drafter_path}: no such folder")
     if sequences is not None and sequences < 1:
         raise UserError(f"--sequences {sequences}: expected at least 1 (default: every held-out sequence)")
-    if threads < 0:
-        raise UserError(f"--threads {threads}: expected 0 (torch's default) or a positive count")
-    if threads:
-        torch.set_num_threads(threads)
-    if num_draft < 1 or new_tokens < 2:
-        raise UserError("--num-draft must be >= 1 and --new-tokens >= 2")
+    for option, value, least in (("--threads", threads, 0), ("--skip", skip, 0), ("--num-draft", num_draft, 1),
+                                 ("--new-tokens", new_tokens, 2)):
+        if value < least:
+            raise UserError(f"{option} {value}: need at least {least}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k {top_k}: need at least 1 (or leave it out for the spec's)")
     if plot is not None and plot.suffix.lower() != ".png":
         raise UserError(f"--plot {plot}: give a .png file name")
-    loaded_spec = ScaleSpec.load(spec) if spec is not None else None
+    check_outputs({"--out": out, "--plot": plot},
+                  local_inputs(spec=spec, corpus=corpus, drafter_path=drafter_path, target_path=target_path,
+                               reference_drafter_path=reference_drafter_path))
+    check_corpus(corpus)
+    loaded_spec = load_spec(spec) if spec is not None else None
+    k = top_k or (loaded_spec.top_k if loaded_spec else 4)
+    if loaded_spec is not None and loaded_spec.top_k != k:
+        try:
+            loaded_spec = ScaleSpec.from_dict({**loaded_spec.to_dict(), "top_k": k})
+        except SpecError as err:
+            raise UserError(f"--top-k {k}: does not fit the spec {spec} ({err})") from None
     dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if threads:
+        torch.set_num_threads(threads)
     with torch.inference_mode():
-        d = load_drafter(drafter, drafter_path, target_path, dev, resolve_dtype(dtype, dev))
+        d = load_drafter(drafter, drafter_path, target_path, dev, dt)
         ref = None if reference_drafter_path is None else load_drafter(drafter, reference_drafter_path, target_path,
-                                                                       dev, resolve_dtype(dtype, dev))
-        k = top_k or (loaded_spec.top_k if loaded_spec else 4)
+                                                                       dev, dt)
         if loaded_spec is None:
             loaded_spec = default_spec(d.default_n_ref, k)
-        elif loaded_spec.top_k != k:
-            loaded_spec = ScaleSpec.from_dict({**loaded_spec.to_dict(), "top_k": k})
+        try:
+            loaded_spec.check_fits(d.info.num_layers, d.info.num_heads, what=f"the {drafter} drafter")
+        except SpecError as err:
+            raise UserError(f"--spec {spec}: {err}") from None
         progress = None if as_json else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
         result = evaluate(d, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,
                           window=window, sinks=sinks, reference=ref, progress=progress)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)
-    if out is not None:
-        atomic_write_text(out, text + "\n")
-    if plot is not None:
-        plot_result(result, plot)
+    try:
+        if out is not None:
+            atomic_write_text(out, text + "\n")
+        if plot is not None:
+            plot_result(result, plot)
+    except OSError as err:
+        raise UserError(f"cannot write {err.filename or out}: {err.strerror}; the evaluation was not saved") from None
     if as_json:
         print(text)
         return
@@ -179,6 +197,9 @@ def plot_result(result: dict, path: Path) -> None:
     panels = [("mass", f"mean top-{result['top_k']} attention mass"), ("agreement", "teacher-forced top-1 agreement")]
     if result["speculative"] is not None:
         panels.append(("acceptance_length", "acceptance length (tokens per target forward)"))
+
+    from .plots.style import save_figure
+
     n = [row["n"] for row in result["buckets"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
     styles = ("o-", "s-", "^--", "v-.", "D:", "*-")
@@ -199,8 +220,7 @@ def plot_result(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['drafter']['kind']} drafter on {result['corpus']} ({result['sequences']} sequences; "
                  "bands: 95% bootstrap over sequences)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)  # atomically: an interrupted run leaves no half-written PNG
     plt.close(fig)
 
 

@@ -7,7 +7,14 @@ from typing import Annotated, Optional
 
 import typer
 
+from sharpdraft_theory.laws import MAX_N
+
+from .errors import UserError
+
 __all__ = ["plot"]
+
+# Resamples for the bootstrap intervals: the interval's ends settle to about 1% by 10^4; more only costs time.
+MAX_BOOTSTRAP = 10_000
 
 
 def plot(
@@ -21,7 +28,23 @@ def plot(
     bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples of sequences for the intervals.")] = 200,
 ):
     """Write the standard figures: dilution curves, alpha versus n, per-head slope heatmap."""
-    from .plots import write_standard_figures
+    from .plots import STANDARD_FIGURES, write_standard_figures
+    from .preflight import check_outputs, local_inputs
 
-    for path in write_standard_figures(stats, out, n_ref=n_ref, top_k=top_k, bootstrap=bootstrap):
+    if stats.is_dir():
+        raise UserError(f"statistics file {stats}: is a folder; give the .npz file `sharpdraft calibrate --stats` wrote")
+    if n_ref is not None and not 2 <= n_ref <= MAX_N:
+        raise UserError(f"--n-ref {n_ref}: expected an integer between 2 and 2^32")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k {top_k}: need at least 1")
+    if not 0 <= bootstrap <= MAX_BOOTSTRAP:
+        raise UserError(f"--bootstrap {bootstrap}: expected 0 (no intervals) to {MAX_BOOTSTRAP}")
+    inputs = local_inputs(stats=stats)
+    check_outputs({"--out": out}, inputs, folders=("--out",))
+    check_outputs({f"--out ({name})": out / name for name in STANDARD_FIGURES}, inputs)
+    try:
+        paths = write_standard_figures(stats, out, n_ref=n_ref, top_k=top_k, bootstrap=bootstrap)
+    except OSError as err:
+        raise UserError(f"cannot write {err.filename or out}: {err.strerror}") from None
+    for path in paths:
         typer.echo(f"wrote {path}")

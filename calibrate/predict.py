@@ -8,12 +8,16 @@ import numpy as np
 
 from sharpdraft_theory import (Gaussian, TwoLevel, alpha_law, annealed_mass, exact_alpha, least_squares_slope,
                                monte_carlo_mass, regime, tangent_slope)
+from sharpdraft_theory.laws import MAX_N
 
 from .errors import UserError
 
 __all__ = ["predict"]
 
 MC_MAX_N = 1 << 22
+# Monte Carlo draws rows x n logits per length: 2^30 of them take about 10 s on one core, and by then
+# the standard error of the mean mass (~ 1 / sqrt(rows)) is far below what the table shows.
+MC_MAX_DRAWS = 1 << 30
 
 
 def _model(model: str, gap: float, sigma: float | None, top_k: int):
@@ -40,14 +44,26 @@ def predict(*, model: str, gap: float, sigma: float | None, top_k: int, n_ref: i
 
     Masses are annealed predictions, or quenched Monte Carlo means when ``mc_rows > 0``.
     """
-    if n_ref <= top_k:
-        raise UserError(f"--n-ref {n_ref} must exceed --top-k {top_k}")
-    bad = [v for v in n if v <= top_k]
+    for option, value in (("--gap", gap), ("--sigma", sigma)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UserError(f"{option} {value:g}: expected a finite number > 0")
+    if top_k < 1:
+        raise UserError(f"--top-k {top_k}: need at least 1")
+    if not top_k < n_ref <= MAX_N:
+        raise UserError(f"--n-ref {n_ref}: must exceed --top-k {top_k} and be at most 2^32")
+    bad = [v for v in n if not top_k < v <= MAX_N]
     if bad:
-        raise UserError(f"--n {bad[0]} must exceed --top-k {top_k}")
+        raise UserError(f"--n {bad[0]}: must exceed --top-k {top_k} and be at most 2^32")
+    if mc_rows < 0:
+        raise UserError(f"--mc-rows {mc_rows}: expected 0 (annealed formulas) or a positive count of rows")
     if mc_rows > 0 and max(n) > MC_MAX_N:
         raise UserError(f"--n {max(n)} is too long for --mc-rows (Monte Carlo draws n logits per row); "
                         f"keep every --n <= {MC_MAX_N} or drop --mc-rows")
+    if mc_rows * max(n_ref, *n) > MC_MAX_DRAWS:
+        raise UserError(f"--mc-rows {mc_rows}: {mc_rows} rows x {max(n_ref, *n)} keys is more than 2^30 logits to "
+                        f"draw per length (about 10 s each); use at most {MC_MAX_DRAWS // max(n_ref, *n)} rows")
+    if seed < 0:
+        raise UserError(f"--seed {seed}: expected an integer >= 0")
     m = _model(model, gap, sigma, top_k)
     lengths = np.asarray(sorted(set(n)), dtype=np.float64)
     corr = exact_alpha(m, lengths, n_ref)

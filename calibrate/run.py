@@ -22,6 +22,7 @@ uninterrupted run. The folder is removed once the spec is written. The fit's own
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -36,16 +37,24 @@ from sharpdraft_theory.estimators import ESTIMATORS, SlopeFit, fit_slopes
 from sharpdraft_theory.spec import GRANULARITIES, Calibration, ScaleSpec
 from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, RowStats
 from sharpdraft_theory.atomic import atomic_write_text
+from sharpdraft_theory.laws import MAX_N
 
 from .collect import DEFAULT_K_MAX, RowCollector, log_grid
 from .corpus import pack
 from .drafters import load_drafter, resolve_device, resolve_dtype
 from .errors import UserError
+from .preflight import check_corpus, check_outputs, local_inputs
 
-__all__ = ["CalibrateOptions", "CalibrateResult", "Progress", "run_calibration", "partial_dir"]
+__all__ = ["CalibrateOptions", "CalibrateResult", "Progress", "run_calibration", "partial_dir", "plausibility_notes"]
 
 GRID_PER_OCTAVE = 8  # sampled n per doubling
 GRID_N_MIN = 32  # shortest sampled n
+# Plausibility (warnings in the summary, not refusals). Trained drafters fit slopes of about 0.05 to 0.5
+# (Qwen's LogN scaling is slope 1 / ln n_ref, 0.13 at 2048); a slope past 1 more than quadruples the
+# logits by 16 n_ref. No default --alpha-max: the spec's contract already keeps alpha finite and
+# positive, and a cap would change the fitted law where it was measured; the warnings flag the rest.
+PLAUSIBLE_SLOPE = 1.0
+PLAUSIBLE_ALPHA_16 = 4.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,7 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None, progress: Progress 
     _check_options(opts)
     device = resolve_device(opts.device)
     dtype = resolve_dtype(opts.dtype, device)
+    _check_partial(partial_dir(opts.out), opts.resume)
     if drafter is None:
         drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, device, dtype,
                                aux_layer_reading=opts.aux_layer_reading)
@@ -120,12 +130,11 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None, progress: Progress 
     params = {"drafter": opts.drafter, "drafter_path": opts.drafter_path, "target_path": opts.target_path,
               "corpus": opts.corpus, "max_length": max_length, "dtype": str(dtype).removeprefix("torch."),
               "k_max": k_max, "grid": grid.tolist(), "alpha_grid": DEFAULT_ALPHA_GRID.tolist()}
-    partial = _open_partial(partial_dir(opts.out), params, opts.resume, notes)
-
     sequences = list(pack(opts.corpus, drafter.tokenize, drafter.eos_token_id, max_length, limit=opts.sequences))
     if len(sequences) < opts.sequences:
         notes.append(f"the corpus holds only {len(sequences)} sequences of {max_length} tokens "
                      f"(asked for {opts.sequences})")
+    partial = _open_partial(partial_dir(opts.out), params, opts.resume, notes)
     collector = RowCollector(grid, k_max=k_max, alpha_grid=DEFAULT_ALPHA_GRID, chunk=opts.chunk)
     positions = torch.as_tensor(grid - 1)
     parts, resumed, tokens, seconds = [], 0, 0, 0.0
@@ -147,7 +156,7 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None, progress: Progress 
                             f"{opts.chunk or 'auto'}): pass a smaller --chunk (query rows per chunk, e.g. 8) "
                             "or --max-length; then --resume keeps the sequences already done") from None
         part = collector.take()
-        part.save(saved[i])
+        _write(f"sequence {i} to {partial}", lambda: part.save(saved[i]), "then --resume to continue")
         parts.append(part)
         seconds += time.perf_counter() - started
         tokens += len(ids)
@@ -156,22 +165,28 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None, progress: Progress 
 
     stats = RowStats.concat(parts)
     if opts.stats is not None:  # the rows and what they were collected and fitted with: readers need no flags
-        stats.save(opts.stats, **_stats_meta(opts, params, n_ref, len(sequences)))
+        meta = _stats_meta(opts, params, n_ref, len(sequences))
+        _write(f"--stats {opts.stats}", lambda: stats.save(opts.stats, **meta), "then --resume to finish")
     try:
         fit = fit_slopes(stats, n_ref=n_ref, top_k=opts.top_k, granularity=opts.granularity,
                          bootstrap=opts.bootstrap, seed=0)
     except ValueError as err:
         raise UserError(f"cannot fit the slope: {err}") from None
-    spec = _make_spec(opts, drafter, fit, stats, n_ref, max_length, len(sequences))
-    spec.save(opts.out)
+    spec = _make_spec(opts, drafter, fit, stats, n_ref, max_length, len(sequences), notes)
+    notes += plausibility_notes(spec, fit)
+    _write(f"--out {opts.out}", lambda: spec.save(opts.out), "then --resume to finish")
     shutil.rmtree(partial, ignore_errors=True)
     return CalibrateResult(spec=spec, fit=fit, stats=stats, seconds=seconds, tokens=tokens, resumed=resumed,
                            notes=notes)
 
 
 def _check_options(opts: CalibrateOptions) -> None:
+    """Every option that can be checked without the model, before any work (and before any file is made)."""
     if opts.sequences < 1:
         raise UserError(f"--sequences {opts.sequences}: need at least 1")
+    for option, value in (("--drafter-path", opts.drafter_path), ("--target-path", opts.target_path)):
+        if value is not None and not str(value).strip():
+            raise UserError(f"{option} is empty: give a checkpoint folder, a .gguf file or a hub id, or leave it out")
     if opts.top_k < 1:
         raise UserError(f"--top-k {opts.top_k}: need at least 1")
     if opts.max_length is not None and opts.max_length < 2 * GRID_N_MIN:
@@ -182,17 +197,43 @@ def _check_options(opts: CalibrateOptions) -> None:
         raise UserError(f"--estimator {opts.estimator}: expected one of {', '.join(ESTIMATORS)}")
     if opts.chunk is not None and opts.chunk < 1:
         raise UserError(f"--chunk {opts.chunk}: need at least 1 query row per chunk")
-    if opts.alpha_max is not None and opts.alpha_max < 1:
-        raise UserError(f"--alpha-max {opts.alpha_max}: must be at least 1")
+    if opts.alpha_max is not None and not (math.isfinite(opts.alpha_max) and opts.alpha_max >= 1):
+        raise UserError(f"--alpha-max {opts.alpha_max}: expected a finite number >= 1")
+    if opts.n_ref is not None and not GRID_N_MIN <= opts.n_ref <= MAX_N:
+        raise UserError(f"--n-ref {opts.n_ref}: expected {GRID_N_MIN} (the shortest sampled length) to 2^32")
+    if opts.n_ref is not None and opts.top_k >= opts.n_ref:
+        raise UserError(f"--top-k {opts.top_k}: must be below --n-ref {opts.n_ref}")
+    if opts.max_length is not None and opts.n_ref is not None and opts.n_ref >= opts.max_length:
+        raise UserError(f"--n-ref {opts.n_ref} >= --max-length {opts.max_length}: no rows beyond n_ref to fit; "
+                        f"use --max-length {4 * opts.n_ref} or a smaller --n-ref")
+    if opts.bootstrap < 0:
+        raise UserError(f"bootstrap {opts.bootstrap}: need at least 0 resamples")
+    check_outputs({"--out": Path(opts.out), "--stats": opts.stats},
+                  local_inputs(corpus=opts.corpus, drafter_path=opts.drafter_path, target_path=opts.target_path))
+    check_corpus(opts.corpus)
+
+
+def _check_partial(folder: Path, resume: bool) -> None:
+    """An interrupted run at ``folder`` is continued only with ``--resume``; a file there is in the way."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder} is a file where the run keeps its progress; move or delete it")
+    if (folder / "run.json").is_file() and not resume:
+        raise UserError(f"{folder} holds an interrupted run: pass --resume to continue it, "
+                        "or delete the folder to start over")
+
+
+def _write(what: str, write, then: str) -> None:
+    """Run ``write()``; an ``OSError`` (disk full, permissions) is a ``UserError`` naming ``what``."""
+    try:
+        write()
+    except OSError as err:
+        raise UserError(f"cannot write {what}: {err.strerror or err}; free space or fix the path, {then}") from None
 
 
 def _open_partial(folder: Path, params: dict, resume: bool, notes: list[str]) -> Path:
     """Create (or, resuming, check) the partial folder; return it."""
     run_file = folder / "run.json"
-    if run_file.is_file():
-        if not resume:
-            raise UserError(f"{folder} holds an interrupted run: pass --resume to continue it, "
-                            "or delete the folder to start over")
+    if run_file.is_file():  # _check_partial has refused it already without --resume
         try:
             before = json.loads(run_file.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as err:
@@ -230,14 +271,39 @@ def _stats_meta(opts: CalibrateOptions, params: dict, n_ref: int, sequences: int
     return {k: json.dumps(v) for k, v in meta.items()}
 
 
+def plausibility_notes(spec: ScaleSpec, fit: SlopeFit) -> list[str]:
+    """Warnings for a fit no drafter should give (e.g. a random-weight model): a slope above
+    ``PLAUSIBLE_SLOPE``, alpha at ``16 n_ref`` above the cap (or ``PLAUSIBLE_ALPHA_16`` without
+    one), a 95% interval wider than the slope itself."""
+    notes = []
+    slopes = spec.slopes()
+    alpha16 = 1.0 + float(slopes.max()) * math.log(16.0)  # uncapped log-linear alpha at 16 n_ref
+    limit = spec.alpha_max if spec.alpha_max is not None else PLAUSIBLE_ALPHA_16
+    if slopes.max() > PLAUSIBLE_SLOPE:
+        notes.append(f"slope {slopes.max():.4f} is beyond the plausible range (0, {PLAUSIBLE_SLOPE:g}]: check that the "
+                     "drafter is trained and the corpus is text it knows")
+    if alpha16 > limit:
+        notes.append(f"alpha(16 n_ref) = {alpha16:.3g} exceeds " + (f"--alpha-max {limit:g}" if spec.alpha_max
+                     is not None else f"{limit:g}, more than any trained drafter needs") + "; treat this spec with care")
+    result = fit.result(spec.calibration.estimator)
+    if result.ci_low is not None and result.slope is not None and result.ci_high - result.ci_low > abs(result.slope):
+        notes.append(f"the 95% interval [{result.ci_low:.4f}, {result.ci_high:.4f}] is wider than the slope "
+                     f"{result.slope:.4f}: collect more --sequences")
+    return notes
+
+
 def _make_spec(opts: CalibrateOptions, drafter, fit: SlopeFit, stats: RowStats, n_ref: int, max_length: int,
-               sequences: int) -> ScaleSpec:
+               sequences: int, notes: list[str]) -> ScaleSpec:
     slope = np.asarray(fit.slopes[opts.estimator], dtype=np.float64)
     if not np.all(np.isfinite(slope)):
         result = fit.result(opts.estimator)
         others = [r.estimator for r in fit.results if r.slope is not None and r.estimator != opts.estimator]
         raise UserError(f"the {opts.estimator} estimator is undefined on this data ({result.note or 'no finite slope'})"
                         + (f"; try --estimator {others[0]}" if others else ""))
+    if np.any(slope < 0):  # the spec's contract (alpha > 0 for every n) allows no negative log-linear slope
+        notes.append(f"{int(np.sum(slope < 0))} of {slope.size} fitted slopes were negative (the mass did not dilute "
+                     f"there, min {slope.min():.4f}); the spec holds 0 for them")
+        slope = np.maximum(slope, 0.0)
     calibration = Calibration(estimator=opts.estimator, corpus=opts.corpus, sequences=sequences,
                               max_length=max_length, rows=stats.rows, buckets=fit.buckets, results=fit.results,
                               tool_version=__version__)

@@ -180,15 +180,8 @@ def _configs(model: torch.nn.Module) -> dict[int, object]:
 
 
 def _check_shape(spec: ScaleSpec, config) -> None:
-    if spec.granularity == "global":
-        return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers, heads = text.num_hidden_layers, text.num_attention_heads
-    slopes = spec.slopes()
-    if slopes.shape[0] != layers:
-        raise ValueError(f"spec has {spec.granularity} slopes for {slopes.shape[0]} layers, the model has {layers}")
-    if spec.granularity == "head" and slopes.shape[1] != heads:
-        raise ValueError(f"spec has slopes for {slopes.shape[1]} heads, the model has {heads} query heads")
+    spec.check_fits(text.num_hidden_layers, text.num_attention_heads)
 
 
 def enable(model, spec: ScaleSpec):
@@ -203,7 +196,8 @@ def enable(model, spec: ScaleSpec):
         A model whose attention dispatches through ``AttentionInterface`` and currently uses
         ``sdpa`` or ``eager`` attention.
     spec : ScaleSpec
-        The scale spec; per-layer and per-head slopes must match the model's layers and heads.
+        The scale spec; per-layer and per-head slopes, and the drafter it records being made for,
+        must match the model's layers and heads (a ``ValueError`` naming both otherwise).
 
     Returns
     -------

@@ -1,7 +1,8 @@
 """Checks of JSON-decoded values for the scale spec and its records.
 
-Each check returns the value (numbers as ``float``) or raises a one-line ``ValueError`` that names
-the field (``where``, a dotted path such as ``calibration.buckets[0].mass``) and the bad value.
+Each check returns the value (numbers as ``float``) or raises a one-line :class:`SpecError` (a
+``ValueError``) that names the field (``where``, a dotted path such as
+``calibration.buckets[0].mass``) and the bad value.
 """
 
 from __future__ import annotations
@@ -11,24 +12,32 @@ import math
 from dataclasses import MISSING, fields
 from typing import Any
 
-__all__ = ["field_error", "check_int", "check_num", "check_str", "check_record"]
+__all__ = ["SpecError", "field_error", "check_int", "check_num", "check_str", "check_record"]
 
 
-def field_error(where: str, message: str, value: Any) -> ValueError:
+class SpecError(ValueError):
+    """A scale spec (or one of its records) breaks the contract; the one-line message names the field
+    and, when the spec came from a file, the file. Callers that face users (the CLI) turn it into
+    their own error type; everything else may treat it as the ``ValueError`` it is."""
+
+
+def field_error(where: str, message: str, value: Any) -> SpecError:
     """``spec field '<where>': <message>, got <value as JSON>`` (long values shortened)."""
     shown = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    return ValueError(f"spec field '{where}': {message}, got {shown}")
+    return SpecError(f"spec field '{where}': {message}, got {shown}")
 
 
-def check_int(where, value, minimum=None, nullable=False):
+def check_int(where, value, minimum=None, nullable=False, maximum=None):
     if value is None and nullable:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise field_error(where, "expected an integer", value)
     if minimum is not None and value < minimum:
         raise field_error(where, f"expected an integer >= {minimum}", value)
+    if maximum is not None and value > maximum:
+        raise field_error(where, f"expected an integer <= {maximum}", value)
     return value
 
 
@@ -63,5 +72,5 @@ def check_record(where, value, cls):
     missing = [f.name for f in fields(cls)
                if f.name not in value and f.default is MISSING and f.default_factory is MISSING]
     if missing:
-        raise ValueError(f"spec field '{where}.{missing[0]}': required field is missing")
+        raise SpecError(f"spec field '{where}.{missing[0]}': required field is missing")
     return value

@@ -11,7 +11,11 @@ ssmax          slope ln n (Scalable-Softmax, no reference length)          slope
 constant       1 + slope for every n                                       slope
 =============  =========================================================  ======================
 
-Every law is then capped at ``alpha_max`` when one is given. Qwen's LogN law is the log-linear law
+Every law is then capped at ``alpha_max`` when one is given. Every law is non-decreasing in ``n``
+for a legal slope (monotone for any), which is what lets :meth:`Law.bounds` find its extremes
+at the ends of the range: the contract (checked by the spec) is that alpha stays ``> 0`` for
+every ``n >= 2`` and finite in float32 up to ``MAX_N``. ``n = 1`` is left out on purpose: one visible key takes all the mass
+whatever the scale (ssmax's ``alpha(1) = 0`` is harmless). Qwen's LogN law is the log-linear law
 with ``slope = 1 / ln n_ref``: ``1 + ln(n / n_ref) / ln n_ref = ln n / ln n_ref``; it is computed in
 that form, which is exactly 1 up to ``n_ref`` in any precision (the quotient of two rounded
 logarithms can land one ulp above 1 at ``n = n_ref`` in float32).
@@ -33,7 +37,11 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["Law", "REGISTRY", "LAWS", "get_law", "alpha_law"]
+__all__ = ["Law", "REGISTRY", "LAWS", "MAX_N", "get_law", "alpha_law"]
+
+#: Largest visible-key count the contract covers (and largest n_ref a spec may name): 2^32, far
+#: beyond any context window, and exact in float32, the precision the runtime computes alpha in.
+MAX_N = 2**32
 
 
 def _no_slope_moves(slopes) -> bool:
@@ -69,6 +77,34 @@ class Law:
         """
         alpha = self.formula(xp, n, n_ref, slope)
         return alpha if alpha_max is None else xp.clip(alpha, None, alpha_max)
+
+    def bounds(self, *, n_ref: int | None, slopes) -> tuple[float, float]:
+        """``(low, high)``: the least uncapped ``alpha(n)`` over ``n >= 2`` (its limit included) and the
+        largest over ``2 <= n <= MAX_N``, over every slope, in float32 (the runtime's precision).
+
+        Each law is monotone in ``n``, so the extremes lie at the ends: ``n = 2``, ``n = MAX_N`` and
+        the limit ``n -> inf`` (where a zero slope meets an infinite logarithm, ``0 * inf = nan``,
+        the law is flat and its value at ``MAX_N`` stands). A slope that overflows float32 (or
+        makes ``inf * 0`` at a finite ``n``) gives ``nan``. The spec requires ``low > 0`` and
+        ``high`` finite.
+
+        Examples
+        --------
+        >>> get_law("log-linear").bounds(n_ref=64, slopes=np.array(-1e-6))[0]
+        -inf
+        >>> get_law("constant").bounds(n_ref=None, slopes=np.array([-0.5, 1.0]))
+        (0.5, 2.0)
+        """
+        n = np.array([2.0, MAX_N, np.inf], dtype=np.float32).reshape(3, 1)
+        slope = None if slopes is None else np.asarray(slopes, dtype=np.float64).reshape(1, -1)
+        with np.errstate(all="ignore"):
+            slope = None if slope is None else slope.astype(np.float32)
+            alpha = np.broadcast_to(np.asarray(self.formula(np, n, n_ref, slope), dtype=np.float32),
+                                    (3, 1 if slope is None else slope.shape[1])).copy()
+        alpha[2] = np.where(np.isnan(alpha[2]), alpha[1], alpha[2])
+        if np.isnan(alpha).any():
+            return math.nan, math.nan
+        return float(alpha.min()), float(alpha[:2].max())
 
     def identity_limit(self, *, n_ref: int | None, slopes, alpha_max: float | None) -> float:
         """Largest ``n`` such that ``alpha(m) == 1`` exactly for every ``m <= n`` and every slope.

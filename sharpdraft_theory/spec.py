@@ -6,8 +6,13 @@ slope was obtained. It may also restrict the keys each query sees, as serving en
 long contexts: a sliding ``window`` of the last W visible keys, plus ``sinks``, the first S keys
 (StreamingLLM); then ``n`` is the number of keys the query really sees. A spec with law
 ``constant``, slope 0 and a window is a pure baseline (no scaling). It is versioned
-(``"schema": "sharpdraft.scale-spec/v1"``), validated on load with errors that name the field and
-the bad value, and written atomically.
+(``"schema": "sharpdraft.scale-spec/v1"``), validated on load with errors (:class:`SpecError`, a
+``ValueError``) that name the field, the bad value and, for a file, the file; and written atomically.
+
+The contract on alpha: in every layer and head the law's uncapped ``alpha(n)`` is ``> 0`` for
+every ``n >= 2`` and finite in float32 up to ``laws.MAX_N`` (2^32) (``laws.Law.bounds``). So log-linear and
+llama4 need slopes ``>= 0``, ssmax ``> 0``, constant ``> -1``; a cap (``alpha_max``) bounds alpha
+from above only and makes no negative slope legal, and the spec has no floor (``alpha_min``).
 ``scale_spec.schema.json`` beside this file is the same contract as a JSON Schema.
 
 The lists a spec is checked against live where they are defined: the laws and the parameters each
@@ -27,12 +32,12 @@ from pathlib import Path
 import numpy as np
 
 from .atomic import atomic_write_text
-from .checks import check_int, check_num, check_record, check_str, field_error
+from .checks import SpecError, check_int, check_num, check_record, check_str, field_error
 from .estimators import ESTIMATORS, Bucket, EstimatorResult
-from .laws import LAWS, alpha_law, get_law
+from .laws import LAWS, MAX_N, alpha_law, get_law
 
 __all__ = ["SCHEMA", "GRANULARITIES", "DRAFTER_KIND_PATTERN", "DrafterInfo", "Bucket", "EstimatorResult",
-           "Calibration", "ScaleSpec", "schema_path"]
+           "Calibration", "ScaleSpec", "SpecError", "schema_path"]
 
 SCHEMA = "sharpdraft.scale-spec/v1"
 GRANULARITIES = ("global", "layer", "head")
@@ -161,20 +166,20 @@ class ScaleSpec:
     @staticmethod
     def _validated(d: dict) -> dict:
         if not isinstance(d, dict):
-            raise ValueError(f"spec: expected a JSON object, got {type(d).__name__}")
+            raise SpecError(f"spec: expected a JSON object, got {type(d).__name__}")
         known = {f.name for f in fields(ScaleSpec)}
         extra = sorted(set(d) - known)
         if extra:
             raise field_error(extra[0], f"unknown field (known: {', '.join(sorted(known))})", d[extra[0]])
         for name in ("law", "n_ref", "slope", "top_k"):
             if name not in d:
-                raise ValueError(f"spec field '{name}': required field is missing")
+                raise SpecError(f"spec field '{name}': required field is missing")
         schema = d.get("schema", SCHEMA)
         if schema != SCHEMA:
             raise field_error("schema", f"expected {SCHEMA!r} (this sharpdraft reads v1 specs only)", schema)
         law = get_law(check_str("law", d["law"], LAWS))
-        top_k = check_int("top_k", d["top_k"], 1)
-        n_ref = check_int("n_ref", d["n_ref"], 2, nullable=not law.needs_n_ref)
+        top_k = check_int("top_k", d["top_k"], 1, maximum=MAX_N)
+        n_ref = check_int("n_ref", d["n_ref"], 2, nullable=not law.needs_n_ref, maximum=MAX_N)
         if n_ref is not None and n_ref <= top_k:
             raise field_error("n_ref", f"must exceed top_k={top_k}", n_ref)
         granularity = check_str("granularity", d.get("granularity", "global"), GRANULARITIES)
@@ -191,6 +196,13 @@ class ScaleSpec:
         sinks = check_int("sinks", d.get("sinks"), 1, nullable=True)
         if sinks is not None and window is None:
             raise field_error("sinks", "sinks keep the first keys besides a window: set window too", sinks)
+        low, high = law.bounds(n_ref=n_ref, slopes=None if slope is None else np.asarray(slope, dtype=np.float64))
+        if not np.isfinite(high):
+            raise field_error("slope", f"{law.name} takes alpha(n) past float32's range for some 2 <= n <= 2^32; "
+                                       "alpha must stay finite", d["slope"])
+        if not low > 0:
+            raise field_error("slope", f"{law.name} takes alpha(n) down to {low:.4g} as n grows; alpha must stay > 0 "
+                                       "(a cap does not help)", d["slope"])
         drafter = d.get("drafter")
         if isinstance(drafter, dict):
             drafter = DrafterInfo.from_dict(drafter)
@@ -231,7 +243,9 @@ class ScaleSpec:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"spec: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+            raise SpecError(f"spec: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+        except RecursionError:
+            raise SpecError("spec: not valid JSON (nested too deeply to read)") from None
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -240,11 +254,42 @@ class ScaleSpec:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ScaleSpec":
+        """Read and validate a spec file; every problem is a one-line :class:`SpecError` naming the file."""
+        where = f"spec file {str(path)!r}"
+        if Path(path).is_dir():
+            raise SpecError(f"{where}: is a folder; give the spec's .json file")
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            raw = Path(path).read_bytes()
         except OSError as err:
-            raise ValueError(f"spec file {str(path)!r}: cannot read it ({err.strerror})") from None
-        return cls.from_json(text)
+            raise SpecError(f"{where}: cannot read it ({err.strerror})") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise SpecError(f"{where}: not UTF-8 text (byte {err.start}); a spec is a JSON file such as "
+                            "`sharpdraft calibrate` writes") from None
+        try:
+            return cls.from_json(text)
+        except SpecError as err:
+            fix = ("; fix the file, or write a new one with `sharpdraft calibrate`"
+                   if "not valid JSON" in str(err) else "")
+            raise SpecError(f"{where}: {str(err).removeprefix('spec: ')}{fix}") from None
+
+    def check_fits(self, num_layers: int, num_heads: int, what: str = "the model") -> None:
+        """SpecError naming both shapes unless this spec can scale ``what`` (``num_layers`` x ``num_heads``).
+
+        The drafter the spec was made for (when recorded) must have that shape, and per-layer or
+        per-head slopes must have one entry per layer (and head).
+        """
+        theirs = f"{what} has {num_layers} layers x {num_heads} heads"
+        d = self.drafter
+        if d is not None and (d.num_layers, d.num_heads) != (num_layers, num_heads):
+            raise SpecError(f"the spec was made for a {d.kind} drafter of {d.num_layers} layers x {d.num_heads} heads, "
+                            f"{theirs}; calibrate a spec for it")
+        slopes = self.slopes()
+        if self.granularity != "global" and slopes.shape[0] != num_layers:
+            raise SpecError(f"the spec has {self.granularity} slopes for {slopes.shape[0]} layers, {theirs}")
+        if self.granularity == "head" and slopes.shape[1] != num_heads:
+            raise SpecError(f"the spec has slopes for {slopes.shape[1]} heads, {theirs}")
 
     # -- evaluation --------------------------------------------------------------------------
     def restricts(self) -> bool:

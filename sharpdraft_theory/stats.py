@@ -26,6 +26,7 @@ and the background's tilted mean, plain mean and variance follow by removing the
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -159,13 +160,22 @@ class RowStats:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> tuple["RowStats", dict]:
-        """Read a statistics file; returns the rows and the metadata."""
+        """Read a statistics file; returns the rows and the metadata.
+
+        Any problem (no such file, not an .npz archive, truncated, arrays missing or malformed) is a
+        one-line ``ValueError`` naming the file.
+        """
+        where = f"statistics file {str(path)!r}"
+        if os.path.isfile(path) and not zipfile.is_zipfile(path):
+            raise ValueError(f"{where} is not an .npz archive (as `sharpdraft calibrate --stats` writes)")
         try:
             with np.load(path, allow_pickle=False) as data:
                 stats = cls(**{f.name: data[f.name] for f in fields(cls)})
                 meta = {k[5:]: str(data[k]) for k in data.files if k.startswith("meta_")}
-        except (OSError, KeyError, ValueError) as err:
-            raise ValueError(f"statistics file {str(path)!r} cannot be read: {err}") from None
+        except KeyError as err:
+            raise ValueError(f"{where} cannot be read: {err.args[0]}") from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+            raise ValueError(f"{where} cannot be read ({err}); it may be truncated") from None
         return stats, meta
 
     @classmethod

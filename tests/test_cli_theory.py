@@ -44,8 +44,8 @@ def test_predict_monte_carlo_and_two_level_table():
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "gaussian", "--gap", "0.5", "--sigma", "1"], "--gap 0.5 must exceed sigma^2 = 1"),
-    (["--top-k", "8", "--n-ref", "8"], "--n-ref 8 must exceed --top-k 8"),
-    (["--n", "3"], "--n 3 must exceed --top-k 4"),
+    (["--top-k", "8", "--n-ref", "8"], "--n-ref 8: must exceed --top-k 8"),
+    (["--n", "3"], "--n 3: must exceed --top-k 4"),
     (["--model", "cauchy"], "--model 'cauchy' is not known"),
     (["--model", "two-level", "--sigma", "1"], "--sigma applies to --model gaussian only"),
     (["--n", "100000000", "--mc-rows", "5"], "too long for --mc-rows"),

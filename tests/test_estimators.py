@@ -129,6 +129,7 @@ def test_calibrate_cli_takes_any_estimator_spelling(tmp_path, monkeypatch):
 
     import calibrate.run
     from calibrate.cli import app
+    from calibrate.errors import UserError
 
     seen = []
 
@@ -143,7 +144,7 @@ def test_calibrate_cli_takes_any_estimator_spelling(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["calibrate", "--out", str(tmp_path / "s.json"), "--estimator", "E3"])
     assert isinstance(res.exception, Stop) and seen[0].estimator == "gaussian"
     res = CliRunner().invoke(app, ["calibrate", "--out", str(tmp_path / "s.json"), "--estimator", "e4"])
-    assert isinstance(res.exception, ValueError) and "unknown estimator 'e4'" in str(res.exception)
+    assert isinstance(res.exception, UserError) and "--estimator e4: unknown estimator 'e4'" in str(res.exception)
     assert len(seen) == 1
 
 

@@ -8,7 +8,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from sharpdraft_theory import SCHEMA, Bucket, Calibration, DrafterInfo, EstimatorResult, ScaleSpec
+from sharpdraft_theory import SCHEMA, Bucket, Calibration, DrafterInfo, EstimatorResult, ScaleSpec, SpecError
 from sharpdraft_theory.estimators import ESTIMATORS
 from sharpdraft_theory.laws import LAWS, REGISTRY
 from sharpdraft_theory.spec import DRAFTER_KIND_PATTERN, schema_path
@@ -123,6 +123,9 @@ MALFORMED = [
     (("sinks",), -1, "sinks", "expected an integer >= 1", True),
     (("sinks",), True, "sinks", "expected an integer", True),
     (("sinks",), 4, "sinks", "set window too", True),
+    (("slope",), [[0.1, -0.2, 0.3], [0.0, 0.1, 0.2]], "slope", "alpha must stay > 0", True),
+    (("slope",), [[0.1, 1e38, 0.3], [0.0, 0.1, 0.2]], "slope", "alpha must stay finite", False),
+    (("n_ref",), 2**32 + 1, "n_ref", "expected an integer <= 4294967296", True),
 ]
 
 
@@ -140,11 +143,48 @@ def test_malformed_spec_is_rejected_naming_the_field(schema, path, value, field,
             jsonschema.validate(bad, schema)
 
 
+def _law_conditions(schema) -> list[dict]:
+    return [e for e in schema["allOf"] if "law" in e["if"].get("properties", {})]
+
+
 def _law_condition(schema, then_property: str) -> dict:
-    """The ``allOf`` entry whose ``if`` picks laws and whose ``then`` constrains ``then_property``."""
-    (entry,) = [e for e in schema["allOf"] if "law" in e["if"].get("properties", {})
-                and then_property in e["then"]["properties"]]
+    """The ``allOf`` entry whose ``if`` picks laws and whose ``then`` constrains ``then_property``'s type."""
+    (entry,) = [e for e in _law_conditions(schema) if "type" in e["then"]["properties"].get(then_property, {})]
     return entry
+
+
+def _slope_floor(schema, law: str) -> tuple[float, bool]:
+    """The schema's least slope for ``law``: (value, exclusive)."""
+    (floor,) = [e["then"]["properties"]["slope"] for e in _law_conditions(schema)
+                if law in e["if"]["properties"]["law"]["enum"]
+                and "type" not in e["then"]["properties"].get("slope", {"type": None})]
+    return (floor["exclusiveMinimum"], True) if "exclusiveMinimum" in floor else (floor["minimum"], False)
+
+
+@pytest.mark.parametrize("law", [law for law in LAWS if REGISTRY[law].has_slope])
+def test_schema_slope_floor_is_the_registry_contract(schema, law):
+    """alpha > 0 for 2 <= n <= 2^32: the loader (Law.bounds) and the schema's per-law minimum draw one line."""
+    floor, exclusive = _slope_floor(schema, law)
+    eps = 1e-6
+    for slope, legal in ((floor - eps, False), (floor, not exclusive), (floor + eps, True), (floor + 1.0, True)):
+        spec = {"law": law, "n_ref": 64, "slope": [[slope, 0.5]], "top_k": 4, "granularity": "head"}
+        if legal:
+            ScaleSpec.from_dict(spec)
+            jsonschema.validate(spec, schema)
+            continue
+        with pytest.raises(ValueError, match="alpha must stay > 0"):
+            ScaleSpec.from_dict(spec)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(spec, schema)
+
+
+def test_spec_checks_the_model_shape():
+    spec = full_spec()  # 2 layers x 3 heads
+    spec.check_fits(2, 3)
+    for layers, heads, fragment in ((2, 4, "2 layers x 3 heads, the model has 2 layers x 4 heads"),
+                                    (5, 3, "the model has 5 layers x 3 heads")):
+        with pytest.raises(ValueError, match=fragment):
+            spec.check_fits(layers, heads)
 
 
 def test_schema_enums_equal_the_registries(schema):
@@ -212,3 +252,11 @@ def test_unreadable_and_non_json_files(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):
         ScaleSpec.load(tmp_path / "list.json")
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    with pytest.raises(SpecError, match="deep.json.*nested too deeply"):
+        ScaleSpec.load(tmp_path / "deep.json")
+    (tmp_path / "latin1.json").write_bytes('{"law": "caf\u00e9"}'.encode("latin-1"))
+    with pytest.raises(SpecError, match="latin1.json.*not UTF-8"):
+        ScaleSpec.load(tmp_path / "latin1.json")
+    with pytest.raises(SpecError, match="is a folder"):
+        ScaleSpec.load(tmp_path)

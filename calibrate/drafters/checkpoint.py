@@ -35,11 +35,17 @@ def read_config(path: str | Path, what: str) -> dict:
     """The parsed ``config.json`` at ``path``; a missing or malformed file is a one-line UserError."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{what} checkpoint: {path} not found") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except (OSError, UnicodeDecodeError, RecursionError) as e:
+        raise UserError(f"{what} checkpoint: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: expected a JSON object of config fields, got a {type(config).__name__}; "
+                        f"is this a {what} checkpoint?")
+    return config
 
 
 def config_field(d: dict, name: str, kind: type, where: str, default=None, required: bool = False,
@@ -70,12 +76,24 @@ def config_field(d: dict, name: str, kind: type, where: str, default=None, requi
 def read_weights(path: Path, kind: str) -> tuple[dict[str, torch.Tensor], Path]:
     """State dict of ``model.safetensors`` or ``pytorch_model.bin`` in ``path``, and the file read."""
     st, pt = path / "model.safetensors", path / "pytorch_model.bin"
-    if st.is_file():
-        from safetensors.torch import load_file
-        return load_file(str(st)), st
-    if pt.is_file():
-        return torch.load(pt, map_location="cpu", weights_only=True), pt
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        if st.is_file():
+            return load_file(str(st)), st
+        if pt.is_file():
+            return torch.load(pt, map_location="cpu", weights_only=True), pt
+    except (OSError, SafetensorError, RuntimeError, EOFError, ValueError) as err:  # truncated, corrupt, unreadable
+        file = st if st.is_file() else pt
+        raise UserError(f"{kind} checkpoint {file}: cannot read the weights ({_first_line(err)}); "
+                        "is the file complete? download or copy it again") from None
     raise UserError(f"{kind} checkpoint {path}: neither model.safetensors nor pytorch_model.bin found")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 def rename_prefixes(weights: dict[str, torch.Tensor], prefixes: dict[str, str]) -> dict[str, torch.Tensor]:

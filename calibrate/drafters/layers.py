@@ -110,6 +110,10 @@ def read_rope(config: dict, where: str, what: str) -> tuple[float, RopeScaling |
                             f"supports one RoPE for all layers")
         params = next(iter(params.values()))
     legacy = config.get("rope_scaling") or {}
+    for name, value in (("rope_scaling", legacy), ("rope_parameters", params or {})):
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: {name} should be an object such as {{\"rope_type\": \"linear\", "
+                            f"\"factor\": 2.0}}, got {value!r}")
     theta = config.get("rope_theta")
     if params:
         if theta is not None and params.get("rope_theta", theta) != theta:

@@ -37,6 +37,7 @@ def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype, *, optio
 
     On several CUDA GPUs the weights are spread with ``device_map="auto"`` (accelerate).
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     folder, gguf_file, local = _locate(path, option)
@@ -46,6 +47,9 @@ def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype, *, optio
             model, info = AutoModelForCausalLM.from_pretrained(
                 folder, gguf_file=gguf_file, dtype=dtype, local_files_only=local, output_loading_info=True,
                 ignore_mismatched_sizes=True, device_map="auto" if multi_gpu else None)
+    except (SafetensorError, EOFError) as err:
+        raise UserError(f"{option} {path}: cannot read its .safetensors weights ({_first_line(err)}); is the file "
+                        "complete? download or copy it again") from None
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         where = "" if local else " (as a hub id; is the name right and the network reachable?)"
         raise UserError(f"{option} {path}: cannot load a causal LM{where}: {_first_line(err)}") from None
@@ -140,8 +144,31 @@ def _locate(path: str, option: str) -> tuple[str, str | None, bool]:
             raise UserError(f"{option} {path}: no config.json in this folder; is it a checkpoint?")
         return str(local), None, True
     if _HUB_ID.match(path) and not path.startswith((".", "/", "~")):
-        return path, None, False
+        return path, None, _hub_cached(path, option)
     raise UserError(f"{option} {path}: no such file or folder")
+
+
+def _hub_cached(repo_id: str, option: str) -> bool:
+    """Whether hub id ``repo_id`` is in the local hub cache (then it loads offline); when it is not,
+    a ``UserError`` at once if the hub cannot be reached (offline mode, or no connection within a
+    few seconds) rather than a minute of retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return True
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"{option} {repo_id}: no such local path, and not in the hub cache (HF_HUB_OFFLINE is set); "
+                        "give a checkpoint folder")
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as err:
+        raise UserError(f"{option} {repo_id}: no such local path, not in the hub cache, and {host} cannot be reached "
+                        f"({err.strerror or err}); give a checkpoint folder, or check the name and the network") from None
+    return False
 
 
 def _more(keys) -> str:

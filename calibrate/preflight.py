@@ -1,0 +1,94 @@
+"""Checks every command runs before expensive work (model loading, collection, evaluation).
+
+* :func:`check_outputs`: each output path can be written, is not a folder (or, for a folder
+  output, not a file), and names neither an input nor another output, so a run can never replace
+  the spec, corpus or checkpoint it reads, and never fails to write after all its work is done.
+* :func:`check_corpus`: the corpus source exists and its first document can be read.
+* :func:`load_spec`: a spec file, its :class:`~sharpdraft_theory.SpecError` as a ``UserError``.
+
+Each problem is a one-line ``UserError`` naming the option, the path and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from sharpdraft_theory import ScaleSpec, SpecError
+
+from .errors import UserError
+
+__all__ = ["check_outputs", "check_corpus", "load_spec", "local_inputs"]
+
+
+def local_inputs(**options) -> dict[str, Path]:
+    """``{"--option": path}`` for the options whose value is an existing local file or folder.
+
+    Keys are option names with ``_`` for ``-`` (``drafter_path`` is ``--drafter-path``); values that
+    are None, hub ids or corpus names such as ``pydoc`` are left out.
+    """
+    found = {}
+    for name, value in options.items():
+        if value is not None and str(value) and Path(value).expanduser().exists():
+            found["--" + name.replace("_", "-")] = Path(value).expanduser().resolve()
+    return found
+
+
+def check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path], *, folders: tuple[str, ...] = ()) -> None:
+    """Refuse outputs that would destroy an input, collide, or cannot be written.
+
+    ``outputs`` maps option names to paths (None: not asked for); ``inputs`` maps option names to
+    resolved existing paths (:func:`local_inputs`). Options in ``folders`` name an output folder
+    (created if missing); the others name files.
+    """
+    seen: dict[Path, str] = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        path = Path(path).expanduser()
+        resolved = path.resolve()
+        folder = option in folders
+        if folder and resolved.exists() and not resolved.is_dir():
+            raise UserError(f"{option} {path}: is a file; give a folder (it is created if missing)")
+        if not folder and resolved.is_dir():
+            raise UserError(f"{option} {path}: is a folder; give a file name")
+        if resolved in seen:
+            raise UserError(f"{option} {path}: same path as {seen[resolved]}; give each output its own path")
+        seen[resolved] = option
+        for source, where in inputs.items():
+            if resolved == where or (where.is_dir() and resolved.exists() and where in resolved.parents):
+                what = "is" if resolved == where else "lies inside"
+                raise UserError(f"{option} {path}: {what} the {source} input, which writing would destroy; "
+                                "give another path")
+        _check_writable(option, path, resolved)
+
+
+def _check_writable(option: str, path: Path, resolved: Path) -> None:
+    """The nearest existing folder above ``resolved`` is a folder and takes a new file."""
+    parent = resolved.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{option} {path}: {parent} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".sharpdraft-probe-", dir=parent)
+    except OSError as err:
+        raise UserError(f"{option} {path}: cannot write in {parent} ({err.strerror}); give another path") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_corpus(source: str) -> None:
+    """The corpus exists and its first document reads (``calibrate.corpus`` raises the ``UserError``)."""
+    from .corpus import documents
+
+    next(iter(documents(source)), None)
+
+
+def load_spec(path: str | os.PathLike) -> ScaleSpec:
+    """``ScaleSpec.load`` with its ``SpecError`` (which names the file) as a ``UserError``."""
+    try:
+        return ScaleSpec.load(path)
+    except SpecError as err:
+        raise UserError(str(err)) from None

@@ -1,0 +1,566 @@
+"""Hostile inputs: every bad value gets one clear line and exit 1, and no input file ever changes.
+
+A table of cases over the five commands (predict, inspect, calibrate, eval, plot) and the Python
+API (``ScaleSpec.load``, ``sharpdraft_runtime.enable``). Each command case runs the real console
+entry point ``calibrate.cli.main`` in this process and is judged on:
+
+* traceback: an exception escaped ``main`` (a bug, not a user error) or a traceback was printed;
+* silent: exit 0, or still running after ``TIMEOUT_S`` (a hang), where a refusal was due;
+* data loss: a file that existed before the run changed or vanished, or a refused run left a new file;
+* misleading: the refusal is not one line, exit 1, naming the bad value (``fragment``).
+
+Each case works in a folder of its own (``{w}``) with the shared fixtures (``{fx}``: tiny
+checkpoints, a corpus, a spec, a statistics file) beside it; both are hashed before and after.
+Most cases are refused before any model loads; the few that need one use tiny random checkpoints.
+Setting ``SHARPDRAFT_HOSTILE_REPORT=FILE`` appends one JSON line per case with its verdict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from calibrate.cli import main
+from calibrate.run import CalibrateOptions, partial_dir, run_calibration
+from sharpdraft_theory import ScaleSpec
+
+from test_calibrate import _write_causal_lm, _write_tokenizer, VOCAB
+from tiny_checkpoints import tiny_target, write_tiny_eagle3
+
+TIMEOUT_S = 30  # a case still running after this long is a hang (it should have been refused at once)
+UNWRITABLE = "/proc/sharpdraft-hostile"  # no one, root included, can create files under /proc
+
+GOOD_SPEC = {"law": "log-linear", "n_ref": 64, "slope": 0.2, "top_k": 4}
+TEXT = " ".join(["the query sees more keys as the context grows and its attention spreads out"] * 60)
+
+
+def _spec(**over) -> str:
+    return json.dumps({**GOOD_SPEC, **over})
+
+
+def _drafter_info(layers: int, heads: int) -> dict:
+    return {"kind": "hf", "path": None, "num_layers": layers, "num_heads": heads, "num_kv_heads": 1, "head_dim": 16}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One hostile input to a command."""
+
+    id: str  # test id: command-what
+    argv: str  # command line after ``sharpdraft``, with {fx} (fixtures) and {w} (the case's folder) filled in
+    fragment: str  # the one-line message must contain this (the bad value, or the file)
+    files: tuple = ()  # (name in {w}, text or bytes, or None for a folder) created before the run
+
+
+PREDICT = [
+    Case("predict-model-unknown", "predict --model cauchy", "cauchy"),
+    Case("predict-gap-nan", "predict --gap nan", "--gap nan"),
+    Case("predict-gap-inf", "predict --gap inf", "--gap inf"),
+    Case("predict-gap-negative", "predict --gap -1", "--gap -1"),
+    Case("predict-gap-below-sigma2", "predict --sigma 3 --gap 4", "--gap 4"),
+    Case("predict-sigma-zero", "predict --sigma 0", "--sigma 0"),
+    Case("predict-sigma-negative", "predict --sigma -1", "--sigma -1"),
+    Case("predict-sigma-nan", "predict --sigma nan", "--sigma nan"),
+    Case("predict-two-level-sigma", "predict --model two-level --sigma 1", "--sigma"),
+    Case("predict-top-k-zero", "predict --top-k 0", "--top-k 0"),
+    Case("predict-top-k-negative", "predict --top-k -3", "--top-k -3"),
+    Case("predict-n-ref-one", "predict --n-ref 1", "--n-ref 1"),
+    Case("predict-n-ref-huge", f"predict --n-ref {10**30}", f"--n-ref {10**30}"),
+    Case("predict-n-ref-overflow", f"predict --n-ref {10**400}", "--n-ref"),
+    Case("predict-n-zero", "predict --n 0", "--n 0"),
+    Case("predict-n-negative", "predict --n -5", "--n -5"),
+    Case("predict-n-not-above-top-k", "predict --n 3", "--n 3"),
+    Case("predict-n-huge", f"predict --n {10**30}", f"--n {10**30}"),
+    Case("predict-mc-rows-negative", "predict --mc-rows -5", "--mc-rows -5"),
+    Case("predict-mc-rows-huge", "predict --mc-rows 1000000000", "--mc-rows 1000000000"),
+    Case("predict-mc-rows-long-n", "predict --mc-rows 10 --n 10000000", "--n 10000000"),
+    Case("predict-mc-rows-float", "predict --mc-rows 1e9", "--mc-rows"),
+    Case("predict-mc-rows-text", "predict --mc-rows many", "--mc-rows"),
+    Case("predict-top-k-text", "predict --top-k four", "--top-k"),
+    Case("predict-gap-text", "predict --gap wide", "--gap"),
+    Case("predict-gap-no-value", "predict --gap", "--gap"),
+    Case("predict-seed-negative", "predict --mc-rows 10 --seed -1", "--seed -1"),
+    Case("predict-unknown-option", "predict --frobnicate", "--frobnicate"),
+]
+
+_DEEP_LIST = "[" * 200_000
+_DEEP_OBJECT = '{"a": ' * 100_000
+
+
+def _inspect(case_id, text, fragment):
+    return Case(f"inspect-{case_id}", "inspect {w}/spec.json", fragment, (("spec.json", text),))
+
+
+INSPECT = [
+    Case("inspect-missing", "inspect {w}/nope.json", "nope.json"),
+    Case("inspect-folder", "inspect {w}", "folder"),
+    _inspect("empty", "", "spec.json"),
+    _inspect("not-json", "{not json", "spec.json"),
+    _inspect("array", "[1, 2]", "spec.json"),
+    _inspect("binary", b"\xff\xfe\x00\x81garbage", "spec.json"),
+    _inspect("latin1", _spec(law="caf\u00e9").replace("\\u00e9", "\u00e9").encode("latin-1"), "spec.json"),
+    _inspect("deep-list", _DEEP_LIST, "spec.json"),
+    _inspect("deep-object", _DEEP_OBJECT, "spec.json"),
+    _inspect("slope-negative", _spec(slope=-0.5), "slope"),
+    _inspect("slope-1e308", _spec(slope=1e308), "slope"),
+    _inspect("slope-1e38", _spec(slope=1e38), "slope"),
+    _inspect("slope-nan", _spec(slope=float("nan")), "slope"),
+    _inspect("slope-infinity", _spec(slope=float("inf")), "slope"),
+    _inspect("ssmax-negative", _spec(law="ssmax", n_ref=None, slope=-0.3), "slope"),
+    _inspect("ssmax-zero", _spec(law="ssmax", n_ref=None, slope=0.0), "slope"),
+    _inspect("llama4-negative", _spec(law="llama4", slope=-0.1), "slope"),
+    _inspect("constant-minus-one", _spec(law="constant", slope=-1.0), "slope"),
+    _inspect("constant-minus-two", _spec(law="constant", slope=-2.0), "slope"),
+    _inspect("layer-one-negative", _spec(granularity="layer", slope=[0.2, -0.4]), "slope"),
+    _inspect("head-one-huge", _spec(granularity="head", slope=[[0.2, 1e308]]), "slope"),
+    _inspect("negative-slope-capped", _spec(slope=-0.5, alpha_max=2.0), "slope"),
+    _inspect("n-ref-1e30", _spec(n_ref=10**30), "n_ref"),
+    _inspect("n-ref-overflow", _spec().replace('"n_ref": 64', '"n_ref": 1' + "0" * 400), "n_ref"),
+    _inspect("n-ref-float", _spec(n_ref=1e30), "n_ref"),
+    _inspect("top-k-overflow", _spec().replace('"top_k": 4', '"top_k": 1' + "0" * 400), "top_k"),
+    _inspect("alpha-max-nan", _spec(alpha_max=float("nan")), "alpha_max"),
+    _inspect("alpha-max-negative", _spec(alpha_max=-1.0), "alpha_max"),
+    _inspect("law-unknown", _spec(law="cubic"), "law"),
+    _inspect("schema-v2", _spec(schema="sharpdraft.scale-spec/v2"), "schema"),
+    _inspect("extra-field", _spec(alpha_min=0.5), "alpha_min"),
+    _inspect("short-per-layer", _spec(granularity="layer", slope=[0.1, 0.2], drafter=_drafter_info(4, 4)), "slope"),
+]
+
+EVAL = ("eval --drafter hf --drafter-path {fx}/pard --target-path {fx}/target --corpus {fx}/corpus.txt "
+        "--lengths 32,64,128 --sequences 1 --device cpu --threads 1")
+SPEC_9_HEADS = _spec(granularity="head", slope=[[0.1] * 9, [0.1] * 9], drafter=_drafter_info(2, 9))
+SPEC_OTHER_DRAFTER = _spec(drafter=_drafter_info(30, 9))
+
+EVAL_CASES = [
+    Case("eval-out-is-spec", EVAL + " --spec {w}/s.json --out {w}/s.json", "--out", (("s.json", _spec()),)),
+    Case("eval-out-is-corpus", EVAL.replace("{fx}/corpus.txt", "{w}/c.txt") + " --out {w}/c.txt", "--out",
+         (("c.txt", TEXT),)),
+    Case("eval-plot-is-out", EVAL + " --out {w}/r.png --plot {w}/r.png", "--plot"),
+    Case("eval-plot-is-spec", EVAL + " --spec {w}/s.png --plot {w}/s.png", "--plot", (("s.png", _spec()),)),
+    Case("eval-out-folder", EVAL + " --out {w}", "--out"),
+    Case("eval-out-under-file", EVAL + " --out {w}/f.txt/r.json", "--out", (("f.txt", "x"),)),
+    Case("eval-out-unwritable", EVAL + f" --out {UNWRITABLE}/r.json", "--out"),
+    Case("eval-plot-folder", EVAL + " --plot {w}/d.png", "--plot", (("d.png", None),)),
+    Case("eval-plot-unwritable", EVAL + f" --plot {UNWRITABLE}/r.png", "--plot"),
+    Case("eval-skip-negative", EVAL + " --skip -1", "--skip -1"),
+    Case("eval-top-k-zero", EVAL + " --top-k 0", "--top-k 0"),
+    Case("eval-top-k-negative", EVAL + " --top-k -1", "--top-k -1"),
+    Case("eval-sequences-zero", EVAL + " --sequences 0", "--sequences 0"),
+    Case("eval-sequences-negative", EVAL + " --sequences -2", "--sequences -2"),
+    Case("eval-threads-negative", EVAL + " --threads -1", "--threads -1"),
+    Case("eval-num-draft-zero", EVAL + " --num-draft 0", "--num-draft"),
+    Case("eval-new-tokens-one", EVAL + " --new-tokens 1", "--new-tokens"),
+    Case("eval-lengths-text", EVAL + " --lengths 256,abc", "--lengths"),
+    Case("eval-lengths-one", EVAL + " --lengths 1", "--lengths"),
+    Case("eval-plot-pdf", EVAL + " --plot {w}/r.pdf", "--plot"),
+    Case("eval-drafter-unknown", EVAL + " --drafter medusa", "--drafter medusa"),
+    Case("eval-drafter-dflash", EVAL + " --drafter dflash", "--drafter dflash"),
+    Case("eval-device-unknown", EVAL + " --device tpu", "--device tpu"),
+    Case("eval-dtype-unknown", EVAL + " --dtype float8", "--dtype float8"),
+    Case("eval-corpus-missing", EVAL + " --corpus {w}/none.txt", "none.txt"),
+    Case("eval-spec-missing", EVAL + " --spec {w}/none.json", "none.json"),
+    Case("eval-spec-not-json", EVAL + " --spec {w}/s.json", "s.json", (("s.json", "{oops"),)),
+    Case("eval-spec-negative-slope", EVAL + " --spec {w}/s.json", "slope", (("s.json", _spec(slope=-1.0)),)),
+    Case("eval-spec-9-heads", EVAL + " --spec {w}/s.json", "9 heads", (("s.json", SPEC_9_HEADS),)),
+    Case("eval-spec-other-drafter", EVAL + " --spec {w}/s.json", "30 layers", (("s.json", SPEC_OTHER_DRAFTER),)),
+    Case("eval-drafter-path-missing", EVAL.replace("{fx}/pard", "{w}/none"), "none"),
+    Case("eval-window-zero", EVAL + " --window 0", "--window 0"),
+    Case("eval-sinks-negative", EVAL + " --sinks -1", "--sinks -1"),
+    Case("eval-variants-unknown", EVAL + " --variants none,magic", "magic"),
+    Case("eval-out-in-reference-head", EVAL + " --reference-drafter-path {w}/ref --out {w}/ref/config.json", "--out",
+         (("ref", "@pard"),)),
+]
+
+CAL = ("calibrate --drafter pard --drafter-path {fx}/pard --corpus {fx}/corpus.txt --n-ref 64 --max-length 256 "
+       "--sequences 2 --device cpu")
+
+
+def _cal(case_id, extra, fragment, files=(), base=CAL):
+    argv = base + " " + extra if "--out" in extra else base + " --out {w}/spec.json " + extra
+    return Case(f"calibrate-{case_id}", argv.strip(), fragment, files)
+
+
+CALIBRATE = [
+    _cal("out-is-corpus", "--corpus {w}/c.txt --out {w}/c.txt", "--out", (("c.txt", TEXT),)),
+    _cal("stats-is-out", "--out {w}/s.json --stats {w}/s.json", "--stats", (("s.json", _spec()),)),
+    _cal("stats-is-corpus", "--corpus {w}/c.txt --stats {w}/c.txt", "--stats", (("c.txt", TEXT),)),
+    _cal("out-in-checkpoint", "--drafter-path {w}/pard --out {w}/pard/config.json", "--out", (("pard", "@pard"),)),
+    _cal("out-folder", "--out {w}", "--out"),
+    _cal("out-under-file", "--out {w}/f.txt/s.json", "--out", (("f.txt", "x"),)),
+    _cal("out-unwritable", f"--out {UNWRITABLE}/s.json", "--out"),
+    _cal("stats-folder", "--stats {w}/d.npz", "--stats", (("d.npz", None),)),
+    _cal("stats-unwritable", f"--stats {UNWRITABLE}/s.npz", "--stats"),
+    _cal("partial-is-file", "", "spec.json.partial", (("spec.json.partial", "x"),)),
+    _cal("interrupted-run-no-resume", "", "--resume", (("spec.json.partial", None), ("spec.json.partial/run.json", "{}"))),
+    _cal("resume-run-json-garbage", "--resume", "run.json", (("spec.json.partial", None),
+                                                              ("spec.json.partial/run.json", "{garbage"))),
+    _cal("resume-corrupt-sequence", "--resume", "seq-00000.npz", (("spec.json.partial", "@partial"),)),
+    _cal("sequences-zero", "--sequences 0", "--sequences 0"),
+    _cal("sequences-negative", "--sequences -1", "--sequences -1"),
+    _cal("top-k-zero", "--top-k 0", "--top-k 0"),
+    _cal("top-k-negative", "--top-k -2", "--top-k -2"),
+    _cal("top-k-above-n-ref", "--top-k 64", "--top-k 64"),
+    _cal("max-length-small", "--max-length 10", "--max-length 10"),
+    _cal("n-ref-small", "--n-ref 8", "--n-ref 8"),
+    _cal("n-ref-at-max-length", "--n-ref 256", "--n-ref 256"),
+    _cal("n-ref-huge", f"--n-ref {10**30}", "--n-ref"),
+    _cal("alpha-max-nan", "--alpha-max nan", "--alpha-max nan"),
+    _cal("alpha-max-inf", "--alpha-max inf", "--alpha-max inf"),
+    _cal("alpha-max-half", "--alpha-max 0.5", "--alpha-max 0.5"),
+    _cal("chunk-zero", "--chunk 0", "--chunk 0"),
+    _cal("granularity-unknown", "--granularity tensor", "--granularity tensor"),
+    _cal("estimator-unknown", "--estimator magic", "magic"),
+    _cal("drafter-unknown", "--drafter medusa", "--drafter medusa"),
+    _cal("device-unknown", "--device tpu", "--device tpu"),
+    _cal("dtype-unknown", "--dtype float8", "--dtype float8"),
+    _cal("corpus-missing", "--corpus {w}/none.txt", "none.txt"),
+    _cal("corpus-csv", "--corpus {w}/c.csv", "c.csv", (("c.csv", "a,b"),)),
+    _cal("corpus-empty", "--corpus {w}/c.txt", "c.txt", (("c.txt", ""),)),
+    _cal("corpus-binary", "--corpus {w}/c.txt", "c.txt", (("c.txt", b"\xff\xfe\x81" * 100),)),
+    _cal("corpus-jsonl-bad", "--corpus {w}/c.jsonl", "c.jsonl", (("c.jsonl", "{not json}\n"),)),
+    _cal("corpus-split-unknown", "--corpus pydoc:nosuch", "pydoc:nosuch"),
+    _cal("corpus-empty-folder", "--corpus {w}/docs", "docs", (("docs", None),)),
+    _cal("drafter-path-missing", "--drafter-path {w}/none", "none"),
+    _cal("drafter-path-not-gguf", "--drafter-path {fx}/corpus.txt", "corpus.txt"),
+    _cal("drafter-path-no-config", "--drafter-path {w}/empty", "empty", (("empty", None),)),
+    _cal("drafter-path-offline-hub-id", "--drafter-path nosuch-org-sd/nosuch-model", "nosuch-org-sd/nosuch-model"),
+    _cal("pard-truncated-weights", "--drafter-path {fx}/pard-truncated", ".safetensors"),
+    _cal("eagle3-truncated-weights", "--drafter eagle3 --drafter-path {fx}/eagle3-truncated "
+         "--target-path {fx}/target", "model.safetensors"),
+    _cal("eagle3-config-array", "--drafter eagle3 --drafter-path {fx}/eagle3-array --target-path {fx}/target",
+         "config.json"),
+    _cal("eagle3-rope-string", "--drafter eagle3 --drafter-path {fx}/eagle3-rope --target-path {fx}/target",
+         "rope_scaling"),
+    _cal("eagle3-config-not-json", "--drafter eagle3 --drafter-path {fx}/eagle3-notjson --target-path {fx}/target",
+         "config.json"),
+    _cal("target-path-missing", "--drafter eagle3 --drafter-path {fx}/eagle3 --target-path {w}/none", "none"),
+    _cal("pard-without-path", "--drafter-path ''", "--drafter-path"),
+    Case("calibrate-out-missing", CAL, "--out"),
+]
+
+PLOT = [
+    Case("plot-missing", "plot {w}/none.npz", "none.npz"),
+    Case("plot-folder", "plot {w}", "folder"),
+    Case("plot-json", "plot {w}/s.json", "s.json", (("s.json", _spec()),)),
+    Case("plot-truncated", "plot {fx}/stats-truncated.npz --out {w}/f", "stats-truncated.npz"),
+    Case("plot-garbage", "plot {w}/g.npz --out {w}/f", "g.npz", (("g.npz", os.urandom(2000)),)),
+    Case("plot-wrong-arrays", "plot {fx}/wrong-arrays.npz --out {w}/f", "wrong-arrays.npz"),
+    Case("plot-out-is-file", "plot {fx}/stats.npz --out {w}/f.txt", "--out", (("f.txt", "keep me"),)),
+    Case("plot-out-is-stats", "plot {w}/s.npz --out {w}/s.npz", "--out", (("s.npz", "@stats"),)),
+    Case("plot-out-unwritable", f"plot {{fx}}/stats.npz --out {UNWRITABLE}/f", "--out"),
+    Case("plot-figure-name-is-folder", "plot {fx}/stats.npz --out {w}/f", "dilution.png",
+         (("f", None), ("f/dilution.png", None))),
+    Case("plot-n-ref-zero", "plot {fx}/stats.npz --out {w}/f --n-ref 0", "--n-ref 0"),
+    Case("plot-n-ref-negative", "plot {fx}/stats.npz --out {w}/f --n-ref -64", "--n-ref -64"),
+    Case("plot-n-ref-huge", f"plot {{fx}}/stats.npz --out {{w}}/f --n-ref {10**30}", "--n-ref"),
+    Case("plot-top-k-zero", "plot {fx}/stats.npz --out {w}/f --top-k 0", "--top-k 0"),
+    Case("plot-top-k-huge", "plot {fx}/stats.npz --out {w}/f --top-k 999", "--top-k 999"),
+    Case("plot-bootstrap-negative", "plot {fx}/stats.npz --out {w}/f --bootstrap -1", "--bootstrap -1"),
+    Case("plot-bootstrap-huge", "plot {fx}/stats.npz --out {w}/f --bootstrap 1000000000", "--bootstrap 1000000000"),
+]
+
+CASES = PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+
+
+class _StopAfterOne:
+    def start(self, total, done, tokens_per_sequence):
+        pass
+
+    def advance(self, tokens, rows):
+        raise KeyboardInterrupt
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> Path:
+    """Shared inputs: tiny checkpoints (good and broken), a corpus, a spec, statistics files, a partial run."""
+    root = tmp_path_factory.mktemp("fx")
+    (root / "corpus.txt").write_text(TEXT)
+    (root / "spec.json").write_text(_spec())
+    _write_causal_lm(root / "pard", pard_token=258, spd_type="pard")
+    target = tiny_target(0, vocab_size=VOCAB)
+    target.save_pretrained(root / "target")
+    _write_tokenizer(root / "target")
+    write_tiny_eagle3(root / "eagle3", target, seed=1)
+    shutil.copytree(root / "pard", root / "pard-truncated")
+    _truncate(root / "pard-truncated" / "model.safetensors")
+    for name in ("eagle3-truncated", "eagle3-array", "eagle3-rope", "eagle3-notjson"):
+        shutil.copytree(root / "eagle3", root / name)
+    _truncate(root / "eagle3-truncated" / "model.safetensors")
+    (root / "eagle3-array" / "config.json").write_text("[1, 2, 3]")
+    config = json.loads((root / "eagle3" / "config.json").read_text())
+    (root / "eagle3-rope" / "config.json").write_text(json.dumps({**config, "rope_scaling": "linear"}))
+    (root / "eagle3-notjson" / "config.json").write_text("{\"hidden_size\": 64,")
+    opts = CalibrateOptions(out=root / "work" / "spec.json", drafter="pard", drafter_path=str(root / "pard"),
+                            corpus=str(root / "corpus.txt"), max_length=256, sequences=2, n_ref=64, device="cpu",
+                            bootstrap=20, stats=root / "stats.npz")
+    run_calibration(opts)
+    shutil.copy(root / "stats.npz", root / "stats-truncated.npz")
+    _truncate(root / "stats-truncated.npz")
+    import numpy as np
+    np.savez(root / "wrong-arrays.npz", x=np.arange(3))
+    # an interrupted run with the same options as CAL, its first sequence then corrupted
+    cal = CalibrateOptions(out=root / "partial" / "spec.json", drafter="pard", drafter_path=str(root / "pard"),
+                           corpus=str(root / "corpus.txt"), max_length=256, sequences=2, n_ref=64, device="cpu")
+    with pytest.raises(KeyboardInterrupt):
+        run_calibration(cal, progress=_StopAfterOne())
+    _truncate(partial_dir(cal.out) / "seq-00000.npz")
+    return root
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+    return out
+
+
+def _make_files(w: Path, fx: Path, files) -> None:
+    for name, content in files:
+        path = w / name
+        if content is None:
+            path.mkdir(parents=True, exist_ok=True)
+        elif content == "@partial":
+            shutil.copytree(partial_dir(fx / "partial" / "spec.json"), path)
+        elif content == "@pard":
+            shutil.copytree(fx / "pard", path)
+        elif content == "@stats":
+            shutil.copy(fx / "stats.npz", path)
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding="utf-8")
+
+
+class _Hang(Exception):
+    pass
+
+
+def _run_main(argv: list[str]) -> tuple[int | None, str, str, BaseException | None]:
+    """Run ``sharpdraft argv`` in this process: (exit status or None, stdout, stderr, escaped exception)."""
+    out, err = io.StringIO(), io.StringIO()
+    code, escaped = None, None
+
+    def alarm(signum, frame):
+        raise _Hang
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(TIMEOUT_S)
+    old_argv = sys.argv
+    sys.argv = ["sharpdraft", *argv]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:  # noqa: BLE001 - anything escaping main is the finding
+        escaped = e
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        sys.argv = old_argv
+    return code, out.getvalue(), err.getvalue(), escaped
+
+
+def _verdict(code, stdout, stderr, escaped, changed, fragment) -> str:
+    if isinstance(escaped, _Hang):
+        return "silent"
+    if escaped is not None or "Traceback" in stdout + stderr:
+        return "traceback"
+    if changed:
+        return "data-loss"
+    if code == 0:
+        return "silent"
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if code != 1 or len(lines) != 1 or fragment not in lines[0] or not lines[0].startswith("error:"):
+        return "misleading"
+    return "ok"
+
+
+def _report(case_id: str, verdict: str, detail: str) -> None:
+    path = os.environ.get("SHARPDRAFT_HOSTILE_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"case": case_id, "verdict": verdict, "detail": detail[-300:]}) + "\n")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_hostile_input_is_refused_in_one_line(case, fx, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))
+    w = tmp_path / "w"
+    w.mkdir()
+    _make_files(w, fx, case.files)
+    argv = [a.format(fx=fx, w=w) for a in case.argv.split(" ")]
+    argv = ["" if a == "''" else a for a in argv]
+    before_fx, before_w = _hashes(fx), _hashes(w)
+    code, stdout, stderr, escaped = _run_main(argv)
+    after_fx, after_w = _hashes(fx), _hashes(w)
+    changed = [k for k, v in before_fx.items() if after_fx.get(k) != v]
+    changed += [k for k, v in before_w.items() if after_w.get(k) != v]
+    if code not in (0, None):  # a refused run leaves nothing behind
+        changed += sorted(set(after_w) - set(before_w))
+    verdict = _verdict(code, stdout, stderr, escaped, changed, case.fragment)
+    detail = f"exit {code}; escaped {escaped!r}; changed {changed}; stderr {stderr.strip()!r}"
+    _report(case.id, verdict, detail)
+    assert verdict == "ok", detail
+
+
+# -- the Python API -------------------------------------------------------------------------------
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def _enable(spec_dict):
+    from sharpdraft_runtime import enable
+
+    enable(_tiny_llama(), ScaleSpec.from_dict(spec_dict))
+
+
+# (id, file text or None, callable(path) -> anything, fragment of the ValueError's one line)
+API = [
+    ("load-missing", None, lambda p: ScaleSpec.load(p.with_name("none.json")), "none.json"),
+    ("load-folder", None, lambda p: ScaleSpec.load(p.parent), "folder"),
+    ("load-binary", b"\xff\xfe\x81", ScaleSpec.load, "spec.json"),
+    ("load-deep", _DEEP_LIST, ScaleSpec.load, "spec.json"),
+    ("load-not-json", "{", ScaleSpec.load, "spec.json"),
+    ("load-negative-slope", _spec(slope=-0.2), ScaleSpec.load, "spec.json"),
+    ("load-huge-slope", _spec(slope=1e300), ScaleSpec.load, "slope"),
+    ("load-huge-n-ref", _spec(n_ref=10**30), ScaleSpec.load, "n_ref"),
+    ("enable-9-heads", None, lambda p: _enable({**GOOD_SPEC, "granularity": "head", "slope": [[0.1] * 9] * 2}),
+     "9"),
+    ("enable-3-layers", None, lambda p: _enable({**GOOD_SPEC, "granularity": "layer", "slope": [0.1] * 3}), "3"),
+    ("enable-other-drafter", None, lambda p: _enable({**GOOD_SPEC, "drafter": _drafter_info(30, 9)}), "30 layers"),
+]
+
+
+@pytest.mark.parametrize("case_id,text,call,fragment", API, ids=[a[0] for a in API])
+def test_api_refuses_in_one_line(case_id, text, call, fragment, tmp_path):
+    path = tmp_path / "spec.json"
+    if text is not None:
+        (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+    before = _hashes(tmp_path)
+    try:
+        call(path)
+        verdict, detail = "silent", "accepted"
+    except ValueError as err:
+        line = str(err)
+        verdict = "ok" if "\n" not in line and fragment in line else "misleading"
+        detail = line
+    except Exception as err:  # noqa: BLE001 - any other exception is the finding
+        verdict, detail = "traceback", repr(err)
+    if verdict == "ok" and _hashes(tmp_path) != before:
+        verdict = "data-loss"
+    _report(f"api-{case_id}", verdict, detail)
+    assert verdict == "ok", detail
+
+
+# -- writes ---------------------------------------------------------------------------------------
+
+def test_atomic_write_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    from sharpdraft_theory.atomic import atomic_write_text
+
+    path = tmp_path / "spec.json"
+    path.write_text("old")
+    path.chmod(0o644)
+    atomic_write_text(path, "new")
+    assert path.read_text() == "new" and (path.stat().st_mode & 0o777) == 0o644
+    umask = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "fresh.json", "x")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "fresh.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_full_disk_leaves_the_previous_spec_and_the_progress(fx, tmp_path, monkeypatch):
+    """ENOSPC half-way through writing the spec: one UserError, old spec intact, --resume possible."""
+    import errno
+
+    import sharpdraft_theory.spec as spec_module
+    from calibrate.errors import UserError
+    from sharpdraft_theory.atomic import atomic_path
+
+    out = tmp_path / "spec.json"
+    out.write_text(_spec())
+    before = out.read_bytes()
+
+    def half_then_enospc(path, text):
+        with atomic_path(path) as tmp:
+            tmp.write_text(text[: len(text) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+
+    monkeypatch.setattr(spec_module, "atomic_write_text", half_then_enospc)
+    opts = CalibrateOptions(out=out, drafter="pard", drafter_path=str(fx / "pard"), corpus=str(fx / "corpus.txt"),
+                            max_length=256, sequences=2, n_ref=64, device="cpu", bootstrap=20)
+    with pytest.raises(UserError, match=f"cannot write --out {out}: No space left on device"):
+        run_calibration(opts)
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.json", "spec.json.partial"]
+    monkeypatch.undo()
+    from dataclasses import replace
+    assert run_calibration(replace(opts, resume=True)).resumed == 2
+
+
+def test_console_script_usage_error_is_one_line_exit_1():
+    import subprocess
+
+    script = str(Path(sys.executable).with_name("sharpdraft"))
+    proc = subprocess.run([script, "predict", "--top-k", "four"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: Invalid value for '--top-k'") and "sharpdraft predict" in lines[0]
+
+
+def test_implausible_fits_warn():
+    """A random-weight model's slope 19.5 with a wide interval: every warning fires; a sane fit gives none."""
+    from types import SimpleNamespace
+
+    from calibrate.run import plausibility_notes
+    from sharpdraft_theory import Calibration, EstimatorResult
+
+    def notes(slope, low, high, alpha_max=None):
+        calibration = Calibration(estimator="mass-matching", corpus="c", sequences=2, max_length=256, rows=10,
+                                  buckets=(), results=(), tool_version="0")
+        spec = ScaleSpec(law="log-linear", n_ref=64, slope=slope, top_k=4, alpha_max=alpha_max, calibration=calibration)
+        fit = SimpleNamespace(result=lambda name: EstimatorResult("mass-matching", slope, low, high, {}))
+        return plausibility_notes(spec, fit)
+
+    wild = notes(19.5, -3.0, 40.0)
+    assert len(wild) == 3 and "slope 19.5000 is beyond" in wild[0] and "alpha(16 n_ref) = 55" in wild[1]
+    assert "wider than the slope" in wild[2]
+    assert notes(0.2, 0.18, 0.22) == []
+    assert "exceeds --alpha-max 1.2" in notes(0.2, 0.18, 0.22, alpha_max=1.2)[0]
