@@ -62,7 +62,7 @@ def extrapolated_knots(n_ref: int, n_last: int, max_n: int) -> np.ndarray:
     Examples
     --------
     >>> extrapolated_knots(256, 1950, 20000).tolist()
-    [4096, 8192, 16384, 20000]
+    [2048, 4096, 8192, 16384, 20000]
     """
     knots = [n_ref * 2**j for j in range(1, 64) if n_last < n_ref * 2**j <= max_n]
     if max_n > n_last and (not knots or knots[-1] != max_n):
