@@ -65,7 +65,8 @@ class QueryScaler:
         values = spec.values()
         # Per layer: slopes (), (heads, 1), or a table's values (knots,), (heads, 1, knots): a heads axis
         # before q_len broadcasts into (B, H, q_len). Compiled once here, so a call only indexes.
-        layers = [values] if not spec.shape() else list(values)
+        self._per_layer = bool(spec.shape())  # per-layer or per-head parameters: calls need a layer
+        layers = list(values) if self._per_layer else [values]
         if spec.granularity == "head":
             layers = [v[:, None] for v in layers]
         knots = None if spec.table is None else spec.table.n
@@ -78,7 +79,7 @@ class QueryScaler:
     def param(self, layer: int | None):
         """The law's compiled parameter for ``layer`` (see ``Law.compile``): a slope of shape () or
         (heads, 1), a ``KnotTable``, or None for ``qwen-logn``."""
-        if not self.spec.shape():
+        if not self._per_layer:
             return self._params[0]
         if layer is None:
             raise ValueError(f"this spec has {self.spec.granularity} parameters: pass layer=")

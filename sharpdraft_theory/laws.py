@@ -116,7 +116,7 @@ def _tabulated(xp, n, n_ref, table: KnotTable):
     j = xp.searchsorted(table.inner, d, side="right")  # segment: knots past n_ref at or below n
     if table.offset is not None:
         j = j + table.offset  # each table's own segments
-    return table.intercept[j] + table.gradient[j] * d
+    return xp.take(table.intercept, j) + xp.take(table.gradient, j) * d
 
 
 @dataclass(frozen=True)
