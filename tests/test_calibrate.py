@@ -221,7 +221,8 @@ def test_malformed_checkpoint_is_one_clear_line(tmp_path, ckpts, how, match):
     (dict(law="qwen-logn"), "--law qwen-logn: calibration writes one of log-linear, tabulated"),
     (dict(law="tabulated", estimator="gaussian"), "--estimator gaussian with --law tabulated"),
     (dict(max_n=4096), "--max-n 4096: only --law tabulated"),
-    (dict(law="tabulated", max_n=64), "--max-n 64: must exceed n_ref=64"),
+    (dict(law="tabulated", max_n=64), r"--max-n 64: expected more than n_ref=64"),
+    (dict(law="tabulated", max_n=2**32 + 1), r"--max-n 4294967297: .* at most 2\^32"),
 ])
 def test_user_errors(tmp_path, ckpts, kw, match):
     with pytest.raises(UserError, match=match):
