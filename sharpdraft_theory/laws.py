@@ -31,7 +31,7 @@ stays positive, so the table's values being ``> 0`` keeps alpha ``> 0``.
 
 Each :class:`Law` in :data:`REGISTRY` holds its formula written against an array namespace ``xp``
 (``numpy`` here, ``torch`` in :mod:`sharpdraft_runtime`) with operations both spell alike
-(``xp.log``, ``xp.floor``, ``xp.clip``, ``xp.zeros_like``, ``xp.searchsorted``, indexing,
+(``xp.log``, ``xp.floor``, ``xp.clip``, ``xp.zeros_like``, ``xp.searchsorted``, ``xp.take``,
 arithmetic), so the float64 reference and the runtime evaluate one definition. A law's parameter
 is a slope (an array broadcasting with ``n``), a table (a :class:`KnotTable`, built once per
 layer by :meth:`Law.compile`) or nothing. The spec's validation (which parameters a law takes)
