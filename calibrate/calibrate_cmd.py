@@ -65,8 +65,8 @@ def calibrate(
         raise UserError(f"--estimator {estimator}: {err}") from None
     opts = CalibrateOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path,
                             corpus=corpus, max_length=max_length, sequences=sequences, n_ref=n_ref, top_k=top_k,
-                            granularity=granularity, estimator=estimator, alpha_max=alpha_max, law=law, max_n=max_n, device=device,
-                            dtype=dtype, chunk=chunk, stats=stats, resume=resume, aux_layer_reading=aux_layer_reading)
+                            granularity=granularity, estimator=estimator, alpha_max=alpha_max, law=law, max_n=max_n,
+                            device=device, dtype=dtype, chunk=chunk, stats=stats, resume=resume, aux_layer_reading=aux_layer_reading)
     console.print(f"[bold]Calibrating[/] {drafter} drafter ({drafter_path or 'built-in'}) on {corpus}")
     with _RichProgress() as progress:
         try:

@@ -12,12 +12,13 @@ The laws are the entries of :data:`sharpdraft_theory.laws.REGISTRY`: each formul
 against an array namespace, evaluated here with ``torch`` (the hot path never leaves the device)
 and in :func:`sharpdraft_theory.alpha_law` with ``numpy`` (the float64 reference the tests hold it to).
 
-Cost. A tabulated law's knots live on the device (``laws.KnotTable``, compiled once per layer), and
-one ``torch.searchsorted`` finds each row's segment: a few more elementwise kernels on the
-``q_len``-sized ``n`` than log-linear, and nothing query-sized. Scaling is done in place (``query.mul_(alpha)``), so no query-sized tensor is allocated, and
+Cost. Scaling is done in place (``query.mul_(alpha)``), so no query-sized tensor is allocated, and
 it is skipped outright when every ``alpha`` is exactly 1, which :attr:`QueryScaler.identity_limit`
 (the law's identity limit, :meth:`sharpdraft_theory.laws.Law.identity_limit`) decides on the host
-from the key length alone (``n <= key length``).
+from the key length alone (``n <= key length``). A tabulated law's knots live on the device
+(``laws.KnotTable``, compiled once per layer) and one ``torch.searchsorted`` finds each row's
+segment: a few more elementwise kernels than log-linear on the ``q_len``-sized ``n``, nothing
+query-sized.
 
 Autograd. In-place scaling is for inference (``torch.no_grad`` / ``torch.inference_mode``). When a
 query requires grad and grad mode is on, :meth:`QueryScaler.scale_query_` scales out of place.

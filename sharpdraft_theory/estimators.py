@@ -432,8 +432,7 @@ class SlopeFit:
     buckets: tuple[Bucket, ...]  # global buckets: n, rows, mean mass at alpha = 1, matched alpha
     results: tuple[EstimatorResult, ...]  # global result of each estimator, with 95% bootstrap interval
     slopes: dict  # estimator -> float, (layers,) or (layers, heads) at the requested granularity
-    bucket_alpha: np.ndarray  # E1's matched alpha in each of `buckets`: (buckets,), (layers, buckets) or
-    #                           (layers, heads, buckets) at the requested granularity; NaN at or below n_ref, unreachable
+    bucket_alpha: np.ndarray  # E1's alpha per bucket of `buckets` at the granularity (a buckets axis last); NaN: none
 
     def result(self, estimator: str) -> EstimatorResult:
         """The result of ``estimator`` (any accepted spelling)."""

@@ -4,8 +4,8 @@ A spec says which law scales the drafter's queries, with what reference length a
 which granularity (one slope, one per layer, or one per layer and head), and records how the
 slope was obtained. The tabulated law takes a table instead of a slope: alpha at knots of ``n``
 past ``n_ref`` (shared by every layer and head), one row of values per layer or head as the
-granularity says (:class:`AlphaTable`). It may also restrict the keys each query sees, as serving engines do for
-long contexts: a sliding ``window`` of the last W visible keys, plus ``sinks``, the first S keys
+granularity says (:class:`AlphaTable`). It may also restrict the keys each query sees, as serving
+engines do for long contexts: a sliding ``window`` of the last W visible keys, plus ``sinks``, the first S keys
 (StreamingLLM); then ``n`` is the number of keys the query really sees. A spec with law
 ``constant``, slope 0 and a window is a pure baseline (no scaling). It is versioned
 (``"schema": "sharpdraft.scale-spec/v1"``), validated on load with errors (:class:`SpecError`, a
@@ -129,7 +129,7 @@ class AlphaTable:
 
     n: tuple[int, ...]  # knots: visible-key counts past n_ref, strictly increasing; shared by every layer and head
     alpha: tuple  # alpha (> 0) at each knot: [knot] (global), [layer][knot] or [layer][head][knot]
-    measured: int | None = None  # the first `measured` knots are calibrated, the rest model-extrapolated; None: hand-written
+    measured: int | None = None  # leading knots calibrated (the rest model-extrapolated); None: hand-written
     extrapolation: str | None = None  # the model behind the knots past the measured ones (None: there are none)
 
     @classmethod
@@ -202,7 +202,7 @@ class ScaleSpec:
 
     law: str  # a name in laws.LAWS (log-linear is SharpDraft's law)
     n_ref: int | None  # reference length (the drafter's training context); None only for a law that takes none
-    slope: float | tuple | None  # the law's coefficient: a float, one per layer, or [layer][head]; None if it has none (tabulated)
+    slope: float | tuple | None  # the law's coefficient: a float, one per layer, or [layer][head]; None if it has none
     top_k: int  # size of the top set whose mass the slope restores
     granularity: str = "global"  # global, layer or head: how `slope` is nested
     alpha_max: float | None = None  # cap on alpha (None: no cap)
@@ -403,7 +403,8 @@ class ScaleSpec:
         Examples
         --------
         >>> table = AlphaTable(n=(512, 1024), alpha=(1.5, 2.0))
-        >>> ScaleSpec(law="tabulated", n_ref=256, slope=None, top_k=4, table=table).alpha([256, 512, 768, 8192]).round(4).tolist()
+        >>> spec = ScaleSpec(law="tabulated", n_ref=256, slope=None, top_k=4, table=table)
+        >>> spec.alpha([256, 512, 768, 8192]).round(4).tolist()
         [1.0, 1.5, 1.7925, 2.0]
         """
         values = self.values()

@@ -54,7 +54,8 @@ def spec_for(law: str, granularity: str = "global", layers: int = 2, heads: int 
     table = None
     if law == "tabulated":
         knots = sorted({max(n_ref + 1, round(n_ref * r)) for r in (1.5, 2, 4, 16)})
-        table = AlphaTable(n=tuple(knots), alpha=np.moveaxis(np.power.outer(np.array(knots) / n_ref, value), 0, -1).tolist())
+        alpha = np.moveaxis(np.power.outer(np.array(knots) / n_ref, value), 0, -1)  # (..., knots)
+        table = AlphaTable(n=tuple(knots), alpha=alpha.tolist())
         value = None
     return ScaleSpec(law=law, n_ref=n_ref, slope=value, top_k=2,
                      granularity="global" if value is None and table is None else granularity, alpha_max=alpha_max,
