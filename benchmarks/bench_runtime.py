@@ -1,7 +1,10 @@
 """Cost of the SharpDraft runtime: attention and a SmolLM2 forward, with and without it.
 
 Run ``python benchmarks/bench_runtime.py`` (``--help`` for options). It prints one table and writes
-nothing. Every case uses a spec that is active (``n_ref = 256 < n``), so the runtime really scales.
+nothing. Every case uses a spec that is active (``n_ref = 256 < n``), so the runtime really scales:
+log-linear (slope 0.16) by default; ``--law tabulated`` a table with knots every half octave up to
+64 n_ref (the shape ``sharpdraft calibrate --law tabulated`` writes); ``--granularity head`` one
+slope or table per head of SmolLM2's 30 x 9. Running both laws at one granularity compares their cost.
 
 * Time: the two arms alternate call by call (A B B A ...) to cancel drift; the ratio is the median of
   per-pair ratios ``runtime / plain``.
@@ -21,18 +24,33 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import statistics
 import time
 
+import numpy as np
 import torch
 from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory.spec import AlphaTable
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import sharpdraft_runtime as sr
 
-SPEC = ScaleSpec(law="log-linear", n_ref=256, slope=0.16, top_k=4)
+LAWS = ("log-linear", "tabulated")
+
+
+def bench_spec(law: str, granularity: str, layers: int = 30, heads: int = 9) -> ScaleSpec:
+    """The benchmarked spec: slope 0.16 (per head: 0.16 (1 + h / 20)), or the same law tabulated at
+    knots ``256 * 2^(j/2)`` up to 64 n_ref."""
+    slopes = np.array(0.16) if granularity == "global" else np.tile(0.16 * (1 + np.arange(heads) / 20), (layers, 1))
+    if law == "log-linear":
+        return ScaleSpec(law=law, n_ref=256, slope=slopes.tolist(), top_k=4, granularity=granularity)
+    knots = np.array([round(256 * 2 ** (j / 2)) for j in range(1, 13)])
+    alpha = 1 + slopes[..., None] * np.log(knots / 256)
+    return ScaleSpec(law=law, n_ref=256, slope=None, top_k=4, granularity=granularity,
+                     table=AlphaTable(n=tuple(knots.tolist()), alpha=alpha.tolist()))
 
 
 def sync(device: torch.device) -> None:
@@ -85,11 +103,11 @@ def compare(plain, runtime, reps: int, device: torch.device, prepare=lambda: Non
                 ratio=statistics.median(ratios), peak_plain=peak_plain, delta=peak_runtime - peak_plain)
 
 
-def attention_cases(device: torch.device, dtype: torch.dtype, reps: int):
+def attention_cases(spec: ScaleSpec, device: torch.device, dtype: torch.dtype, reps: int):
     """(name, result) for n in 1k, 4k, 16k and q_len in 1, 16."""
     config = LlamaConfig(vocab_size=8, hidden_size=576, intermediate_size=8, num_hidden_layers=1, num_attention_heads=9,
                          num_key_value_heads=3, attn_implementation="sdpa")
-    model = sr.enable(LlamaForCausalLM(config).to(device, dtype).eval(), SPEC)
+    model = sr.enable(LlamaForCausalLM(config).to(device, dtype).eval(), _layers(spec, 1))
     module = model.model.layers[0].self_attn
     gen = torch.Generator(device).manual_seed(0)
     for n in (1024, 4096, 16384):
@@ -114,14 +132,23 @@ def attention_cases(device: torch.device, dtype: torch.dtype, reps: int):
                 yield f"attention n={n // 1024}k q_len={q_len}", compare(plain, runtime, reps, device, prepare)
 
 
-def model_cases(device: torch.device, dtype: torch.dtype, reps: int):
+def _layers(spec: ScaleSpec, layers: int) -> ScaleSpec:
+    """``spec`` cut to its first ``layers`` layers (a global spec as it is)."""
+    if spec.granularity == "global":
+        return spec
+    table = spec.table
+    return dataclasses.replace(spec, slope=None if spec.slope is None else spec.slope[:layers],
+                               table=None if table is None else dataclasses.replace(table, alpha=table.alpha[:layers]))
+
+
+def model_cases(spec: ScaleSpec, device: torch.device, dtype: torch.dtype, reps: int):
     """(name, result) for SmolLM2-135M: prefill 1024 tokens, then 1 and 16 tokens over that cache."""
     from pydoc_data.topics import topics
 
     from calibrate.smollm2 import load_smollm2
 
     model, tokenizer = load_smollm2(device, dtype)
-    plain_model, scaled_model = model, sr.enable(copy.deepcopy(model), SPEC)  # two arms, no switching in between
+    plain_model, scaled_model = model, sr.enable(copy.deepcopy(model), spec)  # two arms, no switching in between
     ids = tokenizer("\n\n".join(topics.values()), return_tensors="pt").input_ids[:, :1040].to(device)
     context, more = ids[:, :1024], ids[:, 1024:]
     with torch.inference_mode():
@@ -148,6 +175,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per arm (prefill: a quarter, at least 3)")
     parser.add_argument("--skip-model", action="store_true", help="attention cases only (no SmolLM2)")
+    parser.add_argument("--law", choices=LAWS, default="log-linear", help="the spec's law (see the docstring)")
+    parser.add_argument("--granularity", choices=("global", "head"), default="global",
+                        help="one slope (or table), or one per head")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (1 by default: on a shared CPU, a stalled thread holds up the others)")
     args = parser.parse_args()
@@ -155,12 +185,14 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
+    spec = bench_spec(args.law, args.granularity)
+    shown = f"{spec.granularity} " + ("slopes" if spec.table is None else f"table of {len(spec.table.n)} knots")
     print(f"device {device}, {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"spec: {SPEC.law} n_ref={SPEC.n_ref} slope={SPEC.slope}")
+          f"spec: {spec.law} n_ref={spec.n_ref} {shown}")
     print(f"{'case':<28}{'plain ms':>10}{'runtime ms':>12}{'ratio':>8}{'peak plain B':>15}{'delta B':>10}")
-    cases = attention_cases(device, dtype, args.reps)
+    cases = attention_cases(spec, device, dtype, args.reps)
     if not args.skip_model:
-        cases = itertools.chain(cases, model_cases(device, dtype, args.reps))
+        cases = itertools.chain(cases, model_cases(spec, device, dtype, args.reps))
     for name, r in cases:
         print(f"{name:<28}{r['plain_ms']:>10.3f}{r['runtime_ms']:>12.3f}{r['ratio']:>8.3f}{r['peak_plain']:>15,}"
               f"{r['delta']:>10,}", flush=True)

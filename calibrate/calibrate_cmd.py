@@ -41,6 +41,10 @@ def calibrate(
     alpha_max: Annotated[Optional[float], typer.Option("--alpha-max", help="Cap on alpha written to the spec (default: "
                                                        "none; the summary warns when alpha(16 n_ref) passes 4).")]
         = None,
+    law: Annotated[str, typer.Option(help="log-linear (one fitted slope) or tabulated (mass matching's alpha per "
+                                          "length bucket, extrapolated past the calibrated lengths).")] = "log-linear",
+    max_n: Annotated[Optional[int], typer.Option("--max-n", help="tabulated: extrapolate knots up to this length "
+                                                 "(default 64 x n_ref); alpha holds past it.")] = None,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16.")]
         = "auto",
@@ -61,8 +65,8 @@ def calibrate(
         raise UserError(f"--estimator {estimator}: {err}") from None
     opts = CalibrateOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path,
                             corpus=corpus, max_length=max_length, sequences=sequences, n_ref=n_ref, top_k=top_k,
-                            granularity=granularity, estimator=estimator, alpha_max=alpha_max, device=device,
-                            dtype=dtype, chunk=chunk, stats=stats, resume=resume, aux_layer_reading=aux_layer_reading)
+                            granularity=granularity, estimator=estimator, alpha_max=alpha_max, law=law, max_n=max_n,
+                            device=device, dtype=dtype, chunk=chunk, stats=stats, resume=resume, aux_layer_reading=aux_layer_reading)
     console.print(f"[bold]Calibrating[/] {drafter} drafter ({drafter_path or 'built-in'}) on {corpus}")
     with _RichProgress() as progress:
         try:
@@ -133,5 +137,12 @@ def _summary(result, out: Path) -> None:
         interval = f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]" if r.ci_low is not None else "-"
         slopes.add_row(r.estimator + mark, _fmt(r.slope), interval, r.note or "")
     console.print(slopes)
-    shape = "" if spec.granularity == "global" else f" ({spec.granularity} slopes, shape {spec.slopes().shape})"
+    what = "slopes" if spec.table is None else "table values"
+    shape = "" if spec.granularity == "global" else f" ({spec.granularity} {what}, shape {spec.shape()})"
     console.print(f"Wrote [bold]{out}[/]{shape}")
+    if spec.table is not None:
+        t = spec.table
+        console.print(f"Tabulated law: {len(t.n)} knots, {t.measured} calibrated up to n = {t.n[t.measured - 1]:,}"
+                      + (f", {t.extrapolation} extrapolation to n = {t.n[-1]:,}" if t.extrapolation else "")
+                      + "; alpha holds past the last knot")
+

@@ -103,7 +103,13 @@ def inspect(spec: Annotated[Path, typer.Argument(help="Scale spec JSON file to v
     table.add_row("law", s.law)
     table.add_row("n_ref", _fmt(s.n_ref))
     slopes = s.slopes()
-    if slopes is None:
+    if s.table is not None:
+        t, values = s.table, s.values()
+        made = "hand-written" if t.measured is None else (
+            f"{t.measured} calibrated" + (f", {len(t.n) - t.measured} by {t.extrapolation}" if t.extrapolation else ""))
+        table.add_row("table", f"{len(t.n)} knots, n = {t.n[0]:,} to {t.n[-1]:,} ({made}); {s.granularity} values, "
+                               f"shape {values.shape}, min {values.min():.4f}, max {values.max():.4f}")
+    elif slopes is None:
         table.add_row("slope", "- (qwen-logn: 1 / ln n_ref)")
     elif slopes.ndim == 0:
         table.add_row("slope", f"{float(slopes):.4f}")
@@ -124,13 +130,32 @@ def inspect(spec: Annotated[Path, typer.Argument(help="Scale spec JSON file to v
             ci = f" [{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]" if r.ci_low is not None else ""
             table.add_row(f"  {r.estimator}", f"{_fmt(r.slope)}{ci}" + (f"  ({r.note})" if r.note else ""))
     console.print(table)
+    if s.table is not None:
+        console.print(_knots_table(s))
     if s.law != "qwen-logn" or s.n_ref:
         grid = ([256 << i for i in range(8)] if s.n_ref is None  # n_ref / 2 .. 64 n_ref otherwise
                 else [max(2, s.n_ref // 2)] + [s.n_ref << i for i in range(7)])
-        alphas = s.alpha(grid, layer=0) if slopes is not None and slopes.ndim else s.alpha(grid)
+        grouped = s.granularity != "global"
+        alphas = s.alpha(grid, layer=0) if grouped else s.alpha(grid)
         shown = [float(a.mean()) if getattr(a, "ndim", 0) else float(a) for a in alphas]
-        console.print("alpha(n)" + (" (layer 0, mean over heads)" if slopes is not None and slopes.ndim else "") + ": "
+        console.print("alpha(n)" + (" (layer 0, mean over heads)" if grouped else "") + ": "
                       + ", ".join(f"{n}: {a:.3f}" for n, a in zip(grid, shown)))
+
+
+def _knots_table(s) -> Table:
+    """A tabulated spec's knots: alpha over its layers and heads at each, and where each came from."""
+    t = s.table
+    values = s.values().reshape(-1, len(t.n))  # (layers x heads, knots)
+    cap = "" if s.alpha_max is None else f"; capped at {s.alpha_max:g} when applied"
+    knots = Table(title="alpha at the knots, over layers and heads",
+                  caption=f"1 up to n_ref = {s.n_ref}, linear in ln n between knots, held past the last{cap}")
+    for col in ("n", "mean alpha", "min", "max", "from"):
+        knots.add_column(col, justify="right")
+    for j, n in enumerate(t.n):
+        source = "-" if t.measured is None else "calibration" if j < t.measured else t.extrapolation
+        knots.add_row(f"{n:,}", f"{values[:, j].mean():.4f}", f"{values[:, j].min():.4f}", f"{values[:, j].max():.4f}",
+                      source)
+    return knots
 
 
 from .calibrate_cmd import calibrate as _calibrate; app.command(name="calibrate")(_calibrate)  # noqa: E402, E702

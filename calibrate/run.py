@@ -9,7 +9,9 @@
    count lies on a log-spaced grid (8 per octave from 32 to ``max_length``), all layers and
    heads, reduced at once to per-row statistics (``calibrate.collect``);
 4. fit the slope with the E1/E2/E3 estimators (``sharpdraft_theory.estimators.fit_slopes``) and
-   write the spec with its calibration record.
+   write the spec with its calibration record: log-linear with the chosen estimator's slope, or
+   (``law="tabulated"``) E1's alpha per bucket, extrapolated to ``max_n``
+   (``sharpdraft_theory.tabulate``).
 
 Progress is saved as it goes: after each sequence its statistics are written atomically to
 ``<out>.partial/seq-NNNNN.npz``, next to ``run.json`` holding the run's parameters. A killed run
@@ -36,8 +38,9 @@ from sharpdraft_theory import __version__
 from sharpdraft_theory.estimators import ESTIMATORS, SlopeFit, fit_slopes
 from sharpdraft_theory.spec import GRANULARITIES, Calibration, ScaleSpec
 from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, RowStats
+from sharpdraft_theory.tabulate import tabulate
 from sharpdraft_theory.atomic import atomic_write_text
-from sharpdraft_theory.laws import MAX_N
+from sharpdraft_theory.laws import MAX_N, alpha_law
 
 from .collect import DEFAULT_K_MAX, RowCollector, log_grid
 from .corpus import pack
@@ -55,6 +58,8 @@ GRID_N_MIN = 32  # shortest sampled n
 # positive, and a cap would change the fitted law where it was measured; the warnings flag the rest.
 PLAUSIBLE_SLOPE = 1.0
 PLAUSIBLE_ALPHA_16 = 4.0
+LAWS_WRITTEN = ("log-linear", "tabulated")  # the laws a calibration fits
+MAX_N_PER_N_REF = 64  # a tabulated law's default reach: knots up to 64 n_ref
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,8 @@ class CalibrateOptions:
     granularity: str = "global"  # global, layer or head
     estimator: str = "mass-matching"  # which estimator's slope the spec uses
     alpha_max: float | None = None  # cap written to the spec
+    law: str = "log-linear"  # log-linear (one fitted slope) or tabulated (E1's alpha per bucket, then extrapolated)
+    max_n: int | None = None  # tabulated: last extrapolated knot; None: MAX_N_PER_N_REF * n_ref
     device: str = "auto"  # auto, cpu, cuda[:N]
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16
     chunk: int | None = None  # query rows per chunk of the reduction; None: a 2 MiB logit budget
@@ -123,6 +130,7 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None, progress: Progress 
     if n_ref >= max_length:
         raise UserError(f"--n-ref {n_ref} >= --max-length {max_length}: no rows beyond n_ref to fit; "
                         f"use --max-length {4 * n_ref} or a smaller --n-ref")
+    _check_max_n(opts.max_n, n_ref)
     k_max = max(DEFAULT_K_MAX, opts.top_k)
     grid = log_grid(max_length, per_octave=GRID_PER_OCTAVE, n_min=max(GRID_N_MIN, 2 * k_max))
     notes: list[str] = list(getattr(drafter, "notes", ()))  # what the adapter read and how
@@ -208,9 +216,24 @@ def _check_options(opts: CalibrateOptions) -> None:
                         f"use --max-length {4 * opts.n_ref} or a smaller --n-ref")
     if opts.bootstrap < 0:
         raise UserError(f"bootstrap {opts.bootstrap}: need at least 0 resamples")
+    if opts.law not in LAWS_WRITTEN:
+        raise UserError(f"--law {opts.law}: calibration writes one of {', '.join(LAWS_WRITTEN)}")
+    if opts.law == "tabulated" and opts.estimator != "mass-matching":
+        raise UserError(f"--estimator {opts.estimator} with --law tabulated: the table holds mass matching's alpha "
+                        "per bucket; drop --estimator, or use --law log-linear")
+    if opts.max_n is not None and opts.law != "tabulated":
+        raise UserError(f"--max-n {opts.max_n}: only --law tabulated extrapolates to a maximum length")
+    if opts.n_ref is not None:  # else once the drafter has said its n_ref
+        _check_max_n(opts.max_n, opts.n_ref)
     check_outputs({"--out": Path(opts.out), "--stats": opts.stats},
                   local_inputs(corpus=opts.corpus, drafter_path=opts.drafter_path, target_path=opts.target_path))
     check_corpus(opts.corpus)
+
+
+def _check_max_n(max_n: int | None, n_ref: int) -> None:
+    if max_n is not None and not n_ref < max_n <= MAX_N:
+        raise UserError(f"--max-n {max_n}: expected more than n_ref={n_ref} (the table's knots lie past it) "
+                        "and at most 2^32")
 
 
 def _check_partial(folder: Path, resume: bool) -> None:
@@ -274,10 +297,12 @@ def _stats_meta(opts: CalibrateOptions, params: dict, n_ref: int, sequences: int
 def plausibility_notes(spec: ScaleSpec, fit: SlopeFit) -> list[str]:
     """Warnings for a fit no drafter should give (e.g. a random-weight model): a slope above
     ``PLAUSIBLE_SLOPE``, alpha at ``16 n_ref`` above the cap (or ``PLAUSIBLE_ALPHA_16`` without
-    one), a 95% interval wider than the slope itself."""
+    one), a 95% interval wider than the slope itself. A tabulated spec's slopes are mass matching's."""
     notes = []
-    slopes = spec.slopes()
-    alpha16 = 1.0 + float(slopes.max()) * math.log(16.0)  # uncapped log-linear alpha at 16 n_ref
+    slopes = spec.slopes() if spec.table is None else np.asarray(fit.slopes["mass-matching"])
+    table = None if spec.table is None else (spec.table.n, spec.values())
+    alpha16 = float(np.max(alpha_law(spec.law, 16.0 * spec.n_ref, n_ref=spec.n_ref, slope=spec.slopes(),
+                                     table=table)))  # uncapped, at 16 n_ref
     limit = spec.alpha_max if spec.alpha_max is not None else PLAUSIBLE_ALPHA_16
     if slopes.max() > PLAUSIBLE_SLOPE:
         notes.append(f"slope {slopes.max():.4f} is beyond the plausible range (0, {PLAUSIBLE_SLOPE:g}]: check that the "
@@ -299,14 +324,24 @@ def _make_spec(opts: CalibrateOptions, drafter, fit: SlopeFit, stats: RowStats, 
         result = fit.result(opts.estimator)
         others = [r.estimator for r in fit.results if r.slope is not None and r.estimator != opts.estimator]
         raise UserError(f"the {opts.estimator} estimator is undefined on this data ({result.note or 'no finite slope'})"
-                        + (f"; try --estimator {others[0]}" if others else ""))
-    if np.any(slope < 0):  # the spec's contract (alpha > 0 for every n) allows no negative log-linear slope
-        notes.append(f"{int(np.sum(slope < 0))} of {slope.size} fitted slopes were negative (the mass did not dilute "
-                     f"there, min {slope.min():.4f}); the spec holds 0 for them")
-        slope = np.maximum(slope, 0.0)
+                        + (f"; try --estimator {others[0]}" if others and opts.law == "log-linear" else ""))
     calibration = Calibration(estimator=opts.estimator, corpus=opts.corpus, sequences=sequences,
                               max_length=max_length, rows=stats.rows, buckets=fit.buckets, results=fit.results,
                               tool_version=__version__)
-    return ScaleSpec(law="log-linear", n_ref=n_ref, slope=float(slope) if slope.ndim == 0 else slope.tolist(),
-                     top_k=opts.top_k, granularity=opts.granularity, alpha_max=opts.alpha_max,
-                     drafter=drafter.info, calibration=calibration)
+    if opts.law == "tabulated":
+        try:
+            table, filled = tabulate(fit, n_ref=n_ref, max_n=opts.max_n or MAX_N_PER_N_REF * n_ref)
+        except ValueError as err:
+            raise UserError(f"cannot tabulate alpha: {err}") from None
+        if filled:
+            notes.append(f"{filled} {opts.granularity} values of the table were out of the alpha grid's reach "
+                         "(or had no rows) and took the global bucket's alpha")
+        law = dict(slope=None, table=table)
+    else:
+        if np.any(slope < 0):  # the spec's contract (alpha > 0 for every n) allows no negative log-linear slope
+            notes.append(f"{int(np.sum(slope < 0))} of {slope.size} fitted slopes were negative (the mass did not "
+                         f"dilute there, min {slope.min():.4f}); the spec holds 0 for them")
+            slope = np.maximum(slope, 0.0)
+        law = dict(slope=float(slope) if slope.ndim == 0 else slope.tolist())
+    return ScaleSpec(law=opts.law, n_ref=n_ref, top_k=opts.top_k, granularity=opts.granularity,
+                     alpha_max=opts.alpha_max, drafter=drafter.info, calibration=calibration, **law)

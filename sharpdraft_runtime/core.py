@@ -15,7 +15,10 @@ and in :func:`sharpdraft_theory.alpha_law` with ``numpy`` (the float64 reference
 Cost. Scaling is done in place (``query.mul_(alpha)``), so no query-sized tensor is allocated, and
 it is skipped outright when every ``alpha`` is exactly 1, which :attr:`QueryScaler.identity_limit`
 (the law's identity limit, :meth:`sharpdraft_theory.laws.Law.identity_limit`) decides on the host
-from the key length alone (``n <= key length``).
+from the key length alone (``n <= key length``). A tabulated law's knots live on the device
+(``laws.KnotTable``, compiled once per layer) and one ``torch.searchsorted`` finds each row's
+segment: a few more elementwise kernels than log-linear on the ``q_len``-sized ``n``, nothing
+query-sized.
 
 Autograd. In-place scaling is for inference (``torch.no_grad`` / ``torch.inference_mode``). When a
 query requires grad and grad mode is on, :meth:`QueryScaler.scale_query_` scales out of place.
@@ -33,7 +36,7 @@ __all__ = ["QueryScaler", "alpha_for", "scale_query_", "query_hook", "causal_n_v
 
 
 class QueryScaler:
-    """A scale spec compiled for one device: slopes as tensors, the identity limit on the host.
+    """A scale spec compiled for one device: slopes or knot tables as tensors, the identity limit on the host.
 
     Parameters
     ----------
@@ -60,20 +63,30 @@ class QueryScaler:
         self.dtype = dtype
         self.law = get_law(spec.law)
         self.identity_limit = spec.identity_limit()  # largest n with alpha == 1 exactly (-1: none, inf: all)
-        slopes = spec.slopes()
-        # (), (layers,) or (layers, heads); heads get a trailing q_len axis to broadcast into (B, H, q_len).
-        self._slopes = None if slopes is None else torch.as_tensor(slopes, dtype=dtype, device=self.device)
+        values = spec.values()
+        # Per layer: slopes (), (heads, 1), or a table's values (knots,), (heads, 1, knots): a heads axis
+        # before q_len broadcasts into (B, H, q_len). Compiled once here, so a call only indexes.
+        self._per_layer = bool(spec.shape())  # per-layer or per-head parameters: calls need a layer
+        layers = list(values) if self._per_layer else [values]
+        if spec.granularity == "head":
+            layers = [v[:, None] for v in layers]
+        knots = None if spec.table is None else spec.table.n
+        self._params = [self.law.compile(v, n_ref=spec.n_ref, knots=knots, asarray=self._tensor) for v in layers]
 
-    def slope(self, layer: int | None) -> torch.Tensor | None:
-        """Slope for ``layer``: shape () or (heads, 1); None for ``qwen-logn``."""
-        if self._slopes is None or self._slopes.ndim == 0:
-            return self._slopes
+    def _tensor(self, array):
+        """A numpy array on the device: floats in ``self.dtype``, integers as they are."""
+        return torch.as_tensor(array, dtype=self.dtype if array.dtype.kind == "f" else None, device=self.device)
+
+    def param(self, layer: int | None):
+        """The law's compiled parameter for ``layer`` (see ``Law.compile``): a slope of shape () or
+        (heads, 1), a ``KnotTable``, or None for ``qwen-logn``."""
+        if not self._per_layer:
+            return self._params[0]
         if layer is None:
-            raise ValueError(f"this spec has {self.spec.granularity} slopes: pass layer=")
-        if not 0 <= layer < self._slopes.shape[0]:
-            raise ValueError(f"layer {layer} is out of range: the spec has {self._slopes.shape[0]} layers")
-        slope = self._slopes[layer]
-        return slope[:, None] if slope.ndim == 1 else slope
+            raise ValueError(f"this spec has {self.spec.granularity} parameters: pass layer=")
+        if not 0 <= layer < len(self._params):
+            raise ValueError(f"layer {layer} is out of range: the spec has {len(self._params)} layers")
+        return self._params[layer]
 
     def alpha(self, n_visible: torch.Tensor | int, layer: int | None = None) -> torch.Tensor:
         """Query factors for visible-key counts.
@@ -91,13 +104,13 @@ class QueryScaler:
             Broadcasts into a query of shape (batch, heads, q_len, head_dim) once given a trailing
             axis. A per-head spec makes the heads axis full; an int ``n_visible`` gives (1, 1 or heads, 1).
         """
-        slope = self.slope(layer)
+        param = self.param(layer)
         n = torch.as_tensor(n_visible, device=self.device).to(self.dtype)
         if n.ndim > 3:
             raise ValueError(f"n_visible must have shape (q_len,), (batch, q_len) or (batch, heads, q_len), "
                              f"got {tuple(n.shape)}")
         n = n.reshape(1, 1, -1) if n.ndim < 2 else n[:, None, :] if n.ndim == 2 else n  # (B|1, H|1, q_len)
-        return self.law.alpha(torch, n, n_ref=self.spec.n_ref, slope=slope, alpha_max=self.spec.alpha_max)
+        return self.law.alpha(torch, n, n_ref=self.spec.n_ref, param=param, alpha_max=self.spec.alpha_max)
 
     def scale_query_(self, query: torch.Tensor, n_visible: torch.Tensor | int, layer: int | None = None) -> torch.Tensor:
         """Multiply ``query`` by ``alpha(n_visible)`` in place (out of place when autograd needs it).

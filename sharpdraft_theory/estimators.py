@@ -432,6 +432,7 @@ class SlopeFit:
     buckets: tuple[Bucket, ...]  # global buckets: n, rows, mean mass at alpha = 1, matched alpha
     results: tuple[EstimatorResult, ...]  # global result of each estimator, with 95% bootstrap interval
     slopes: dict  # estimator -> float, (layers,) or (layers, heads) at the requested granularity
+    bucket_alpha: np.ndarray  # E1's alpha per bucket of `buckets` at the granularity (a buckets axis last); NaN: none
 
     def result(self, estimator: str) -> EstimatorResult:
         """The result of ``estimator`` (any accepted spelling)."""
@@ -456,22 +457,28 @@ def _interval(samples: np.ndarray, bootstrap: int) -> tuple[float | None, float 
     return float(lo), float(hi)
 
 
-def _grouped(table: _Table, n_ref: int, granularity: str, fallback: dict, layers: int, heads: int):
+def _grouped(table: _Table, n_ref: int, granularity: str, fallback: dict, layers: int, heads: int,
+             buckets: np.ndarray):
     """Per-layer or per-head slopes of every estimator; groups where one is undefined take ``fallback``.
 
-    Returns ``{name: array}`` and ``{name: groups filled}``.
+    Returns ``{name: array}``, ``{name: groups filled}`` and E1's matched alpha per group and
+    bucket (``buckets``: the global buckets' indices in order; NaN where a group has none).
     """
     by = (_Table.LAYER,) if granularity == "layer" else (_Table.LAYER, _Table.HEAD)
     shape = (layers,) if granularity == "layer" else (layers, heads)
     cells = table.cells(by)
     slopes, filled = {}, {}
     for name, est in REGISTRY.items():
+        found = est.fit(cells, n_ref)
         arr = np.full(shape, np.nan)
-        arr[tuple(cells.groups.T)] = est.fit(cells, n_ref).slope
+        arr[tuple(cells.groups.T)] = found.slope
         missing = ~np.isfinite(arr)
         slopes[name] = np.where(missing, fallback[name], arr)
         filled[name] = float(missing.sum())
-    return slopes, filled
+        if name == "mass-matching":
+            alpha = np.full(shape + (buckets.size,), np.nan)
+            alpha[tuple(cells.groups[cells.group].T) + (np.searchsorted(buckets, cells.bucket),)] = found.alpha
+    return slopes, filled, alpha
 
 
 def fit_slopes(stats: RowStats, *, n_ref: int, top_k: int, granularity: str = "global", bootstrap: int = 200,
@@ -521,9 +528,11 @@ def fit_slopes(stats: RowStats, *, n_ref: int, top_k: int, granularity: str = "g
 
     slopes = {name: float(point[name].slope[0]) for name in REGISTRY}
     filled = {}
+    order = np.argsort(cells.bucket)  # the global buckets in order of n
+    bucket_alpha = e1.alpha[order]
     if granularity != "global":
-        slopes, filled = _grouped(table, n_ref, granularity, slopes, int(stats.layer.max()) + 1,
-                                  int(stats.head.max()) + 1)
+        slopes, filled, bucket_alpha = _grouped(table, n_ref, granularity, slopes, int(stats.layer.max()) + 1,
+                                                int(stats.head.max()) + 1, cells.bucket[order])
 
     common = {"reference_rows": float(cells.group_sum(cells.sums.count, cells.reference)[0]),
               "rows_past_n_ref": float(cells.group_sum(cells.sums.count, cells.beyond)[0])}
@@ -536,4 +545,4 @@ def fit_slopes(stats: RowStats, *, n_ref: int, top_k: int, granularity: str = "g
         results.append(EstimatorResult(name, _value(found.slope[0]), *_interval(boot[name], bootstrap),
                                        diagnostics=diagnostics, note=note))
     return SlopeFit(mass_ref=float(e1.mass_ref[0]), buckets=_buckets(cells, e1), results=tuple(results),
-                    slopes=slopes)
+                    slopes=slopes, bucket_alpha=bucket_alpha)

@@ -2,8 +2,10 @@
 
 A spec says which law scales the drafter's queries, with what reference length and slope(s), at
 which granularity (one slope, one per layer, or one per layer and head), and records how the
-slope was obtained. It may also restrict the keys each query sees, as serving engines do for
-long contexts: a sliding ``window`` of the last W visible keys, plus ``sinks``, the first S keys
+slope was obtained. The tabulated law takes a table instead of a slope: alpha at knots of ``n``
+past ``n_ref`` (shared by every layer and head), one row of values per layer or head as the
+granularity says (:class:`AlphaTable`). It may also restrict the keys each query sees, as serving
+engines do for long contexts: a sliding ``window`` of the last W visible keys, plus ``sinks``, the first S keys
 (StreamingLLM); then ``n`` is the number of keys the query really sees. A spec with law
 ``constant``, slope 0 and a window is a pure baseline (no scaling). It is versioned
 (``"schema": "sharpdraft.scale-spec/v1"``), validated on load with errors (:class:`SpecError`, a
@@ -11,7 +13,8 @@ long contexts: a sliding ``window`` of the last W visible keys, plus ``sinks``, 
 
 The contract on alpha: in every layer and head the law's uncapped ``alpha(n)`` is ``> 0`` for
 every ``n >= 2`` and finite in float32 up to ``laws.MAX_N`` (2^32) (``laws.Law.bounds``). So log-linear and
-llama4 need slopes ``>= 0``, ssmax ``> 0``, constant ``> -1``; a cap (``alpha_max``) bounds alpha
+llama4 need slopes ``>= 0``, ssmax ``> 0``, constant ``> -1``, and a table values ``> 0`` and finite in
+float32; a cap (``alpha_max``) bounds alpha
 from above only and makes no negative slope legal, and the spec has no floor (``alpha_min``).
 ``scale_spec.schema.json`` beside this file is the same contract as a JSON Schema.
 
@@ -37,10 +40,12 @@ from .estimators import ESTIMATORS, Bucket, EstimatorResult
 from .laws import LAWS, MAX_N, alpha_law, get_law
 
 __all__ = ["SCHEMA", "GRANULARITIES", "DRAFTER_KIND_PATTERN", "DrafterInfo", "Bucket", "EstimatorResult",
-           "Calibration", "ScaleSpec", "SpecError", "schema_path"]
+           "Calibration", "AlphaTable", "ScaleSpec", "SpecError", "schema_path"]
 
 SCHEMA = "sharpdraft.scale-spec/v1"
 GRANULARITIES = ("global", "layer", "head")
+_DEPTH = {"global": 0, "layer": 1, "head": 2}  # list levels a granularity puts before the values
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # the runtime computes alpha in float32
 #: A drafter kind is a lowercase identifier; which kinds exist is calibrate's business (``calibrate.drafters.KINDS``).
 DRAFTER_KIND_PATTERN = r"^[a-z][a-z0-9_-]*$"
 
@@ -114,6 +119,56 @@ class Calibration:
         )
 
 
+@dataclass(frozen=True)
+class AlphaTable:
+    """The tabulated law's table (``laws.KnotTable`` evaluates it).
+
+    Alpha is 1 up to ``n_ref`` (the implicit first knot), linear in ``ln n`` between knots, and
+    held at its last value past the last knot; the spec's ``alpha_max`` caps it.
+    """
+
+    n: tuple[int, ...]  # knots: visible-key counts past n_ref, strictly increasing; shared by every layer and head
+    alpha: tuple  # alpha (> 0) at each knot: [knot] (global), [layer][knot] or [layer][head][knot]
+    measured: int | None = None  # leading knots calibrated (the rest model-extrapolated); None: hand-written
+    extrapolation: str | None = None  # the model behind the knots past the measured ones (None: there are none)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str, n_ref: int, granularity: str) -> "AlphaTable":
+        check_record(where, d, cls)
+        knots = d["n"]
+        if not isinstance(knots, list) or not knots:
+            raise field_error(f"{where}.n", "expected a non-empty list of knots", knots)
+        for j, knot in enumerate(knots):
+            if check_int(f"{where}.n[{j}]", knot, maximum=MAX_N) <= n_ref:
+                raise field_error(f"{where}.n[{j}]", f"knots lie past n_ref={n_ref} (alpha is 1 up to it)", knot)
+            if j and knot <= knots[j - 1]:
+                raise field_error(f"{where}.n[{j}]", f"knots must increase strictly (previous {knots[j - 1]})", knot)
+        measured = check_int(f"{where}.measured", d.get("measured"), 0, nullable=True)
+        if measured is not None and measured > len(knots):
+            raise field_error(f"{where}.measured", f"expected at most the {len(knots)} knots", measured)
+        return cls(n=tuple(knots), alpha=_table_values(f"{where}.alpha", d["alpha"], _DEPTH[granularity], len(knots)),
+                   measured=measured, extrapolation=check_str(f"{where}.extrapolation", d.get("extrapolation"),
+                                                              nullable=True))
+
+
+def _table_values(where: str, value, depth: int, knots: int):
+    """Validate a table's values: ``depth`` list levels (layers, heads) of equal length, then one value per knot."""
+    if not isinstance(value, list) or not value:
+        raise field_error(where, "expected a non-empty list", value)
+    if depth == 0:
+        if len(value) != knots:
+            raise field_error(where, f"needs one value per knot ({knots})", f"{len(value)} values")
+        for j, v in enumerate(value):
+            a = check_num(f"{where}[{j}]", v, 0.0, exclusive=True)
+            if a > _FLOAT32_MAX:
+                raise field_error(f"{where}[{j}]", "alpha must be finite in float32", v)
+        return tuple(float(v) for v in value)
+    rows = tuple(_table_values(f"{where}[{i}]", row, depth - 1, knots) for i, row in enumerate(value))
+    if len({np.shape(r) for r in rows}) != 1:
+        raise field_error(where, "every layer needs the same number of heads", _as_lists(rows))
+    return rows
+
+
 def _slope(where: str, value, granularity: str):
     """Validate a slope's nesting against the granularity; return it as nested tuples."""
     if granularity == "global":
@@ -151,6 +206,7 @@ class ScaleSpec:
     top_k: int  # size of the top set whose mass the slope restores
     granularity: str = "global"  # global, layer or head: how `slope` is nested
     alpha_max: float | None = None  # cap on alpha (None: no cap)
+    table: AlphaTable | None = None  # the tabulated law's knots and values; None for every other law
     window: int | None = None  # W: each query sees only its last W visible keys (drafter sliding window); None: all
     sinks: int | None = None  # S: the first S keys of the sequence stay visible besides the window (needs window)
     drafter: DrafterInfo | None = None  # what the spec was made for
@@ -161,6 +217,7 @@ class ScaleSpec:
         # Round-trip through the validator so a spec built in code obeys the same contract.
         checked = ScaleSpec._validated(self.to_dict())
         object.__setattr__(self, "slope", checked["slope"])
+        object.__setattr__(self, "table", checked["table"])
 
     # -- validation --------------------------------------------------------------------------
     @staticmethod
@@ -189,6 +246,16 @@ class ScaleSpec:
             slope = None
         else:
             slope = _slope("slope", _as_lists(d["slope"]), granularity)
+        table = d.get("table")
+        if not law.has_table:
+            if table is not None:
+                raise field_error("table", f"{law.name} takes no table; use null (or law tabulated)", _as_lists(table))
+        elif isinstance(table, dict):
+            table = AlphaTable.from_dict(table, "table", n_ref, granularity)
+        elif isinstance(table, AlphaTable):
+            table = AlphaTable.from_dict(_as_lists(asdict(table)), "table", n_ref, granularity)
+        else:
+            raise field_error("table", "tabulated needs a table: an object with knots n and values alpha", table)
         alpha_max = check_num("alpha_max", d.get("alpha_max"), 0.0, exclusive=True, nullable=True)
         if alpha_max is not None and alpha_max < law.min_alpha_max:
             raise field_error("alpha_max", f"{law.name} needs alpha_max >= {law.min_alpha_max:g}", alpha_max)
@@ -196,7 +263,9 @@ class ScaleSpec:
         sinks = check_int("sinks", d.get("sinks"), 1, nullable=True)
         if sinks is not None and window is None:
             raise field_error("sinks", "sinks keep the first keys besides a window: set window too", sinks)
-        low, high = law.bounds(n_ref=n_ref, slopes=None if slope is None else np.asarray(slope, dtype=np.float64))
+        # A table's values were checked one by one (> 0, finite in float32): they are its extremes, with 1.
+        low, high = (1.0, 1.0) if law.has_table else law.bounds(
+            n_ref=n_ref, values=None if slope is None else np.asarray(slope, dtype=np.float64))
         if not np.isfinite(high):
             raise field_error("slope", f"{law.name} takes alpha(n) past float32's range for some 2 <= n <= 2^32; "
                                        "alpha must stay finite", d["slope"])
@@ -214,19 +283,21 @@ class ScaleSpec:
         elif calibration is not None and not isinstance(calibration, Calibration):
             raise field_error("calibration", "expected an object", calibration)
         if drafter is not None and granularity != "global":
-            layers = len(slope)
+            name, per_layer = ("table.alpha", table.alpha) if table is not None else ("slope", slope)
+            layers = len(per_layer)
             if layers != drafter.num_layers:
-                raise field_error("slope", f"needs one entry per layer ({drafter.num_layers})", f"{layers} entries")
-            if granularity == "head" and len(slope[0]) != drafter.num_heads:
-                raise field_error("slope[0]", f"needs one entry per head ({drafter.num_heads})", f"{len(slope[0])} entries")
+                raise field_error(name, f"needs one entry per layer ({drafter.num_layers})", f"{layers} entries")
+            if granularity == "head" and len(per_layer[0]) != drafter.num_heads:
+                raise field_error(f"{name}[0]", f"needs one entry per head ({drafter.num_heads})",
+                                  f"{len(per_layer[0])} entries")
         return dict(law=law.name, n_ref=n_ref, slope=slope, top_k=top_k, granularity=granularity, alpha_max=alpha_max,
-                    window=window, sinks=sinks, drafter=drafter, calibration=calibration, schema=schema)
+                    table=table, window=window, sinks=sinks, drafter=drafter, calibration=calibration, schema=schema)
 
     # -- I/O ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["slope"] = _as_lists(self.slope)
-        for name in ("drafter", "calibration"):
+        for name in ("table", "drafter", "calibration"):
             if d[name] is not None and not isinstance(d[name], dict):
                 d[name] = _as_lists(asdict(d[name]))
         return {"schema": d.pop("schema"), **d}
@@ -278,18 +349,18 @@ class ScaleSpec:
         """SpecError naming both shapes unless this spec can scale ``what`` (``num_layers`` x ``num_heads``).
 
         The drafter the spec was made for (when recorded) must have that shape, and per-layer or
-        per-head slopes must have one entry per layer (and head).
+        per-head slopes (or table values) must have one entry per layer (and head).
         """
         theirs = f"{what} has {num_layers} layers x {num_heads} heads"
         d = self.drafter
         if d is not None and (d.num_layers, d.num_heads) != (num_layers, num_heads):
             raise SpecError(f"the spec was made for a {d.kind} drafter of {d.num_layers} layers x {d.num_heads} heads, "
                             f"{theirs}; calibrate a spec for it")
-        slopes = self.slopes()
-        if self.granularity != "global" and slopes.shape[0] != num_layers:
-            raise SpecError(f"the spec has {self.granularity} slopes for {slopes.shape[0]} layers, {theirs}")
-        if self.granularity == "head" and slopes.shape[1] != num_heads:
-            raise SpecError(f"the spec has slopes for {slopes.shape[1]} heads, {theirs}")
+        shape, what = self.shape(), "slopes" if self.table is None else "table values"
+        if self.granularity != "global" and shape[0] != num_layers:
+            raise SpecError(f"the spec has {self.granularity} {what} for {shape[0]} layers, {theirs}")
+        if self.granularity == "head" and shape[1] != num_heads:
+            raise SpecError(f"the spec has {what} for {shape[1]} heads, {theirs}")
 
     # -- evaluation --------------------------------------------------------------------------
     def restricts(self) -> bool:
@@ -300,6 +371,22 @@ class ScaleSpec:
         """Slopes as an array: shape (), (layers,) or (layers, heads); None when the law has none."""
         return None if self.slope is None else np.asarray(self.slope, dtype=np.float64)
 
+    def values(self) -> np.ndarray | None:
+        """The law's parameters as an array: the slopes, or the table's alpha with a trailing knots
+        axis ((knots,), (layers, knots) or (layers, heads, knots)); None for a law with neither."""
+        return self.slopes() if self.table is None else np.asarray(self.table.alpha, dtype=np.float64)
+
+    def shape(self) -> tuple[int, ...]:
+        """Layers and heads the spec's parameters are given for: (), (layers,) or (layers, heads).
+
+        Examples
+        --------
+        >>> ScaleSpec(law="log-linear", n_ref=64, slope=[0.1, 0.2], top_k=4, granularity="layer").shape()
+        (2,)
+        """
+        values = self.values()
+        return () if values is None else values.shape[:_DEPTH[self.granularity]]
+
     def identity_limit(self) -> float:
         """Largest ``n`` up to which ``alpha(n) == 1`` exactly in every layer and head (see ``Law.identity_limit``).
 
@@ -308,19 +395,30 @@ class ScaleSpec:
         >>> ScaleSpec(law="llama4", n_ref=8192, slope=0.1, top_k=4).identity_limit()
         8191
         """
-        return get_law(self.law).identity_limit(n_ref=self.n_ref, slopes=self.slopes(), alpha_max=self.alpha_max)
+        return get_law(self.law).identity_limit(n_ref=self.n_ref, values=self.values(), alpha_max=self.alpha_max)
 
     def alpha(self, n, layer: int | None = None) -> np.ndarray:
-        """``alpha(n)``; with a per-layer/per-head spec give ``layer`` (result gains a heads axis last)."""
-        slope = self.slopes()
-        if slope is not None and slope.ndim >= 1:
+        """``alpha(n)`` in float64; with a per-layer/per-head spec give ``layer`` (per head: a heads axis last).
+
+        Examples
+        --------
+        >>> table = AlphaTable(n=(512, 1024), alpha=(1.5, 2.0))
+        >>> spec = ScaleSpec(law="tabulated", n_ref=256, slope=None, top_k=4, table=table)
+        >>> spec.alpha([256, 512, 768, 8192]).round(4).tolist()
+        [1.0, 1.5, 1.7925, 2.0]
+        """
+        values = self.values()
+        if self.granularity != "global":
             if layer is None:
-                raise ValueError(f"this spec has {self.granularity} slopes: pass layer=")
-            slope = slope[layer]
+                raise ValueError(f"this spec has {self.granularity} {'table values' if self.table else 'slopes'}: "
+                                 "pass layer=")
+            values = values[layer]
         n = np.asarray(n, dtype=np.float64)
-        if slope is not None and slope.ndim == 1:
+        if self.granularity == "head":
             n = n[..., None]
-        return alpha_law(self.law, n, n_ref=self.n_ref, slope=slope, alpha_max=self.alpha_max)
+        table = None if self.table is None else (self.table.n, values)
+        return alpha_law(self.law, n, n_ref=self.n_ref, slope=None if self.table else values, table=table,
+                         alpha_max=self.alpha_max)
 
 
 def _as_lists(value):

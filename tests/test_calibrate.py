@@ -102,6 +102,46 @@ def test_layer_and_head_granularity(tmp_path, ckpts):
     assert head.slopes().shape == (2, 4) and head.calibration.estimator == "gaussian"
 
 
+@pytest.mark.parametrize("granularity", ["global", "head"])
+def test_tabulated_law_is_exact_where_calibrated_and_extrapolated_beyond(tmp_path, ckpts, granularity):
+    """--law tabulated: knots at the buckets past n_ref holding mass matching's alpha, then fixed-slope
+    knots up to --max-n; the spec loads, and the runtime applies it (float64) exactly at every knot."""
+    import sharpdraft_runtime as sr
+    from sharpdraft_theory.tabulate import EXTRAPOLATION
+
+    opts = _opts(tmp_path, ckpts, law="tabulated", granularity=granularity, sequences=2, max_n=2000)
+    result = run_calibration(opts)
+    spec = ScaleSpec.load(opts.out)
+    assert spec == result.spec and spec.law == "tabulated" and spec.slope is None
+    t, fit = spec.table, result.fit
+    calibrated = [b for b in fit.buckets if b.n > 64 and b.alpha is not None]
+    assert t.measured == len(calibrated) > 0 and t.extrapolation == EXTRAPOLATION
+    assert t.n[:t.measured] == tuple(round(b.n) for b in calibrated)
+    last = t.n[t.measured - 1]  # the last bucket's n, ~220 (its rows reach 256)
+    assert t.n[t.measured:] == tuple(64 * 2**j for j in range(1, 5) if last < 64 * 2**j) + (2000,)  # then --max-n
+    values = spec.values()
+    assert values.shape == spec.shape() + (len(t.n),) == ((2, 4) if granularity == "head" else ()) + (len(t.n),)
+    if granularity == "global":  # exact where calibrated: the buckets' matched alpha
+        np.testing.assert_array_equal(values[:t.measured], [b.alpha for b in calibrated])
+    else:
+        own = fit.bucket_alpha[..., [fit.buckets.index(b) for b in calibrated]]
+        np.testing.assert_array_equal(values[..., :t.measured][np.isfinite(own)], own[np.isfinite(own)])
+    slope = np.maximum(fit.slopes["mass-matching"], 0.0)
+    at_last = values[..., t.measured - 1]
+    want = at_last[..., None] + np.asarray(slope)[..., None] * np.log(np.array(t.n[t.measured:]) / last)
+    np.testing.assert_allclose(values[..., t.measured:], want, rtol=1e-12)
+    knots = torch.tensor((64,) + t.n + (10**6,))
+    for layer in range(2):
+        got = sr.alpha_for(spec, knots, layer=layer if granularity == "head" else None, dtype=torch.float64)[0]
+        row = values[layer] if granularity == "head" else values[None]
+        want = np.concatenate([np.ones(row.shape[:-1] + (1,)), row, row[..., -1:]], axis=-1)
+        np.testing.assert_allclose(got.numpy(), np.broadcast_to(want, got.shape), rtol=1e-14)
+    res = CliRunner().invoke(app, ["inspect", str(opts.out)], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    for text in ("tabulated", "alpha at the knots", "calibration", EXTRAPOLATION, f"{len(t.n)} knots"):
+        assert text in res.output
+
+
 def test_hf_drafter_borrows_the_target_tokenizer(tmp_path, ckpts):
     bare = str(ckpts["hf-no-tokenizer"])
     with pytest.raises(UserError, match="no tokenizer files there; pass --target-path"):
@@ -178,6 +218,11 @@ def test_malformed_checkpoint_is_one_clear_line(tmp_path, ckpts, how, match):
     (dict(top_k=0), "--top-k 0"),
     (dict(drafter="medusa"), "--drafter medusa: expected one of hf, pard, eagle3, dflash"),
     (dict(drafter="pard", drafter_path=None), "--drafter pard needs --drafter-path"),
+    (dict(law="qwen-logn"), "--law qwen-logn: calibration writes one of log-linear, tabulated"),
+    (dict(law="tabulated", estimator="gaussian"), "--estimator gaussian with --law tabulated"),
+    (dict(max_n=4096), "--max-n 4096: only --law tabulated"),
+    (dict(law="tabulated", max_n=64), r"--max-n 64: expected more than n_ref=64"),
+    (dict(law="tabulated", max_n=2**32 + 1), r"--max-n 4294967297: .* at most 2\^32"),
 ])
 def test_user_errors(tmp_path, ckpts, kw, match):
     with pytest.raises(UserError, match=match):

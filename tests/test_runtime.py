@@ -17,6 +17,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from sharpdraft_theory import LAWS, ScaleSpec
 from sharpdraft_theory.laws import REGISTRY
+from sharpdraft_theory.spec import AlphaTable
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -37,7 +38,11 @@ HYPOTHESIS = settings(derandomize=True, deadline=None, max_examples=25)
 
 def spec_for(law: str, granularity: str = "global", layers: int = 2, heads: int = 4, n_ref: int = 8,
              slope: float = 0.5, alpha_max: float | None = None) -> ScaleSpec:
-    """A spec whose slopes differ across layers and heads, so broadcasting mistakes show."""
+    """A spec whose slopes differ across layers and heads, so broadcasting mistakes show.
+
+    The tabulated law gets a table of ``(n / n_ref)^slope`` (curved in ln n, > 0 for any slope) at
+    knots 1.5, 2, 4 and 16 n_ref, its exponents differing across layers and heads as slopes do.
+    """
     if law == "qwen-logn":
         value = None
     elif granularity == "global":
@@ -46,8 +51,15 @@ def spec_for(law: str, granularity: str = "global", layers: int = 2, heads: int 
         value = tuple(slope * (1 + i) for i in range(layers))
     else:
         value = tuple(tuple(slope * (1 + i) * (1 + j / heads) for j in range(heads)) for i in range(layers))
-    return ScaleSpec(law=law, n_ref=n_ref, slope=value, top_k=2, granularity="global" if value is None else granularity,
-                     alpha_max=alpha_max)
+    table = None
+    if law == "tabulated":
+        knots = sorted({max(n_ref + 1, round(n_ref * r)) for r in (1.5, 2, 4, 16)})
+        alpha = np.moveaxis(np.power.outer(np.array(knots) / n_ref, value), 0, -1)  # (..., knots)
+        table = AlphaTable(n=tuple(knots), alpha=alpha.tolist())
+        value = None
+    return ScaleSpec(law=law, n_ref=n_ref, slope=value, top_k=2,
+                     granularity="global" if value is None and table is None else granularity, alpha_max=alpha_max,
+                     table=table)
 
 
 def reference_attention(query, key, value, visible, scaling, alpha):
@@ -118,7 +130,7 @@ def test_identity_limit_is_exact(law, n_ref, slope, alpha_max):
     if alpha_max is not None and alpha_max < REGISTRY[law].min_alpha_max:
         alpha_max = 1.0 / alpha_max  # below the law's smallest cap (log-linear: 1)
     if REGISTRY[law].has_slope:  # the spec refuses slopes that take alpha to 0 or below (test_spec)
-        assume(REGISTRY[law].bounds(n_ref=n_ref, slopes=np.array(slope))[0] > 0)
+        assume(REGISTRY[law].bounds(n_ref=n_ref, values=np.array(slope))[0] > 0)
     spec = spec_for(law, n_ref=n_ref, slope=slope, alpha_max=alpha_max)
     # alpha leaves 1 by more than rounding (qwen-logn has no slope: 1 / ln n_ref is at least 1 / ln 5000).
     moves = (alpha_max is None or abs(alpha_max - 1) > 1e-3) and (law == "qwen-logn" or abs(slope) > 1e-3)
@@ -146,6 +158,52 @@ def test_log_linear_is_exactly_one_up_to_n_ref():
     alpha = sr.alpha_for(spec, torch.arange(0, 513))
     assert torch.equal(alpha, torch.ones_like(alpha))
     assert sr.alpha_for(spec, torch.tensor([513])).item() > 1
+
+
+# Tabulated alpha in float32 against float64: n / n_ref, its logarithm, each segment's intercept and
+# gradient and the sum each round once to 2**-24 ~ 6e-8 relative, on terms a few times alpha at most
+# (intercept and gradient x ln(n / n_ref) may be larger than alpha, of opposite signs): a few 1e-7
+# relative (5e-7 seen); 2e-6 leaves a margin.
+RTOL_TABLE_FLOAT32 = 2e-6
+# float64: the same roundings at 2**-53, and torch.log vs numpy's interpolation arithmetic.
+RTOL_TABLE_FLOAT64 = 1e-13
+
+
+def test_tabulated_alpha_is_exact_against_interpolation_in_ln_n():
+    """The runtime's table, on the device, against numpy's own linear interpolation in ln n (float64):
+    1 up to n_ref, each knot's value at the knot, linear in ln n between, held past the last knot."""
+    spec = spec_for("tabulated", "head", n_ref=256, slope=0.4)  # (n / n_ref)^slope: curved in ln n
+    knots = np.array(spec.table.n)
+    n = np.unique(np.concatenate([np.geomspace(1, 1e7, 3000).astype(np.int64), knots - 1, knots, knots + 1]))
+    x, xp = np.log(n), np.log(np.concatenate([[spec.n_ref], knots]))
+    for layer in range(2):
+        values = spec.values()[layer]  # (heads, knots)
+        want = np.stack([np.interp(x, xp, np.concatenate([[1.0], v])) for v in values])  # (heads, len(n))
+        for dtype, rtol in ((torch.float64, RTOL_TABLE_FLOAT64), (torch.float32, RTOL_TABLE_FLOAT32)):
+            got = QueryScaler(spec, dtype=dtype).alpha(torch.from_numpy(n), layer)[0].double().numpy()
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=0, err_msg=str(dtype))
+        assert np.all(want[:, n <= spec.n_ref] == 1.0) and np.all(want[:, n >= knots[-1]] == values[:, -1:])
+        # this test can fail: interpolating in n instead of ln n misses by far more than the tolerance
+        in_n = np.interp(n, np.exp(xp), np.concatenate([[1.0], values[0]]))
+        assert np.max(np.abs(in_n - want[0]) / want[0]) > 1e3 * RTOL_TABLE_FLOAT32
+
+
+def test_tabulated_scale_query_matches_float64_attention():
+    """A tabulated per-head spec through scale_query_ (float32, in place) against float64 attention."""
+    spec = spec_for("tabulated", "head", n_ref=8, slope=0.6)
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 4, 40, 16, generator=gen) for _ in range(3))
+    visible = visible_mask([0, 3], past=0, q_len=40)
+    n = visible.sum(-1)[:, 0]  # (B, q)
+    want = reference_attention(query, key[:, :4], value[:, :4], visible, 0.25,
+                               np.stack([spec.alpha(n[b].numpy(), layer=1).T for b in range(2)]))
+    with torch.no_grad():
+        scaled = sr.scale_query_(query.clone(), n, spec, layer=1)
+        got = torch.nn.functional.scaled_dot_product_attention(scaled, key, value, attn_mask=visible, scale=0.25)
+    got = torch.nan_to_num(got)
+    torch.testing.assert_close(got.double(), want, atol=ATOL_ATTENTION, rtol=0)
+    plain = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=0.25)
+    assert (torch.nan_to_num(plain) - got).abs().max() > 100 * ATOL_ATTENTION  # this test can fail: alpha matters
 
 
 def test_per_layer_spec_needs_a_layer():

@@ -11,7 +11,7 @@ import pytest
 from sharpdraft_theory import SCHEMA, Bucket, Calibration, DrafterInfo, EstimatorResult, ScaleSpec, SpecError
 from sharpdraft_theory.estimators import ESTIMATORS
 from sharpdraft_theory.laws import LAWS, REGISTRY
-from sharpdraft_theory.spec import DRAFTER_KIND_PATTERN, schema_path
+from sharpdraft_theory.spec import DRAFTER_KIND_PATTERN, AlphaTable, schema_path
 
 
 def full_spec(**over) -> ScaleSpec:
@@ -30,6 +30,18 @@ def full_spec(**over) -> ScaleSpec:
     return ScaleSpec(**kw)
 
 
+def tabulated_spec(**over) -> ScaleSpec:
+    """``full_spec`` with a per-head table in place of the slopes: knots past n_ref = 256, values > 0."""
+    table = AlphaTable(n=(362, 512, 2048), alpha=(((1.1, 1.2, 1.5), (1.0, 1.0, 1.0), (0.9, 1.3, 2.5)),
+                                                  ((1.05, 1.1, 1.3), (1.2, 1.4, 1.4), (1.0, 1.1, 1.2))),
+                       measured=2, extrapolation="fixed-slope")
+    return full_spec(**{"law": "tabulated", "slope": None, "table": table, **over})
+
+
+# A table for a spec with n_ref = 64, as each law's parameter test needs one.
+TABLE_64 = {"n": [96, 128], "alpha": [1.1, 1.3]}
+
+
 @pytest.fixture(scope="module")
 def schema():
     return json.loads(schema_path().read_text())
@@ -43,6 +55,22 @@ def test_round_trip_through_json_and_file(tmp_path):
     assert ScaleSpec.load(tmp_path / "s.json") == spec
     assert json.loads((tmp_path / "s.json").read_text())["schema"] == SCHEMA
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temp file left behind
+
+
+def test_tabulated_round_trip_and_alpha(tmp_path):
+    spec = tabulated_spec()
+    spec.save(tmp_path / "t.json")
+    assert ScaleSpec.load(tmp_path / "t.json") == spec
+    assert spec.shape() == (2, 3) and spec.values().shape == (2, 3, 3) and spec.slopes() is None
+    a = spec.alpha([100, 256, 362, 512, 1024, 2048, 10**6], layer=1)  # (7, heads)
+    # n <= n_ref: 1; at a knot: its value; between knots: linear in ln n; past the last: held.
+    np.testing.assert_array_equal(a[:2], 1.0)
+    np.testing.assert_allclose(a[2:4], [[1.05, 1.2, 1.0], [1.1, 1.4, 1.1]], rtol=1e-14)
+    np.testing.assert_allclose(a[4], [1.1 + 0.2 * 0.5, 1.4, 1.1 + 0.1 * 0.5], rtol=1e-14)  # 1024 halfway in ln n
+    np.testing.assert_allclose(a[5:], [[1.3, 1.4, 1.2]] * 2, rtol=1e-14)
+    assert spec.identity_limit() == 256
+    flat = tabulated_spec(table=AlphaTable(n=(300,), alpha=(((1.0,) * 1,) * 3,) * 2))
+    assert flat.identity_limit() == float("inf")
 
 
 def test_alpha_per_layer_and_head():
@@ -59,7 +87,10 @@ def test_valid_specs_pass_the_schema(schema):
                  ScaleSpec(law="ssmax", n_ref=None, slope=0.3, top_k=2),
                  ScaleSpec(law="log-linear", n_ref=512, slope=[0.1, 0.2], top_k=4, granularity="layer"),
                  ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=4, window=256),
-                 full_spec(window=252, sinks=4)):
+                 full_spec(window=252, sinks=4), tabulated_spec(),
+                 ScaleSpec(law="tabulated", n_ref=64, slope=None, top_k=4, table=AlphaTable(**TABLE_64)),
+                 ScaleSpec(law="tabulated", n_ref=64, slope=None, top_k=4, granularity="layer",
+                           table=AlphaTable(n=(128,), alpha=((1.2,), (1.3,))))):
         jsonschema.validate(spec.to_dict(), schema)
 
 
@@ -72,6 +103,9 @@ def test_schema_names_every_dataclass_field(schema):
     assert set(calibration["properties"]) == {f.name for f in fields(Calibration)}
     assert set(calibration["properties"]["buckets"]["items"]["properties"]) == {f.name for f in fields(Bucket)}
     assert set(calibration["properties"]["results"]["items"]["properties"]) == {f.name for f in fields(EstimatorResult)}
+    table = schema["properties"]["table"]["anyOf"][1]
+    assert set(table["properties"]) == {f.name for f in fields(AlphaTable)}
+    assert set(table["required"]) == {f.name for f in fields(AlphaTable) if f.default is f.default_factory}
     required = {f.name for f in fields(ScaleSpec) if f.default is f.default_factory}  # no default: required
     assert set(schema["required"]) == required
 
@@ -129,10 +163,35 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("path,value,field,fragment,schema_too", MALFORMED,
-                         ids=[f"{'.'.join(map(str, m[0]))}={m[1]!r}"[:40] for m in MALFORMED])
-def test_malformed_spec_is_rejected_naming_the_field(schema, path, value, field, fragment, schema_too):
-    bad = _set(full_spec().to_dict(), path, value)
+# The same, on a tabulated spec (``tabulated_spec``: n_ref 256, 2 layers x 3 heads x 3 knots).
+MALFORMED_TABULATED = [
+    (("table",), None, "table", "tabulated needs a table", True),
+    (("slope",), 0.2, "slope", "tabulated has no slope", True),
+    (("table", "n"), [], "table.n", "non-empty list of knots", True),
+    (("table", "n"), [256, 512, 2048], "table.n[0]", "knots lie past n_ref=256", False),
+    (("table", "n"), [362, 362, 2048], "table.n[1]", "knots must increase strictly", False),
+    (("table", "n"), [362, 300, 2048], "table.n[1]", "knots must increase strictly", False),
+    (("table", "n"), [362, 512.5, 2048], "table.n[1]", "expected an integer", True),
+    (("table", "n"), [362, 2048], "table.alpha[0][0]", "one value per knot (2)", False),
+    (("table", "alpha", 0, 0, 1), 0.0, "table.alpha[0][0][1]", "expected a number > 0", True),
+    (("table", "alpha", 0, 0, 1), -1.5, "table.alpha[0][0][1]", "expected a number > 0", True),
+    (("table", "alpha", 0, 0, 1), "1.2", "table.alpha[0][0][1]", "expected a finite number", True),
+    (("table", "alpha", 0, 0, 1), 1e39, "table.alpha[0][0][1]", "finite in float32", False),
+    (("table", "alpha", 1), [[1.0, 1.0, 1.0]], "table.alpha", "same number of heads", False),
+    (("table", "alpha"), [1.1, 1.2, 1.3], "table.alpha[0]", "expected a non-empty list", True),
+    (("table", "measured"), 4, "table.measured", "at most the 3 knots", False),
+    (("table", "extra"), 1, "table.extra", "unknown field", True),
+    (("table", "alpha"), _DELETE, "table.alpha", "required field is missing", True),
+    (("drafter", "num_heads"), 6, "table.alpha[0]", "one entry per head (6)", False),
+]
+CASES = [(full_spec, m) for m in MALFORMED] + [(tabulated_spec, m) for m in MALFORMED_TABULATED]
+
+
+@pytest.mark.parametrize("base,case", CASES,
+                         ids=[f"{b.__name__[:4]}:{'.'.join(map(str, m[0]))}={m[1]!r}"[:45] for b, m in CASES])
+def test_malformed_spec_is_rejected_naming_the_field(schema, base, case):
+    path, value, field, fragment, schema_too = case
+    bad = _set(base().to_dict(), path, value)
     with pytest.raises(ValueError) as err:
         ScaleSpec.from_dict(bad)
     assert f"spec field '{field}'" in str(err.value)
@@ -195,6 +254,8 @@ def test_schema_enums_equal_the_registries(schema):
     no_slope = _law_condition(schema, "slope")
     assert no_slope["if"]["properties"]["law"]["enum"] == [law.name for law in REGISTRY.values() if not law.has_slope]
     assert no_slope["then"]["properties"]["slope"] == {"type": "null"}
+    table = _law_condition(schema, "table")
+    assert table["if"]["properties"]["law"]["enum"] == [law.name for law in REGISTRY.values() if law.has_table]
     calibration = schema["properties"]["calibration"]["anyOf"][1]["properties"]
     assert calibration["estimator"]["enum"] == list(ESTIMATORS)
     assert calibration["results"]["items"]["properties"]["estimator"]["enum"] == list(ESTIMATORS)
@@ -206,10 +267,11 @@ def test_each_law_takes_the_parameters_its_registry_entry_says(schema, law):
     """n_ref may be null and slope must be null exactly as the registry says, for the loader and the schema."""
     entry = REGISTRY[law]
     slope = 0.2 if entry.has_slope else None
-    ok = {"law": law, "n_ref": 64, "slope": slope, "top_k": 4}
+    ok = {"law": law, "n_ref": 64, "slope": slope, "top_k": 4, **({"table": TABLE_64} if entry.has_table else {})}
     ScaleSpec.from_dict(ok)
     jsonschema.validate(ok, schema)
-    for change, valid in (({"n_ref": None}, not entry.needs_n_ref), ({"slope": 0.3 if slope is None else None}, False)):
+    for change, valid in (({"n_ref": None}, not entry.needs_n_ref), ({"slope": 0.3 if slope is None else None}, False),
+                          ({"table": None if entry.has_table else TABLE_64}, False)):
         bad = {**ok, **change}
         if valid:
             ScaleSpec.from_dict(bad)
