@@ -1,5 +1,6 @@
-"""Shared test settings: hypothesis runs derandomized so CI cannot flake."""
+"""Shared test settings: hypothesis runs derandomized so CI cannot flake; tiny models on one thread."""
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -11,3 +12,15 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("sharpdraft")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: thread start-up and contention cost more than the work (16x slower with 2 threads
+    on a busy machine). Modules that run tiny models use it with ``pytest.mark.usefixtures``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -15,14 +15,7 @@ from tiny_checkpoints import tiny_target, write_tiny_eagle3
 SPEC = ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: thread start-up and contention cost more than the work (16x slower with 2 threads
-    on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,7 @@ PROBE = "sharpdraft-test-probe"
 MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
 
 def tiny_decoder(implementation: str = "sdpa", sliding_window: int | None = None):

@@ -27,12 +27,7 @@ from test_runtime import ATOL_ATTENTION, ATOL_MODEL, HYPOTHESIS, reference_atten
 WINDOW, SINKS = 12, 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
 
 def keep_last_and_first(visible: torch.Tensor, window: int, sinks: int | None) -> torch.Tensor:
