@@ -131,6 +131,14 @@ class Ranks:
                                 rank=self.rank, world_size=self.world_size)
         try:
             yield self
+        except UserError:
+            if not self.main:
+                # Rank 0 reports the error. Wait for it to leave the group: torchrun ends the
+                # job when a rank exits with an error, and this rank leaving first could stop
+                # rank 0 before it prints.
+                with contextlib.suppress(Exception):
+                    dist.barrier()
+            raise
         finally:
             dist.destroy_process_group()
 
