@@ -19,6 +19,10 @@ threshold as large blocks are freed, keeping freed memory in its heap and RSS). 
 miss spikes shorter than a millisecond; both modes are sampled the same way. Both modes run once
 untimed at full length first, so the figures are steady-state, not the allocator's first growth.
 
+On a machine shared with other work, load that comes and goes moves the totals; the median of
+the per-sequence ratios (each sequence's two passes run back to back) moves less, and both are
+printed.
+
     python benchmarks/bench_calibrate.py --max-length 2048 --sequences 3
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import threading
 import time
@@ -122,6 +127,8 @@ def main() -> None:
     calibrate(warm, 0)
 
     times = {"plain": 0.0, "calibrate": 0.0}
+    pair = {}  # this sequence's time in each mode
+    ratios = []  # per sequence: calibrate / plain, the two passes run back to back
     extra = {"plain": 0, "calibrate": 0}
     total = {"plain": 0, "calibrate": 0}
     parts = []
@@ -138,10 +145,12 @@ def main() -> None:
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
             times[mode] += dt
+            pair[mode] = dt
             extra[mode] = max(extra[mode], mem.extra)
             total[mode] = max(total[mode], mem.total)
             print(f"  sequence {i} {mode:>9}: {dt:7.2f} s, peak +{mem.extra / 2**20:7.1f} MiB "
                   f"(total {mem.total / 2**20:7.1f} MiB)", flush=True)
+        ratios.append(pair["calibrate"] / pair["plain"])
 
     t0 = time.perf_counter()
     stats = RowStats.concat(parts)
@@ -158,6 +167,8 @@ def main() -> None:
         print(f"{mode:>9}: {times[mode]:8.2f} s  {tokens / times[mode]:8.0f} tokens/s  "
               f"peak +{extra[mode] / 2**20:8.1f} MiB  total peak {total[mode] / 2**20:8.1f} MiB")
     print(f"time ratio (calibrate / plain):            {times['calibrate'] / times['plain']:.3f}")
+    print(f"time ratio, median of the sequences':      {statistics.median(ratios):.3f} "
+          f"(range {min(ratios):.3f}..{max(ratios):.3f}; less exposed to other load)")
     print(f"peak memory ratio, above the loaded model: {extra['calibrate'] / max(extra['plain'], 1):.3f}")
     print(f"peak memory ratio, total:                  {total['calibrate'] / max(total['plain'], 1):.3f}")
     print(f"(not in the ratios: saving statistics {save_s:.2f} s, fit {fit_s:.2f} s; "

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -80,6 +80,7 @@ class AlphaLattice:
     step: torch.Tensor  # (Q,) float32: q delta * log2(e), the exponent scale of column q
     index: torch.Tensor  # (n_alpha,) int64: p_i Q + q_i, grid value i in the flattened (P, Q) product
     one: int  # grid index of alpha = 1 (the tilted mean is taken there)
+    one_step: int  # its p Q + q, kept on the host so reading it never waits for a device
 
 
 def alpha_lattice(alpha_grid, columns: int = 16) -> AlphaLattice:
@@ -106,7 +107,8 @@ def alpha_lattice(alpha_grid, columns: int = 16) -> AlphaLattice:
         steps, base, step = np.arange(grid.size), grid, np.zeros(1)
     return AlphaLattice(values=torch.tensor(grid, dtype=torch.float32),
                         base=torch.tensor(base * _LOG2E, dtype=torch.float32),
-                        step=torch.tensor(step * _LOG2E, dtype=torch.float32), index=torch.as_tensor(steps), one=one)
+                        step=torch.tensor(step * _LOG2E, dtype=torch.float32), index=torch.as_tensor(steps), one=one,
+                        one_step=int(steps[one]))
 
 
 def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor, scaling: float, *,
@@ -175,7 +177,7 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
     s_rows, z_rows = shifted.view(n_rows, keys), zeroed.view(n_rows, keys)
     sums = torch.zeros(n_rows, base.numel(), step.numel(), dtype=torch.float64, device=device)  # S per (p, q)
     tilted = torch.zeros(n_rows, dtype=torch.float64, device=device)  # sum_j s_j e^{s_j}
-    p_one, q_one = divmod(int(lattice.index[lattice.one]), step.numel())
+    p_one, q_one = divmod(lattice.one_step, step.numel())
     tile = n_rows * keys if device.type == "cuda" else _TILE
     rows_per_tile = max(1, tile // keys)
     keys_per_tile = max(1, tile // rows_per_tile)
@@ -251,7 +253,7 @@ class RowCollector:
         self.lattice = alpha_lattice(self.alpha_grid)
         self.chunk = chunk
         self.budget = budget
-        self._grid_t: dict[torch.device, torch.Tensor] = {}
+        self._on_device: dict[torch.device, tuple[torch.Tensor, AlphaLattice]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._parts: list[dict] = []
         self.seq = 0
@@ -272,7 +274,7 @@ class RowCollector:
             batch, heads, q_len, head_dim = query.shape
             kv_heads = key.shape[1]
             group = heads // kv_heads
-            grid_t = self._device_tensors(query.device)
+            grid_t, lattice = self._device_tensors(query.device)
             for b in range(batch):
                 if q_len > 1 and bool((n_visible[b] == n_visible[b, 0]).all()):
                     keep = torch.arange(q_len, device=query.device)  # a non-causal block: all of it
@@ -283,14 +285,13 @@ class RowCollector:
                 n_rows = n_visible[b, keep]
                 order = torch.argsort(n_rows, stable=True)
                 keep, n_rows = keep[order], n_rows[order]
+                n_host = n_rows.cpu().numpy()  # chunk bounds, read here so the reduction never waits on the host
                 q = query[b].reshape(kv_heads, group, -1, head_dim)  # (KVH, G, q_len, D); head = kvh * G + g
-                with self._side_stream(query, key):
-                    for lo, hi in self._chunks(n_rows.cpu().numpy(), heads):
-                        n_chunk = n_rows[lo:hi]
-                        n_max = int(n_chunk[-1])
-                        out = reduce_rows(q[:, :, keep[lo:hi]], key[b, :, :n_max], n_chunk, scaling,
-                                          k_max=self.k_max, alpha_grid=self.lattice)
-                        self._store(layer_idx, b, n_chunk, out, heads)
+                with self._side_stream(query, key, keep, n_rows):
+                    for lo, hi in self._chunks(n_host, heads):
+                        out = reduce_rows(q[:, :, keep[lo:hi]], key[b, :, :int(n_host[hi - 1])], n_rows[lo:hi],
+                                          scaling, k_max=self.k_max, alpha_grid=lattice)
+                        self._store(layer_idx, b, n_rows[lo:hi], out, heads)
 
     def take(self) -> RowStats:
         """The rows of the current sequence, as float32 ``RowStats`` (layer-major order)."""
@@ -313,23 +314,32 @@ class RowCollector:
         return RowStats(alpha_grid=self.alpha_grid, **cat)
 
     # -- internals ---------------------------------------------------------------------------
-    def _device_tensors(self, device: torch.device):
-        if device not in self._grid_t:
-            self._grid_t[device] = torch.as_tensor(self.grid, device=device)
-        return self._grid_t[device]
+    def _device_tensors(self, device: torch.device) -> tuple[torch.Tensor, AlphaLattice]:
+        """The n grid and the alpha lattice on ``device`` (copied there once)."""
+        if device not in self._on_device:
+            lattice = self.lattice
+            self._on_device[device] = (torch.as_tensor(self.grid, device=device),
+                                       replace(lattice, values=lattice.values.to(device), base=lattice.base.to(device),
+                                               step=lattice.step.to(device), index=lattice.index.to(device)))
+        return self._on_device[device]
 
     @contextlib.contextmanager
-    def _side_stream(self, query: torch.Tensor, key: torch.Tensor):
-        """On CUDA, run the block on this collector's side stream after the work queued so far."""
-        if query.device.type != "cuda":
+    def _side_stream(self, *tensors: torch.Tensor):
+        """On CUDA, run the block on this collector's side stream after the work queued so far.
+
+        ``tensors`` (made by the forward's stream, read by the block) are marked as in use by the
+        side stream, so their memory is not reused before the block's work is done.
+        """
+        device = tensors[0].device
+        if device.type != "cuda":
             yield
             return
-        if query.device not in self._streams:
-            self._streams[query.device] = torch.cuda.Stream(query.device)
-        stream = self._streams[query.device]
-        stream.wait_stream(torch.cuda.current_stream(query.device))
-        query.record_stream(stream)
-        key.record_stream(stream)
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        stream = self._streams[device]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        for tensor in tensors:
+            tensor.record_stream(stream)
         with torch.cuda.stream(stream):
             yield
 
