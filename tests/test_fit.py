@@ -57,6 +57,8 @@ def test_fit_options_override_the_recorded_ones(runs, tmp_path):
         fit_files([runs["train"]], top_k=17)
     with pytest.raises(UserError, match="--granularity row"):
         fit_files([runs["train"]], granularity="row")
+    with pytest.raises(UserError, match="--top-k 4: must be below --n-ref 4"):
+        fit_files([runs["train"]], n_ref=4)
 
 
 def test_fit_joins_corpora_keeping_their_sequences_apart(runs, tmp_path):
