@@ -62,7 +62,7 @@ def test_fit_options_override_the_recorded_ones(runs, tmp_path):
 
 
 def test_fit_joins_corpora_keeping_their_sequences_apart(runs, tmp_path):
-    spec, fit, stats = fit_files([runs["train"], runs["heldout"]])
+    spec, _, stats, _ = fit_files([runs["train"], runs["heldout"]])
     train, _, _ = read_record(runs["train"])
     heldout, _, _ = read_record(runs["heldout"])
     assert stats.rows == train.rows + heldout.rows
@@ -105,6 +105,14 @@ def test_fit_refuses_other_alpha_grids_and_asks_for_disputed_settings(runs, tmp_
     longer = _rewrite(runs["heldout"], tmp_path / "long.npz", max_length=512)
     with pytest.raises(UserError, match="different max_length"):
         fit_files([runs["train"], longer])
+
+
+def test_fit_never_writes_over_its_input(runs, tmp_path):
+    copy = tmp_path / "copy.npz"
+    copy.write_bytes(runs["train"].read_bytes())
+    res = _fit(copy, "--out", copy)
+    assert res.exit_code == 1 and "is the statistics file" in str(res.exception)
+    assert copy.read_bytes() == runs["train"].read_bytes()
 
 
 def test_fit_needs_the_record(runs, tmp_path):
