@@ -37,7 +37,7 @@ from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, RowStats
 
 from .errors import UserError
 
-__all__ = ["log_grid", "alpha_lattice", "AlphaLattice", "reduce_rows", "RowCollector", "DEFAULT_K_MAX",
+__all__ = ["log_grid", "alpha_lattice", "AlphaLattice", "reduce_rows", "Workspace", "RowCollector", "DEFAULT_K_MAX",
            "DEFAULT_BUDGET"]
 
 DEFAULT_K_MAX = 16  # top logits kept per row: any --top-k up to this can be fitted later
@@ -112,7 +112,7 @@ def alpha_lattice(alpha_grid, columns: int = 16) -> AlphaLattice:
 
 
 def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor, scaling: float, *,
-                k_max: int, alpha_grid) -> dict[str, torch.Tensor]:
+                k_max: int, alpha_grid, workspace: Workspace | None = None) -> dict[str, torch.Tensor]:
     """Statistics of the rows ``scaling * query @ key[:n].T`` for one chunk, in fp32.
 
     Parameters
@@ -129,6 +129,8 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
         Top logits kept per row.
     alpha_grid : sequence of float or AlphaLattice
         Query scales for ``lse`` (increasing, all > 0, holding 1.0), or their ``alpha_lattice``.
+    workspace : Workspace, optional
+        Scratch buffers to reuse across calls (default: fresh ones).
 
     Returns
     -------
@@ -153,24 +155,29 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
     Work is cut into tiles of at most ``_TILE`` logits on CPU (rows, and keys when a row is
     longer), so ``W`` and ``X`` stay in cache and extra memory is bounded; tile sums add up in
     float64. On CUDA a chunk is one tile. Mean and variance come from sums over all keys with the
-    hidden ones at ``s = 0``, corrected exactly for them.
+    hidden ones at ``s = 0``, corrected exactly for them (fp32 sums, which torch accumulates in
+    cascade on CPU and as a tree on CUDA). Temporaries live in ``workspace``.
     """
     lattice = alpha_grid if isinstance(alpha_grid, AlphaLattice) else alpha_lattice(alpha_grid)
+    ws = workspace if workspace is not None else Workspace()
     kv_heads, group, rows, head_dim = query.shape
     keys = key.shape[1]
     device = key.device
-    logits = torch.matmul(query.reshape(kv_heads, group * rows, head_dim).float(),
-                          key.float().transpose(-1, -2))  # (KVH, G * R, N): one product per key head
-    logits = logits.view(kv_heads, group, rows, keys).mul_(scaling)
-    hidden = torch.arange(keys, device=device) >= n_visible[:, None]  # (R, N)
+    f32 = torch.float32
+    logits = torch.matmul(query.reshape(kv_heads, group * rows, head_dim).float(), key.float().transpose(-1, -2),
+                          out=ws.take("logits", (kv_heads, group * rows, keys), f32, device))  # one product per key head
+    logits = logits.view(kv_heads, group, rows, keys).mul_(scaling)  # (KVH, G, R, N)
+    positions = torch.arange(keys, out=ws.take("positions", (keys,), torch.int64, device))
+    hidden = torch.ge(positions, n_visible[:, None], out=ws.take("hidden", (rows, keys), torch.bool, device))
     logits.masked_fill_(hidden, float("-inf"))
     top = torch.topk(logits, k_max, dim=-1).values  # (KVH, G, R, k_max), descending
     peak = top[..., :1]
     shifted = logits.sub_(peak)  # s_j <= 0; -inf where hidden
-    zeroed = shifted.masked_fill(hidden, 0.0)
-    n = n_visible.to(torch.float32)
+    zeroed = torch.where(hidden, shifted.new_zeros(()), shifted, out=ws.take("zeroed", shifted.shape, f32, device))
+    n = n_visible.to(f32)
     mean_s = zeroed.sum(-1) / n
-    var = zeroed.square().sum(-1, dtype=torch.float64) / n - mean_s.double() ** 2
+    square_sum = torch.mul(zeroed, zeroed, out=ws.take("square", zeroed.shape, f32, device)).sum(-1)
+    var = square_sum.double() / n - mean_s.double() ** 2
 
     base, step = lattice.base.to(device), lattice.step.to(device)
     n_rows = kv_heads * group * rows
@@ -185,14 +192,40 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
         hi = min(lo + rows_per_tile, n_rows)
         for k_lo in range(0, keys, keys_per_tile):
             s_tile, z_tile = s_rows[lo:hi, k_lo:k_lo + keys_per_tile], z_rows[lo:hi, k_lo:k_lo + keys_per_tile]
-            w = torch.exp2(torch.mul(s_tile[:, None, :], base[:, None]).clamp_(min=_EXP2_FLOOR))  # (r, P, k)
-            x = torch.exp2(torch.mul(z_tile[:, :, None], step).clamp_(min=_EXP2_FLOOR))  # (r, k, Q)
+            r, k = s_tile.shape
+            w = torch.mul(s_tile[:, None, :], base[:, None], out=ws.take("w", (r, base.numel(), k), f32, device))
+            torch.exp2(w.clamp_(min=_EXP2_FLOOR), out=w)  # (r, P, k)
+            x = torch.mul(z_tile[:, :, None], step, out=ws.take("x", (r, k, step.numel()), f32, device))
+            torch.exp2(x.clamp_(min=_EXP2_FLOOR), out=x)  # (r, k, Q)
             sums[lo:hi] += torch.bmm(w, x)  # (r, P, Q)
-            tilted[lo:hi] += (w[:, p_one] * x[:, :, q_one] * z_tile).sum(-1)  # at alpha = 1: sum s e^s
+            e_one = torch.mul(w[:, p_one], x[:, :, q_one], out=ws.take("e_one", (r, k), f32, device))  # e^{s_j}
+            tilted[lo:hi] += e_one.mul_(z_tile).sum(-1)  # at alpha = 1: sum s e^s
     lead = sums.view(n_rows, -1)[:, lattice.index.to(device)].view(kv_heads, group, rows, -1)  # (.., n_alpha)
     tilted = peak[..., 0] + (tilted.view(kv_heads, group, rows) / lead[..., lattice.one]).float()
     return dict(top=top, lse=lead.log_().float() + peak * lattice.values.to(device), tilted_mean=tilted,
                 mean=peak[..., 0] + mean_s, var=var.clamp_(min=0.0).float())
+
+
+class Workspace:
+    """Scratch buffers that ``reduce_rows`` reuses from chunk to chunk: one per name, grown as needed.
+
+    Fresh memory is faulted in page by page on first touch; for the reduction's medium-sized
+    temporaries that costs as much as the arithmetic on them whenever the allocator hands freed
+    blocks back to the system (glibc does for blocks above its mmap threshold). ``RowCollector``
+    keeps one per attention call, so the buffers are gone before the rest of the layer runs and
+    calibration's peak memory stays that of the forward pass.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of ``shape`` over buffer ``name`` (contents undefined); valid until the next take of ``name``."""
+        size = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._buffers[name] = torch.empty(size, dtype=dtype, device=device)
+        return buffer[:size].view(shape)
 
 
 @contextlib.contextmanager
@@ -288,9 +321,10 @@ class RowCollector:
                 n_host = n_rows.cpu().numpy()  # chunk bounds, read here so the reduction never waits on the host
                 q = query[b].reshape(kv_heads, group, -1, head_dim)  # (KVH, G, q_len, D); head = kvh * G + g
                 with self._side_stream(query, key, keep, n_rows):
+                    workspace = Workspace()  # this call's scratch memory, freed before the layer goes on
                     for lo, hi in self._chunks(n_host, heads):
                         out = reduce_rows(q[:, :, keep[lo:hi]], key[b, :, :int(n_host[hi - 1])], n_rows[lo:hi],
-                                          scaling, k_max=self.k_max, alpha_grid=lattice)
+                                          scaling, k_max=self.k_max, alpha_grid=lattice, workspace=workspace)
                         self._store(layer_idx, b, n_rows[lo:hi], out, heads)
 
     def take(self) -> RowStats:
