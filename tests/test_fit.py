@@ -61,6 +61,22 @@ def test_fit_options_override_the_recorded_ones(runs, tmp_path):
         fit_files([runs["train"]], n_ref=4)
 
 
+def test_fit_tabulates_like_calibrate(runs, tmp_path):
+    """The tabulated law from the same rows: the spec of calibrate --law tabulated, byte for byte."""
+    pard = ScaleSpec.load(runs["spec"]).drafter.path
+    opts = CalibrateOptions(out=tmp_path / "table.json", stats=tmp_path / "table.npz", drafter="pard",
+                            drafter_path=pard, max_length=256, sequences=3, n_ref=64, device="cpu", bootstrap=20,
+                            law="tabulated", max_n=1024)
+    run_calibration(opts)
+    res = _fit(opts.stats, "--out", tmp_path / "fit.json")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "fit.json").read_text() == opts.out.read_text()
+    spec = fit_files([runs["train"]], law="tabulated")[0]  # a log-linear calibration's rows, tabulated
+    assert spec.law == "tabulated" and spec.table.n[-1] == 64 * 64
+    with pytest.raises(UserError, match="--estimator gaussian with --law tabulated"):
+        fit_files([runs["train"]], law="tabulated", estimator="gaussian")
+
+
 def test_fit_joins_corpora_keeping_their_sequences_apart(runs, tmp_path):
     spec, _, stats, _ = fit_files([runs["train"], runs["heldout"]])
     train, _, _ = read_record(runs["train"])
