@@ -19,6 +19,11 @@ threshold as large blocks are freed, keeping freed memory in its heap and RSS). 
 miss spikes shorter than a millisecond; both modes are sampled the same way. Both modes run once
 untimed at full length first, so the figures are steady-state, not the allocator's first growth.
 
+On a machine shared with other work, load that comes and goes moves the totals; the median of
+the per-sequence ratios (each sequence's two passes run back to back) moves less, and both are
+printed, with the ratio of process CPU time (which waiting for a core does not inflate; with one
+thread it is the work ratio itself).
+
     python benchmarks/bench_calibrate.py --max-length 2048 --sequences 3
 """
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import threading
 import time
@@ -46,6 +52,7 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device = device
         self.extra = self.total = 0
+        self.sampler_cpu = 0.0
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -61,9 +68,11 @@ class PeakMemory:
         return self
 
     def _sample(self):
+        started = time.thread_time()
         while self.running:
             self.peak = max(self.peak, self.proc.memory_info().rss)
             time.sleep(0.001)
+        self.sampler_cpu = time.thread_time() - started  # left out of the pass's CPU time
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
@@ -122,12 +131,16 @@ def main() -> None:
     calibrate(warm, 0)
 
     times = {"plain": 0.0, "calibrate": 0.0}
+    cpu = {"plain": 0.0, "calibrate": 0.0}  # process CPU time, all threads
+    pair = {}  # this sequence's time in each mode
+    ratios = []  # per sequence: calibrate / plain, the two passes run back to back
     extra = {"plain": 0, "calibrate": 0}
     total = {"plain": 0, "calibrate": 0}
     parts = []
     for i, seq in enumerate(sequences):
         ids = torch.tensor([seq])
         for mode in ("plain", "calibrate"):
+            c0 = time.process_time()  # the sampler thread runs inside [c0, c1]: its CPU time is taken out
             with PeakMemory(device) as mem:
                 t0 = time.perf_counter()
                 if mode == "plain":
@@ -137,11 +150,14 @@ def main() -> None:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
+            cpu[mode] += time.process_time() - c0 - mem.sampler_cpu
             times[mode] += dt
+            pair[mode] = dt
             extra[mode] = max(extra[mode], mem.extra)
             total[mode] = max(total[mode], mem.total)
             print(f"  sequence {i} {mode:>9}: {dt:7.2f} s, peak +{mem.extra / 2**20:7.1f} MiB "
                   f"(total {mem.total / 2**20:7.1f} MiB)", flush=True)
+        ratios.append(pair["calibrate"] / pair["plain"])
 
     t0 = time.perf_counter()
     stats = RowStats.concat(parts)
@@ -158,6 +174,10 @@ def main() -> None:
         print(f"{mode:>9}: {times[mode]:8.2f} s  {tokens / times[mode]:8.0f} tokens/s  "
               f"peak +{extra[mode] / 2**20:8.1f} MiB  total peak {total[mode] / 2**20:8.1f} MiB")
     print(f"time ratio (calibrate / plain):            {times['calibrate'] / times['plain']:.3f}")
+    print(f"time ratio, median of the sequences':      {statistics.median(ratios):.3f} "
+          f"(range {min(ratios):.3f}..{max(ratios):.3f}; less exposed to other load)")
+    print(f"CPU time ratio (all threads of the process): {cpu['calibrate'] / cpu['plain']:.3f} "
+          f"(time on a core rather than waiting for one; not the same measure with several threads)")
     print(f"peak memory ratio, above the loaded model: {extra['calibrate'] / max(extra['plain'], 1):.3f}")
     print(f"peak memory ratio, total:                  {total['calibrate'] / max(total['plain'], 1):.3f}")
     print(f"(not in the ratios: saving statistics {save_s:.2f} s, fit {fit_s:.2f} s; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -16,7 +17,7 @@ from sharpdraft_theory.estimators import ESTIMATOR_CHOICES, get_estimator
 from .drafters import kind_names
 from .errors import UserError
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "print_fit"]
 
 console = Console()
 
@@ -56,7 +57,11 @@ def calibrate(
         "--aux-layer-reading", help="How a head's aux layer ids map to target hidden states: sglang (id + 1) or "
                                     "vllm (id) (default: as the framework that trained it).")] = None,
 ):
-    """Collect attention-logit statistics from a drafter over a corpus and fit the query-scaling slope."""
+    """Collect attention-logit statistics from a drafter over a corpus and fit the query-scaling slope.
+
+    Under torchrun, every rank runs its share of the sequences and rank 0 alone prints and writes.
+    """
+    from .distributed import is_main_process
     from .run import CalibrateOptions, run_calibration
 
     try:
@@ -66,19 +71,25 @@ def calibrate(
     opts = CalibrateOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path,
                             corpus=corpus, max_length=max_length, sequences=sequences, n_ref=n_ref, top_k=top_k,
                             granularity=granularity, estimator=estimator, alpha_max=alpha_max, law=law, max_n=max_n,
-                            device=device, dtype=dtype, chunk=chunk, stats=stats, resume=resume, aux_layer_reading=aux_layer_reading)
-    console.print(f"[bold]Calibrating[/] {drafter} drafter ({drafter_path or 'built-in'}) on {corpus}")
-    with _RichProgress() as progress:
+                            device=device, dtype=dtype, chunk=chunk, stats=stats, resume=resume,
+                            aux_layer_reading=aux_layer_reading)
+    main = is_main_process()  # under torchrun the other ranks are quiet
+    if main:
+        console.print(f"[bold]Calibrating[/] {drafter} drafter ({drafter_path or 'built-in'}) on {corpus}")
+    with _RichProgress() if main else contextlib.nullcontext() as progress:
         try:
             result = run_calibration(opts, progress=progress)
         except KeyboardInterrupt:
-            console.print(f"[yellow]interrupted[/] after {progress.done} of {progress.total} sequences; "
-                          "rerun the same command with --resume to continue")
+            if main:
+                console.print(f"[yellow]interrupted[/] after {progress.done} of {progress.total} sequences; "
+                              "rerun the same command with --resume to continue")
             raise typer.Exit(130) from None
+    if not main:
+        return
     _summary(result, out)
     if stats is not None:
         console.print(f"Wrote [bold]{stats}[/] (per-row statistics and the run's settings; "
-                      f"`sharpdraft plot {stats}` draws them)")
+                      f"`sharpdraft plot {stats}` and `sharpdraft fit {stats}` read them)")
 
 
 class _RichProgress:
@@ -115,12 +126,17 @@ def _fmt(value, digits: int = 4) -> str:
 
 
 def _summary(result, out: Path) -> None:
-    spec, fit = result.spec, result.fit
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}")
     rate = f", {result.tokens / result.seconds:,.0f} tokens/s" if result.seconds > 0 else ""
-    console.print(f"Collected {result.stats.rows:,} rows from {spec.calibration.sequences} sequences in "
-                  f"{result.seconds:.1f} s{rate}" + (f" ({result.resumed} resumed)" if result.resumed else ""))
+    ranks = f" on {result.world_size} processes" if result.world_size > 1 else ""
+    console.print(f"Collected {result.stats.rows:,} rows from {result.spec.calibration.sequences} sequences{ranks} "
+                  f"in {result.seconds:.1f} s{rate}" + (f" ({result.resumed} resumed)" if result.resumed else ""))
+    print_fit(result.spec, result.fit, out)
+
+
+def print_fit(spec, fit, out: Path) -> None:
+    """The fit's tables (mass by length, every estimator's slope) and where the spec went."""
     table = Table(title=f"Top-{spec.top_k} mass by context length (n_ref = {spec.n_ref}; "
                         f"reference mass {fit.mass_ref:.4f})")
     for col in ("n", "rows", f"mean top-{spec.top_k} mass", "fitted alpha"):
@@ -145,4 +161,3 @@ def _summary(result, out: Path) -> None:
         console.print(f"Tabulated law: {len(t.n)} knots, {t.measured} calibrated up to n = {t.n[t.measured - 1]:,}"
                       + (f", {t.extrapolation} extrapolation to n = {t.n[-1]:,}" if t.extrapolation else "")
                       + "; alpha holds past the last knot")
-

@@ -20,11 +20,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .distributed import is_main_process
 from .errors import UserError
 
 app = typer.Typer(
     name="sharpdraft",
-    help="Cardinality-aware query scaling for speculative-decoding drafters: predict, calibrate, inspect.",
+    help="Cardinality-aware query scaling for speculative-decoding drafters: predict, calibrate, fit, inspect.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -161,6 +162,7 @@ def _knots_table(s) -> Table:
 from .calibrate_cmd import calibrate as _calibrate; app.command(name="calibrate")(_calibrate)  # noqa: E402, E702
 from .plot_cmd import plot as _plot; app.command(name="plot")(_plot)  # noqa: E402, E702
 from .eval_cmd import eval_command as _eval; app.command(name="eval")(_eval)  # noqa: E402, E702
+from .fit_cmd import fit as _fit; app.command(name="fit")(_fit)  # noqa: E402, E702
 
 
 def _fail(message: str) -> None:
@@ -175,6 +177,8 @@ def main() -> None:
     except UserError as err:
         if os.environ.get("SHARPDRAFT_DEBUG"):
             raise
+        if not is_main_process():  # under torchrun rank 0 prints the error of any rank (calibrate.distributed)
+            raise SystemExit(1) from None
         _fail(str(err))
     except NoArgsIsHelpError as err:
         typer.echo(err.ctx.get_help())

@@ -14,16 +14,21 @@ statistics of ``sharpdraft_theory.stats.RowStats`` (theory.md section 6):
 ``row_stats_from_logits`` in ``sharpdraft_theory.stats`` is the float64 numpy version of the
 same reduction; the tests hold this one to it.
 
-Memory: a chunk holds at most ``budget`` logits (plus a few same-sized temporaries), so the
-extra memory of calibration is bounded whatever the sequence length. Rows are grouped by
-``n`` (at most 1.5x apart) so a chunk's key range is cut at its longest row, and short rows do not pay
-for long ones.
+Memory: a chunk holds at most ``budget`` logits (plus three same-sized temporaries and, on CPU,
+tiles of a fixed size), so the extra memory of calibration is bounded whatever the sequence
+length. Rows are grouped by ``n`` (at most 1.5x apart) so a chunk's key range is cut at its
+longest row, and short rows do not pay for long ones.
+
+On CUDA the reduction runs on a side stream, overlapping the drafter's forward pass: the
+forward only hands over its queries and keys, and the statistics come back to the host once per
+sequence (``RowCollector.take``). On CPU it runs in line, on one intra-op thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -32,12 +37,16 @@ from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, RowStats
 
 from .errors import UserError
 
-__all__ = ["log_grid", "reduce_rows", "RowCollector", "DEFAULT_K_MAX", "DEFAULT_BUDGET"]
+__all__ = ["log_grid", "alpha_lattice", "AlphaLattice", "reduce_rows", "Workspace", "RowCollector", "DEFAULT_K_MAX",
+           "DEFAULT_BUDGET"]
 
 DEFAULT_K_MAX = 16  # top logits kept per row: any --top-k up to this can be fitted later
-DEFAULT_BUDGET = 1 << 19  # logits per chunk (2 MiB in fp32, about 6x that in temporaries); --chunk: rows
+DEFAULT_BUDGET = 1 << 19  # logits per chunk (2 MiB in fp32, about 4x that in temporaries); --chunk: rows
 _CPU_THREADS = 1  # intra-op threads of the reduction on CPU (see _cpu_threads)
-_RESTART = 32  # fresh exp every this many alpha-grid steps (see reduce_rows)
+_TILE = 1 << 14  # logits per tile of the alpha-grid sums on CPU: W and X (25x a tile) stay in L2 cache
+_EXP2_FLOOR = -63.0  # exponent floor: products of two factors stay normal floats (see reduce_rows)
+_MAX_LATTICE_WASTE = 4  # a lattice may hold at most this many points per grid value (see alpha_lattice)
+_LOG2E = math.log2(math.e)
 
 
 def log_grid(max_length: int, *, per_octave: int = 8, n_min: int = 32) -> np.ndarray:
@@ -56,8 +65,54 @@ def log_grid(max_length: int, *, per_octave: int = 8, n_min: int = 32) -> np.nda
     return np.unique(np.append(grid, max_length))
 
 
+@dataclass(frozen=True)
+class AlphaLattice:
+    """The alpha grid written as a lattice, ``a_i = a_0 + (p_i Q + q_i) delta``, for the product form.
+
+    ``2^{a_i s'} = 2^{(a_0 + p_i Q delta) s'} * 2^{q_i delta s'}``: one factor per row ``p`` of ``W``
+    and one per column ``q`` of ``X`` (``reduce_rows``). A grid that is not on a lattice of its
+    smallest step (or would waste more than ``_MAX_LATTICE_WASTE`` of it) gets one row per value
+    and a single column (``delta = 0``).
+    """
+
+    values: torch.Tensor  # (n_alpha,) float32: the grid itself
+    base: torch.Tensor  # (P,) float32: (a_0 + p Q delta) * log2(e), the exponent scale of row p
+    step: torch.Tensor  # (Q,) float32: q delta * log2(e), the exponent scale of column q
+    index: torch.Tensor  # (n_alpha,) int64: p_i Q + q_i, grid value i in the flattened (P, Q) product
+    one: int  # grid index of alpha = 1 (the tilted mean is taken there)
+    one_step: int  # its p Q + q, kept on the host so reading it never waits for a device
+
+
+def alpha_lattice(alpha_grid, columns: int = 16) -> AlphaLattice:
+    """Factor ``alpha_grid`` (increasing, > 0, holding 1.0) for ``reduce_rows``; ``columns`` is Q.
+
+    >>> lat = alpha_lattice([0.5, 0.75, 1.0, 1.5], columns=2)  # a = 0.5 + (2 p + q) 0.25
+    >>> lat.index.tolist(), (lat.base / math.log2(math.e)).tolist(), (lat.step / math.log2(math.e)).tolist()
+    ([0, 1, 2, 4], [0.5, 1.0, 1.5], [0.0, 0.25])
+    """
+    grid = np.asarray(alpha_grid, dtype=np.float64)
+    if grid.ndim != 1 or grid.size == 0 or grid[0] <= 0 or np.any(np.diff(grid) <= 0):
+        raise ValueError("alpha_grid must be increasing and positive")
+    one = int(np.argmin(np.abs(grid - 1.0)))
+    if abs(grid[one] - 1.0) > 1e-6:
+        raise ValueError("alpha_grid must contain 1.0")
+    delta = float(np.diff(grid).min()) if grid.size > 1 else 0.0
+    steps = np.round((grid - grid[0]) / delta).astype(np.int64) if delta else np.zeros(grid.size, np.int64)
+    if delta and np.allclose(grid[0] + steps * delta, grid, rtol=0, atol=1e-9) \
+            and steps[-1] < _MAX_LATTICE_WASTE * grid.size:
+        columns = min(columns, int(steps[-1]) + 1)
+        base = grid[0] + np.arange(steps[-1] // columns + 1) * columns * delta
+        step = np.arange(columns) * delta
+    else:  # one row per value and a column of ones: W @ X is a plain sum per value
+        steps, base, step = np.arange(grid.size), grid, np.zeros(1)
+    return AlphaLattice(values=torch.tensor(grid, dtype=torch.float32),
+                        base=torch.tensor(base * _LOG2E, dtype=torch.float32),
+                        step=torch.tensor(step * _LOG2E, dtype=torch.float32), index=torch.as_tensor(steps), one=one,
+                        one_step=int(steps[one]))
+
+
 def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor, scaling: float, *,
-                k_max: int, alpha_grid) -> dict[str, torch.Tensor]:
+                k_max: int, alpha_grid, workspace: Workspace | None = None) -> dict[str, torch.Tensor]:
     """Statistics of the rows ``scaling * query @ key[:n].T`` for one chunk, in fp32.
 
     Parameters
@@ -72,8 +127,10 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
         Softmax scale folded into the logits.
     k_max : int
         Top logits kept per row.
-    alpha_grid : sequence of float, increasing, all > 0
-        Query scales for ``lse``.
+    alpha_grid : sequence of float or AlphaLattice
+        Query scales for ``lse`` (increasing, all > 0, holding 1.0), or their ``alpha_lattice``.
+    workspace : Workspace, optional
+        Scratch buffers to reuse across calls (default: fresh ones).
 
     Returns
     -------
@@ -82,46 +139,93 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
 
     Notes
     -----
-    With ``s_j = z_j - max z`` (so ``s_j <= 0``), ``lse(a) = a max z + ln sum_j e^{a s_j}``. The
-    terms ``e^{a s_j}`` are stepped along the grid by multiplication,
-    ``e^{a' s} = e^{a s} e^{(a' - a) s}``, with one ``exp`` per distinct step and a fresh ``exp``
-    every ``_RESTART`` steps to bound the rounding drift (about 1e-6 relative): a ``logsumexp``
-    per grid value costs several passes and an ``exp`` each, which made the reduction slower than
-    the forward pass itself. Mean and variance come from sums over all keys with the hidden
-    ones at ``s = 0``, corrected exactly for them.
+    With ``s_j = z_j - max z`` (so ``s_j <= 0``), ``lse(a) = a max z + ln S(a)``,
+    ``S(a) = sum_j 2^{a s'_j}``, ``s' = s log2 e``. On the lattice ``a_i = a_0 + (p_i Q + q_i) delta``
+    (``AlphaLattice``), ``2^{a_i s'_j} = W[p_i, j] X[j, q_i]`` with ``W[p, j] = 2^{(a_0 + p Q delta) s'_j}``
+    and ``X[j, q] = 2^{q delta s'_j}``, so every ``S(a_i)`` of a row is an entry of one small matrix
+    product ``W @ X``: (P + Q) exponentials per logit (25 for the default 101-value grid) and a
+    batched matrix product, instead of a pass over the logits per grid value. Each factor is a
+    direct ``exp2`` (at most a few ulp per term, no drift along the grid).
+
+    Exponents are floored at -63, so every factor and product is a normal float (subnormal
+    arithmetic is tens of times slower on x86). A term below ``2^-63`` (and a hidden key, whose
+    ``W`` is ``2^-63`` instead of 0) then adds at most ``2^-63`` to a sum whose largest term is
+    ``2^0 = 1``: a relative change below ``keys * 1.1e-19``, far under fp32 resolution.
+
+    Work is cut into tiles of at most ``_TILE`` logits on CPU (rows, and keys when a row is
+    longer), so ``W`` and ``X`` stay in cache and extra memory is bounded; tile sums add up in
+    float64. On CUDA a chunk is one tile. Mean and variance come from sums over all keys with the
+    hidden ones at ``s = 0``, corrected exactly for them (fp32 sums, which torch accumulates in
+    cascade on CPU and as a tree on CUDA). Temporaries live in ``workspace``.
     """
+    lattice = alpha_grid if isinstance(alpha_grid, AlphaLattice) else alpha_lattice(alpha_grid)
+    ws = workspace if workspace is not None else Workspace()
+    kv_heads, group, rows, head_dim = query.shape
     keys = key.shape[1]
-    grid = [float(a) for a in alpha_grid]
-    logits = torch.matmul(query.float(), key.float().transpose(-1, -2)[:, None])  # (KVH, G, R, N)
-    logits.mul_(scaling)
-    hidden = torch.arange(keys, device=key.device) >= n_visible[:, None]  # (R, N)
+    device = key.device
+    f32 = torch.float32
+    logits = torch.matmul(query.reshape(kv_heads, group * rows, head_dim).float(), key.float().transpose(-1, -2),
+                          out=ws.take("logits", (kv_heads, group * rows, keys), f32, device))  # one product per key head
+    logits = logits.view(kv_heads, group, rows, keys).mul_(scaling)  # (KVH, G, R, N)
+    positions = torch.arange(keys, out=ws.take("positions", (keys,), torch.int64, device))
+    hidden = torch.ge(positions, n_visible[:, None], out=ws.take("hidden", (rows, keys), torch.bool, device))
     logits.masked_fill_(hidden, float("-inf"))
     top = torch.topk(logits, k_max, dim=-1).values  # (KVH, G, R, k_max), descending
     peak = top[..., :1]
     shifted = logits.sub_(peak)  # s_j <= 0; -inf where hidden
-    zeroed = shifted.masked_fill(hidden, 0.0)
-    n = n_visible.to(torch.float32)
+    zeroed = torch.where(hidden, shifted.new_zeros(()), shifted, out=ws.take("zeroed", shifted.shape, f32, device))
+    n = n_visible.to(f32)
     mean_s = zeroed.sum(-1) / n
-    var = zeroed.square().sum(-1, dtype=torch.float64) / n - mean_s.double() ** 2
+    square_sum = torch.mul(zeroed, zeroed, out=ws.take("square", zeroed.shape, f32, device)).sum(-1)
+    var = square_sum.double() / n - mean_s.double() ** 2
 
-    one = min(range(len(grid)), key=lambda k: abs(grid[k] - 1.0))
-    if abs(grid[one] - 1.0) > 1e-6:
-        raise ValueError("alpha_grid must contain 1.0")
-    sums, steps = [], {}
-    for k, a in enumerate(grid):
-        if k % _RESTART == 0:
-            terms = torch.exp(shifted * a)
-        else:
-            step = round(a - grid[k - 1], 9)
-            if step not in steps:
-                steps[step] = torch.exp(shifted * step)
-            terms.mul_(steps[step])
-        sums.append(terms.sum(-1))
-        if k == one:
-            tilted = peak[..., 0] + (terms * zeroed).sum(-1) / sums[-1]
-    lse = torch.stack(sums, dim=-1).log_() + peak * torch.tensor(grid, device=peak.device)
-    return dict(top=top, lse=lse, tilted_mean=tilted, mean=peak[..., 0] + mean_s,
-                var=var.clamp_(min=0.0).float())
+    base, step = lattice.base.to(device), lattice.step.to(device)
+    n_rows = kv_heads * group * rows
+    s_rows, z_rows = shifted.view(n_rows, keys), zeroed.view(n_rows, keys)
+    sums = torch.zeros(n_rows, base.numel(), step.numel(), dtype=torch.float64, device=device)  # S per (p, q)
+    tilted = torch.zeros(n_rows, dtype=torch.float64, device=device)  # sum_j s_j e^{s_j}
+    p_one, q_one = divmod(lattice.one_step, step.numel())
+    tile = n_rows * keys if device.type == "cuda" else _TILE
+    rows_per_tile = max(1, tile // keys)
+    keys_per_tile = max(1, tile // rows_per_tile)
+    for lo in range(0, n_rows, rows_per_tile):
+        hi = min(lo + rows_per_tile, n_rows)
+        for k_lo in range(0, keys, keys_per_tile):
+            s_tile, z_tile = s_rows[lo:hi, k_lo:k_lo + keys_per_tile], z_rows[lo:hi, k_lo:k_lo + keys_per_tile]
+            r, k = s_tile.shape
+            w = torch.mul(s_tile[:, None, :], base[:, None], out=ws.take("w", (r, base.numel(), k), f32, device))
+            torch.exp2(w.clamp_(min=_EXP2_FLOOR), out=w)  # (r, P, k)
+            x = torch.mul(z_tile[:, :, None], step, out=ws.take("x", (r, k, step.numel()), f32, device))
+            torch.exp2(x.clamp_(min=_EXP2_FLOOR), out=x)  # (r, k, Q)
+            sums[lo:hi] += torch.bmm(w, x)  # (r, P, Q)
+            e_one = torch.mul(w[:, p_one], x[:, :, q_one], out=ws.take("e_one", (r, k), f32, device))  # e^{s_j}
+            tilted[lo:hi] += e_one.mul_(z_tile).sum(-1)  # at alpha = 1: sum s e^s
+    lead = sums.view(n_rows, -1)[:, lattice.index.to(device)].view(kv_heads, group, rows, -1)  # (.., n_alpha)
+    tilted = peak[..., 0] + (tilted.view(kv_heads, group, rows) / lead[..., lattice.one]).float()
+    return dict(top=top, lse=lead.log_().float() + peak * lattice.values.to(device), tilted_mean=tilted,
+                mean=peak[..., 0] + mean_s, var=var.clamp_(min=0.0).float())
+
+
+class Workspace:
+    """Scratch buffers that ``reduce_rows`` reuses from chunk to chunk: one per name, grown as needed.
+
+    Fresh memory is faulted in page by page on first touch; for the reduction's medium-sized
+    temporaries that costs as much as the arithmetic on them whenever the allocator hands freed
+    blocks back to the system (glibc does for blocks above its mmap threshold). ``RowCollector``
+    keeps one per attention call, so the buffers are gone before the rest of the layer runs and
+    calibration's peak memory stays that of the forward pass.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of ``shape`` over buffer ``name`` (contents undefined); valid until the next take of ``name``."""
+        size = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._buffers[name] = torch.empty(size, dtype=dtype, device=device)
+        return buffer[:size].view(shape)
 
 
 @contextlib.contextmanager
@@ -153,6 +257,11 @@ class RowCollector:
     call whose queries all see the same keys is a non-causal block (DFlash places one block at
     each sampled position) and is kept whole.
 
+    On CUDA each call's reduction is queued on a side stream after the forward's work so far,
+    and the forward goes on; ``take()`` waits for it. The query and key tensors are marked as in
+    use by that stream, so the allocator does not hand their memory to later layers too early;
+    the forward must not change them in place after the call (no drafter here does).
+
     Parameters
     ----------
     grid : array of int
@@ -174,10 +283,12 @@ class RowCollector:
             raise ValueError(f"every sampled n must exceed k_max={k_max}, got n={int(self.grid.min())}")
         self.k_max = k_max
         self.alpha_grid = np.asarray(alpha_grid, dtype=np.float64)
+        self.lattice = alpha_lattice(self.alpha_grid)
         self.chunk = chunk
         self.budget = budget
-        self._grid_t: dict[torch.device, torch.Tensor] = {}
-        self._parts: list[dict[str, np.ndarray]] = []
+        self._on_device: dict[torch.device, tuple[torch.Tensor, AlphaLattice]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._parts: list[dict] = []
         self.seq = 0
 
     def start(self, seq: int) -> None:
@@ -196,7 +307,7 @@ class RowCollector:
             batch, heads, q_len, head_dim = query.shape
             kv_heads = key.shape[1]
             group = heads // kv_heads
-            grid_t = self._device_tensors(query.device)
+            grid_t, lattice = self._device_tensors(query.device)
             for b in range(batch):
                 if q_len > 1 and bool((n_visible[b] == n_visible[b, 0]).all()):
                     keep = torch.arange(q_len, device=query.device)  # a non-causal block: all of it
@@ -207,28 +318,64 @@ class RowCollector:
                 n_rows = n_visible[b, keep]
                 order = torch.argsort(n_rows, stable=True)
                 keep, n_rows = keep[order], n_rows[order]
+                n_host = n_rows.cpu().numpy()  # chunk bounds, read here so the reduction never waits on the host
                 q = query[b].reshape(kv_heads, group, -1, head_dim)  # (KVH, G, q_len, D); head = kvh * G + g
-                for lo, hi in self._chunks(n_rows.cpu().numpy(), heads):
-                    n_chunk = n_rows[lo:hi]
-                    n_max = int(n_chunk[-1])
-                    out = reduce_rows(q[:, :, keep[lo:hi]], key[b, :, :n_max], n_chunk, scaling,
-                                      k_max=self.k_max, alpha_grid=self.alpha_grid)
-                    self._store(layer_idx, b, n_chunk, out, heads)
+                with self._side_stream(query, key, keep, n_rows):
+                    workspace = Workspace()  # this call's scratch memory, freed before the layer goes on
+                    for lo, hi in self._chunks(n_host, heads):
+                        out = reduce_rows(q[:, :, keep[lo:hi]], key[b, :, :int(n_host[hi - 1])], n_rows[lo:hi],
+                                          scaling, k_max=self.k_max, alpha_grid=lattice, workspace=workspace)
+                        self._store(layer_idx, b, n_rows[lo:hi], out, heads)
 
     def take(self) -> RowStats:
         """The rows of the current sequence, as float32 ``RowStats`` (layer-major order)."""
+        for stream in self._streams.values():
+            stream.synchronize()
         if not self._parts:
             raise UserError("the drafter produced no attention rows on the sampled lengths; "
                             "is --max-length larger than the shortest sampled n (32)?")
-        cat = {k: np.concatenate([p[k] for p in self._parts]) for k in self._parts[0]}
-        self._parts = []
+        parts, self._parts = self._parts, []
+        host = []
+        for part in parts:
+            flat = {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in part.items()}
+            if not (np.isfinite(flat["top"]).all() and np.isfinite(flat["lse"]).all()
+                    and np.isfinite(flat["var"]).all()):
+                raise UserError(f"non-finite attention logits in layer {int(flat['layer'][0])} of sequence "
+                                f"{int(flat['seq'][0])}: the drafter's activations overflow in this dtype; "
+                                "try --dtype float32")
+            host.append(flat)
+        cat = {k: np.concatenate([p[k] for p in host]) for k in host[0]}
         return RowStats(alpha_grid=self.alpha_grid, **cat)
 
     # -- internals ---------------------------------------------------------------------------
-    def _device_tensors(self, device: torch.device):
-        if device not in self._grid_t:
-            self._grid_t[device] = torch.as_tensor(self.grid, device=device)
-        return self._grid_t[device]
+    def _device_tensors(self, device: torch.device) -> tuple[torch.Tensor, AlphaLattice]:
+        """The n grid and the alpha lattice on ``device`` (copied there once)."""
+        if device not in self._on_device:
+            lattice = self.lattice
+            self._on_device[device] = (torch.as_tensor(self.grid, device=device),
+                                       replace(lattice, values=lattice.values.to(device), base=lattice.base.to(device),
+                                               step=lattice.step.to(device), index=lattice.index.to(device)))
+        return self._on_device[device]
+
+    @contextlib.contextmanager
+    def _side_stream(self, *tensors: torch.Tensor):
+        """On CUDA, run the block on this collector's side stream after the work queued so far.
+
+        ``tensors`` (made by the forward's stream, read by the block) are marked as in use by the
+        side stream, so their memory is not reused before the block's work is done.
+        """
+        device = tensors[0].device
+        if device.type != "cuda":
+            yield
+            return
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        stream = self._streams[device]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        for tensor in tensors:
+            tensor.record_stream(stream)
+        with torch.cuda.stream(stream):
+            yield
 
     def _chunks(self, n_rows: np.ndarray, heads: int):
         """Split sorted rows into chunks spanning at most 1.5x in n and within the logit budget."""
@@ -246,15 +393,11 @@ class RowCollector:
         return rows * heads * int(n_max) <= self.budget
 
     def _store(self, layer_idx: int, b: int, n_chunk: torch.Tensor, out: dict, heads: int) -> None:
-        top = out["top"]
-        if not (torch.isfinite(top).all() and torch.isfinite(out["lse"]).all() and torch.isfinite(out["var"]).all()):
-            raise UserError(f"non-finite attention logits in layer {layer_idx} of sequence {self.seq}: "
-                            "the drafter's activations overflow in this dtype; try --dtype float32")
+        """Keep a chunk's statistics where they were computed; ``take`` brings them to the host."""
         rows = n_chunk.numel()
         # (KVH, G, R, ...) -> (H * R, ...), head-major within the chunk.
-        flat = {k: v.reshape(heads * rows, *v.shape[3:]).cpu().numpy().astype(np.float32) for k, v in out.items()}
-        n = n_chunk.cpu().numpy().astype(np.int64)
-        flat["n"] = np.tile(n, heads)
+        flat = {k: v.reshape(heads * rows, *v.shape[3:]).float() for k, v in out.items()}
+        flat["n"] = n_chunk.repeat(heads).long()
         flat["head"] = np.repeat(np.arange(heads, dtype=np.int32), rows)
         flat["layer"] = np.full(heads * rows, layer_idx, dtype=np.int32)
         flat["seq"] = np.full(heads * rows, self.seq + b, dtype=np.int32)

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from calibrate.collect import RowCollector, log_grid, reduce_rows
+from calibrate.collect import RowCollector, alpha_lattice, log_grid, reduce_rows
 from calibrate.errors import UserError
 from calibrate.taps import TAP_IMPLEMENTATION, attention_tap
 from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, row_stats_from_logits
@@ -17,8 +17,8 @@ from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, row_stats_from_logits
 # Tolerances of the fp32 reduction against float64 on the same query/key values (logits up to
 # about 40 in magnitude). Reasons:
 #  top, mean, tilted_mean: one fp32 dot product of head_dim terms, ~1e-6 relative to |q||k|.
-#  lse: the grid is stepped by multiplication (up to 32 steps between fresh exps), ~1e-6
-#       relative drift per term, plus a*z at a <= 4.
+#  lse: each term is a product of two exp2 factors (a few ulp), summed by an fp32 matrix
+#       product (~sqrt(keys) ulp), plus a*z at a <= 4.
 #  var: sums of squares accumulated in float64 from fp32 values; absolute error ~1e-5 * z^2.
 ATOL = {"top": 2e-4, "lse": 5e-4, "tilted_mean": 2e-4, "mean": 2e-4, "var": 5e-3}
 RTOL = 1e-5
@@ -56,6 +56,38 @@ def test_reduce_rows_matches_float64_reference(kv_heads, group, scale):
     for name, atol in ATOL.items():
         got = out[name].reshape(kv_heads * group * 7, *out[name].shape[3:]).numpy()
         np.testing.assert_allclose(got, getattr(ref, name), rtol=RTOL, atol=atol * max(1.0, scale**2), err_msg=name)
+
+
+def test_default_grid_is_one_small_matrix_product():
+    lattice = alpha_lattice(DEFAULT_ALPHA_GRID)
+    assert (lattice.base.numel(), lattice.step.numel()) == (9, 16)  # 25 exponentials per logit for 101 sums
+    assert lattice.index.max() < 9 * 16 and DEFAULT_ALPHA_GRID[lattice.one] == 1.0
+
+
+@pytest.mark.parametrize("grid", [[0.5, 1.0, 1.7, 3.1], [1.0], [0.5, 0.6, 0.7, 1.0, 2.5]])
+def test_reduce_rows_on_grids_off_a_lattice(grid):
+    query, key, n_visible = _random_rows(5, 2, 2, 5, 120, 16, 1.5)
+    out = reduce_rows(query, key, n_visible, 0.25, k_max=8, alpha_grid=grid)
+    ref = _reference(query, key, n_visible, 0.25, 8)
+    z = 0.25 * np.einsum("hgrd,hnd->hgrn", query.double().numpy(), key.double().numpy()).reshape(20, -1)
+    z = np.where(np.arange(120)[None] < np.tile(n_visible.numpy(), 4)[:, None], z, -np.inf)
+    lse = np.stack([np.logaddexp.reduce(a * z, axis=1) for a in grid], axis=1)
+    np.testing.assert_allclose(out["lse"].reshape(20, -1).numpy(), lse, rtol=RTOL, atol=ATOL["lse"])
+    np.testing.assert_allclose(out["tilted_mean"].reshape(20).numpy(), ref.tilted_mean, rtol=RTOL,
+                               atol=ATOL["tilted_mean"])
+
+
+def test_reduce_rows_on_long_rows_and_wide_logits():
+    """Rows longer than a CPU tile (keys summed tile by tile) and logits spread far past exp's range."""
+    query, key, n_visible = _random_rows(11, 1, 2, 2, 40_000, 16, 3.0)
+    n_visible = torch.tensor([25_000, 40_000])
+    out = reduce_rows(query, key, n_visible, 0.5, k_max=16, alpha_grid=DEFAULT_ALPHA_GRID)
+    ref = _reference(query, key, n_visible, 0.5, 16)
+    spread = ref.top[:, 0] - ref.mean
+    assert spread.min() > 50  # e^{-4 * 50}: far below fp32's smallest normal number (e^-87), so terms are floored
+    for name, atol in ATOL.items():
+        got = out[name].reshape(4, *out[name].shape[3:]).numpy()
+        np.testing.assert_allclose(got, getattr(ref, name), rtol=RTOL, atol=atol, err_msg=name)
 
 
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 6), keys=st.integers(20, 200),
@@ -179,8 +211,9 @@ def test_collector_rejects_non_finite_logits():
     query = torch.randn(1, 2, 64, 8)
     query[0, 1, 40] = float("nan")
     key = torch.randn(1, 2, 64, 8)
+    collector(5, query, key, 0.3, torch.arange(1, 65)[None])
     with pytest.raises(UserError, match="non-finite attention logits in layer 5 of sequence 3"):
-        collector(5, query, key, 0.3, torch.arange(1, 65)[None])
+        collector.take()  # checked when the sequence's statistics come to the host
 
 
 def test_collector_without_rows_says_so():

@@ -5,10 +5,11 @@ range raises ``UserError`` naming the option that fixes it (``sharpdraft plot`` 
 options through); the figure modules take plain arguments.
 
 ``sharpdraft calibrate --stats FILE`` stores beside the rows what they were collected and fitted
-with, one JSON-encoded string per key: ``n_ref``, ``top_k``, ``drafter`` (the kind),
-``drafter_path``, ``target_path``, ``corpus``, ``max_length``, ``sequences``, ``dtype``,
-``granularity``, ``estimator`` and ``tool_version``; the alpha grid and ``k_max`` are the arrays'
-own. Files written before these keys were stored lack ``n_ref`` and need it given.
+with, one JSON-encoded string per key (``calibrate.fit.record_meta``): ``n_ref``, ``top_k``,
+``drafter`` (the kind), ``drafter_path``, ``target_path``, ``aux_layer_reading``,
+``drafter_info``, ``corpus``, ``max_length``, ``sequences``, ``dtype``, ``granularity``,
+``estimator``, ``alpha_max``, ``bootstrap`` and ``tool_version``; the alpha grid and ``k_max``
+are the arrays' own. Files written before these keys were stored lack ``n_ref`` and need it given.
 """
 
 from __future__ import annotations
