@@ -1,0 +1,162 @@
+"""Distance-profile score model (theory.md section 8): i.i.d. limit, monotonicity, Monte Carlo, tail fits."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sharpdraft_theory import Empirical, Gaussian, annealed_mass, exact_alpha
+from sharpdraft_theory.distance import DistanceModel, DistanceProfile, fit_tail
+from sharpdraft_theory.distance import exact_alpha as distance_alpha
+
+GRID = np.round(np.arange(0.5, 4.0001, 0.01), 6)
+
+
+@st.composite
+def gaussians(draw):
+    sigma = draw(st.floats(0.2, 1.5))
+    gap = draw(st.floats(sigma**2 + 1.0, sigma**2 + 8.0))
+    return Gaussian(gap=gap, sigma=sigma, top_k=draw(st.integers(1, 8)))
+
+
+def flat_model(model, alpha=GRID):
+    """The i.i.d. model as a distance model: flat profile exp(K(a)), one row of planted top logits."""
+    profile = DistanceProfile.from_tail(alpha, np.stack([model.log_mgf(alpha), np.zeros(alpha.size)]))
+    return DistanceModel.single(profile, top=model.top_logits)
+
+
+@given(gaussians(), st.lists(st.integers(16, 1 << 20), min_size=1, max_size=4))
+def test_flat_profile_gives_the_iid_mass(model, lengths):
+    n = np.asarray(lengths)
+    got = flat_model(model).mass(n)  # (N, A)
+    want = annealed_mass(model, n[:, None], GRID[None, :])
+    # The flat sum is (n - k) e^K exactly (bins and midpoint rule are exact on a constant): round-off only.
+    np.testing.assert_allclose(got, want, rtol=1e-10)
+
+
+@given(st.lists(st.floats(-3.0, 3.0), min_size=3, max_size=30), st.integers(1, 4), st.floats(1.0, 6.0))
+def test_flat_empirical_profile_gives_the_iid_mass(background, k, gap):
+    model = Empirical(top=np.full(k, gap + max(background)), background=background)
+    n = np.array([64, 4096])
+    np.testing.assert_allclose(flat_model(model).mass(n), annealed_mass(model, n[:, None], GRID[None, :]), rtol=1e-10)
+
+
+@given(gaussians(), st.integers(64, 2048), st.lists(st.floats(1.0, 300.0), min_size=1, max_size=3))
+def test_flat_profile_gives_the_iid_correction(model, n_ref, factors):
+    n = np.asarray([int(n_ref * f) for f in factors])
+    ref = float(annealed_mass(model, n_ref, 1.0))
+    got = distance_alpha(flat_model(model), n, mass_ref=ref)
+    want = exact_alpha(model, n, n_ref)
+    inside = want.reachable & (want.alpha <= GRID[-1])
+    assert np.array_equal(got.reachable[inside], want.reachable[inside])
+    # PCHIP on a 0.01 grid of a smooth mass curve; n rounded to an integer moves ln r by < 1 / n_ref.
+    np.testing.assert_allclose(got.alpha[inside], want.alpha[inside], atol=2e-4)
+
+
+@st.composite
+def bounded_models(draw):
+    """Profiles whose background never exceeds the lowest top logit (so the mass rises with a)."""
+    alpha = np.round(np.arange(0.5, 3.0001, 0.25), 6)
+    bins = draw(st.integers(2, 8))
+    edges = np.cumsum([1] + draw(st.lists(st.integers(1, 40), min_size=bins, max_size=bins)))
+    values = np.array(draw(st.lists(st.lists(st.floats(-8.0, 0.0), min_size=3, max_size=3), min_size=bins,
+                                    max_size=bins)))  # (B, 3) background logits per bin
+    log_weight = np.log(np.mean(np.exp(alpha[None, None, :] * values[:, :, None]), axis=1))
+    c1, e1 = draw(st.floats(0.0, 4.0)), draw(st.floats(0.0, 1.0))
+    profile = DistanceProfile(alpha=alpha, edges=edges, log_weight=log_weight, tail=np.stack([-c1 * alpha, -e1 * alpha]))
+    top = np.array(draw(st.lists(st.floats(0.0, 4.0), min_size=1, max_size=6)))
+    return DistanceModel.single(profile, top=top)
+
+
+@given(bounded_models(), st.lists(st.integers(8, 1 << 18), min_size=2, max_size=5))
+def test_mass_rises_with_alpha_and_falls_with_n(model, lengths):
+    n = np.unique(lengths)
+    mass = model.mass(n)
+    # Each step is a sum of positive terms changing one way; 1e-12 absorbs round-off.
+    assert np.all(np.diff(mass, axis=1) >= -1e-12)
+    assert np.all(np.diff(mass, axis=0) <= 1e-12)
+
+
+@given(bounded_models())
+def test_correction_rises_with_n(model):
+    n = np.unique(np.geomspace(16, 1 << 16, 12).astype(int))
+    ref = float(model.mass([16])[0, np.argmin(np.abs(model.alpha - 1.0))])
+    c = distance_alpha(model, n, mass_ref=ref)
+    # The true a* rises with n; PCHIP on a 0.25 grid may wobble by ~1e-5 where a* has converged.
+    assert np.all(np.diff(c.alpha[c.reachable]) >= -1e-4)
+    # M falls with n at every a, so the reachable lengths are exactly those below the horizon
+    # (bisection to 0.1% in n).
+    clear = np.abs(np.log(n) - np.log(c.horizon_n)) > 2e-3
+    np.testing.assert_array_equal(c.reachable[clear], (n < c.horizon_n)[clear])
+
+
+def lognormal_tail(alpha, m0, m1, v0, v1):
+    return np.stack([alpha * m0 + 0.5 * alpha**2 * v0, alpha * m1 + 0.5 * alpha**2 * v1])
+
+
+@pytest.mark.parametrize("m0, m1, v0, v1, alpha", [
+    (-1.0, -0.8, 0.5, 0.10, 1.0),  # mass 0.75
+    (0.5, -0.5, 0.8, 0.08, 1.0),  # mass 0.09: the background dominates
+    (-0.5, -0.5, 0.5, 0.10, 1.5),
+    (1.0, -0.5, 0.3, 0.05, 2.0),
+])
+def test_monte_carlo_of_the_same_model(m0, m1, v0, v1, alpha):
+    """Rows drawn under the model (logit at distance d ~ N(m0 + m1 ln d, v0 + v1 ln d)) match the formula."""
+    top, n, rows = np.array([3.0, 2.0, 2.0, 1.0]), 4096, 400
+    grid = np.array([alpha])
+    model = DistanceModel.single(DistanceProfile.from_tail(grid, lognormal_tail(grid, m0, m1, v0, v1)), top=top)
+    rng = np.random.default_rng(0)
+    d = np.arange(top.size, n)
+    z = m0 + m1 * np.log(d) + np.sqrt(v0 + v1 * np.log(d)) * rng.standard_normal((rows, d.size))
+    s_t = np.sum(np.exp(alpha * top))
+    mc = np.mean(s_t / (s_t + np.exp(alpha * z).sum(axis=1)))
+    # Annealed new keys against quenched rows: within 1% inside the annealed regime ((a s)^2 <= ln N / 2).
+    assert model.mass([n])[0, 0] == pytest.approx(mc, rel=0.01)
+
+
+def test_monte_carlo_parts_ways_with_heavy_tails():
+    """Past the freezing point a few keys carry the sum and its mean misleads: the model is off by far."""
+    top, n, alpha = np.array([3.0, 2.0, 2.0, 1.0]), 4096, np.array([2.5])
+    model = DistanceModel.single(DistanceProfile.from_tail(alpha, lognormal_tail(alpha, -1.0, -0.8, 2.0, 0.5)), top=top)
+    d = np.arange(top.size, n)
+    z = -1.0 - 0.8 * np.log(d) + np.sqrt(2.0 + 0.5 * np.log(d)) * np.random.default_rng(0).standard_normal((400, d.size))
+    s_t = np.sum(np.exp(2.5 * top))
+    mc = np.mean(s_t / (s_t + np.exp(2.5 * z).sum(axis=1)))
+    assert model.mass([n])[0, 0] < 0.5 * mc  # this test can fail: the annealed mean sum overweights rare keys
+
+
+def test_midpoint_tail_sum_against_brute_force():
+    alpha = np.array([0.5, 1.0, 2.0])
+    tail = lognormal_tail(alpha, -1.0, -0.9, 0.6, 0.1)
+    profile = DistanceProfile.from_tail(alpha, tail, exact_below=64)
+    d = np.arange(10, 50000)
+    brute = np.log(np.exp(tail[0][None, :] + np.log(d)[:, None] * tail[1][None, :]).sum(axis=0))
+    got = profile.log_sum([10], [50000])[0]
+    # Exact below 64; the midpoint rule's relative error past 64 is ~e(e-1)/(24 d^2): under 1e-4.
+    np.testing.assert_allclose(got, brute, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["power", "lognormal"])
+def test_tail_fit_recovers_a_planted_lognormal(form):
+    alpha = np.array([0.5, 1.0, 1.5, 2.0, 3.0])
+    tail = lognormal_tail(alpha, -1.2, -1.1, 0.9, 0.3)
+    edges = np.unique(np.round(2.0 ** (np.arange(0, 45) / 4)).astype(int))
+    profile = DistanceProfile.from_tail(alpha, tail, exact_below=2)
+    counts = np.diff(edges).astype(float)
+    sums = np.exp(profile.log_sum(edges[:-1], edges[1:]))  # (B, A), exact bin sums of the planted form
+    got, rms = fit_tail(alpha, edges, np.log(sums / counts[:, None]), counts, form=form, octaves=3)
+    # Bin means of d^e against d at the bin's mean ln d: curvature error within a bin, <1e-2 nats.
+    np.testing.assert_allclose(got, tail, atol=2e-2)
+    assert rms < 1e-2
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="tail form"):
+        fit_tail([1.0], [1, 2, 3], np.zeros((2, 1)), np.ones(2), form="cubic")
+    with pytest.raises(ValueError, match="edges"):
+        DistanceProfile(alpha=[1.0], edges=[0, 2], log_weight=np.zeros((1, 1)), tail=np.zeros((2, 1)))
+    with pytest.raises(ValueError, match="alpha grid"):
+        p1 = DistanceProfile.from_tail([1.0], np.zeros((2, 1)))
+        p2 = DistanceProfile.from_tail([2.0], np.zeros((2, 1)))
+        DistanceModel(profiles=(p1, p2), group=np.zeros(1, int), n_row=np.ones(1, int), log_top=np.zeros((1, 1)),
+                      log_rest=np.zeros((1, 1)), weight=np.ones(1))
