@@ -11,6 +11,9 @@ statistics of ``sharpdraft_theory.stats.RowStats`` (theory.md section 6):
     tilted_mean sum_j z_j e^{z_j} / sum_j e^{z_j}
     mean, var   plain mean and population variance of the z_j
 
+``distance_sums`` adds, summed over the chunk's rows, the background's distance profile of
+``sharpdraft_theory.stats.DistanceStats`` (theory.md section 8); ``take()`` returns it with the rows.
+
 ``row_stats_from_logits`` in ``sharpdraft_theory.stats`` is the float64 numpy version of the
 same reduction; the tests hold this one to it.
 
@@ -33,12 +36,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, RowStats
+from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, DISTANCE_ALPHAS, DistanceStats, RowStats, distance_edges
 
 from .errors import UserError
 
-__all__ = ["log_grid", "alpha_lattice", "AlphaLattice", "reduce_rows", "Workspace", "RowCollector", "DEFAULT_K_MAX",
-           "DEFAULT_BUDGET"]
+__all__ = ["log_grid", "alpha_lattice", "AlphaLattice", "reduce_rows", "distance_sums", "Workspace", "RowCollector",
+           "DEFAULT_K_MAX", "DEFAULT_BUDGET"]
 
 DEFAULT_K_MAX = 16  # top logits kept per row: any --top-k up to this can be fitted later
 DEFAULT_BUDGET = 1 << 19  # logits per chunk (2 MiB in fp32, about 4x that in temporaries); --chunk: rows
@@ -112,7 +115,8 @@ def alpha_lattice(alpha_grid, columns: int = 16) -> AlphaLattice:
 
 
 def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor, scaling: float, *,
-                k_max: int, alpha_grid, workspace: Workspace | None = None) -> dict[str, torch.Tensor]:
+                k_max: int, alpha_grid, workspace: Workspace | None = None,
+                distance: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Statistics of the rows ``scaling * query @ key[:n].T`` for one chunk, in fp32.
 
     Parameters
@@ -131,6 +135,8 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
         Query scales for ``lse`` (increasing, all > 0, holding 1.0), or their ``alpha_lattice``.
     workspace : Workspace, optional
         Scratch buffers to reuse across calls (default: fresh ones).
+    distance : (edges, alphas), optional
+        Also return ``distance_sums`` of the chunk under the key ``distance``.
 
     Returns
     -------
@@ -170,7 +176,7 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
     positions = torch.arange(keys, out=ws.take("positions", (keys,), torch.int64, device))
     hidden = torch.ge(positions, n_visible[:, None], out=ws.take("hidden", (rows, keys), torch.bool, device))
     logits.masked_fill_(hidden, float("-inf"))
-    top = torch.topk(logits, k_max, dim=-1).values  # (KVH, G, R, k_max), descending
+    top, top_index = torch.topk(logits, k_max, dim=-1)  # (KVH, G, R, k_max), descending
     peak = top[..., :1]
     shifted = logits.sub_(peak)  # s_j <= 0; -inf where hidden
     zeroed = torch.where(hidden, shifted.new_zeros(()), shifted, out=ws.take("zeroed", shifted.shape, f32, device))
@@ -202,8 +208,11 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
             tilted[lo:hi] += e_one.mul_(z_tile).sum(-1)  # at alpha = 1: sum s e^s
     lead = sums.view(n_rows, -1)[:, lattice.index.to(device)].view(kv_heads, group, rows, -1)  # (.., n_alpha)
     tilted = peak[..., 0] + (tilted.view(kv_heads, group, rows) / lead[..., lattice.one]).float()
-    return dict(top=top, lse=lead.log_().float() + peak * lattice.values.to(device), tilted_mean=tilted,
-                mean=peak[..., 0] + mean_s, var=var.clamp_(min=0.0).float())
+    out = dict(top=top, lse=lead.log_().float() + peak * lattice.values.to(device), tilted_mean=tilted,
+               mean=peak[..., 0] + mean_s, var=var.clamp_(min=0.0).float())
+    if distance is None:
+        return out
+    return {**out, "distance": distance_sums(shifted, top_index, n_visible, *distance)}
 
 
 class Workspace:
@@ -226,6 +235,55 @@ class Workspace:
         if buffer is None or buffer.numel() < size or buffer.dtype != dtype or buffer.device != device:
             buffer = self._buffers[name] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:size].view(shape)
+
+
+def distance_sums(shifted: torch.Tensor, top_index: torch.Tensor, n_visible: torch.Tensor, edges: torch.Tensor,
+                  alphas: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The background's distance profile of one chunk, summed over its rows (``DistanceStats``).
+
+    Parameters
+    ----------
+    shifted : Tensor, shape (kv_heads, group, rows, keys)
+        Logits minus each row's largest, ``s_j = z_j - t0 <= 0``; ``-inf`` where hidden.
+    top_index : LongTensor, shape (kv_heads, group, rows, k_max)
+        Keys of each row's top set (left out of the background).
+    n_visible : LongTensor, shape (rows,)
+        Visible keys per row (the first ``n`` keys).
+    edges : LongTensor, shape (B + 1,)
+        Distance bins ``edges[b] <= d < edges[b + 1]``, ``d = n - j``.
+    alphas : Tensor, shape (A,)
+        Query scales.
+
+    Returns
+    -------
+    dict of fp64 tensors: ``weight`` (kv_heads, group, B, A), ``keys`` (kv_heads, group, B),
+    ``sink`` (kv_heads, group, A), ``rows`` (kv_heads, group).
+
+    Notes
+    -----
+    Every key gets a bin index, and the sink, hidden keys and top keys a spare bin ``B`` that
+    is dropped; one ``scatter_add`` over keys then sums all scales at once. The sink's share is
+    ``exp(a s_0) / sum_j exp(a s_j)``, from the same weights.
+    """
+    kvh, group, rows, keys = shifted.shape
+    bins = edges.numel() - 1
+    d = n_visible[:, None] - torch.arange(keys, device=shifted.device)  # (R, N): own key 1, sink n, hidden <= 0
+    index = torch.bucketize(d, edges, right=True) - 1  # (R, N): bin of each key
+    index = torch.where((d >= 1) & (d < n_visible[:, None]) & (index < bins), index, bins)  # sink, hidden -> spare
+    index = index.expand(kvh, group, rows, keys).clone()  # (KVH, G, R, N)
+    index.scatter_(-1, top_index, bins)  # top keys -> spare
+    index = index.view(kvh * group, rows * keys, 1)  # (KVH * G, R * N, 1)
+    weight = torch.exp(shifted[..., None] * alphas)  # (KVH, G, R, N, A); 0 where hidden
+    row_sum = weight.sum(-2, dtype=torch.float64)  # (KVH, G, R, A): sum_j exp(a s_j)
+    sink = (weight[..., 0, :].double() / row_sum).sum(-2)  # (KVH, G, A)
+    flat = weight.view(kvh * group, rows * keys, -1)  # (KVH * G, R * N, A)
+    summed = torch.zeros(kvh * group, bins + 1, alphas.numel(), dtype=torch.float32, device=shifted.device)
+    summed.scatter_add_(1, index.expand_as(flat), flat)  # (KVH * G, B + 1, A)
+    count = torch.zeros(kvh * group, bins + 1, dtype=torch.float32, device=shifted.device)
+    count.scatter_add_(1, index[..., 0], torch.ones_like(index[..., 0], dtype=torch.float32))  # (KVH * G, B + 1)
+    return dict(weight=summed[:, :bins].view(kvh, group, bins, -1).double(),
+                keys=count[:, :bins].view(kvh, group, bins).double(), sink=sink,
+                rows=torch.full((kvh, group), float(rows), dtype=torch.float64, device=shifted.device))
 
 
 @contextlib.contextmanager
@@ -274,10 +332,13 @@ class RowCollector:
         Query rows (per head) per chunk; default: as many as fit ``budget`` logits.
     budget : int
         Logits per chunk when ``chunk`` is not given.
+    distance_alphas : array or None
+        Query scales of the distance profile (``DistanceStats``; bins up to ``max(grid)``);
+        None records none.
     """
 
     def __init__(self, grid, *, k_max: int = DEFAULT_K_MAX, alpha_grid=DEFAULT_ALPHA_GRID,
-                 chunk: int | None = None, budget: int = DEFAULT_BUDGET):
+                 chunk: int | None = None, budget: int = DEFAULT_BUDGET, distance_alphas=DISTANCE_ALPHAS):
         self.grid = np.asarray(grid, dtype=np.int64)
         if self.grid.min() <= k_max:
             raise ValueError(f"every sampled n must exceed k_max={k_max}, got n={int(self.grid.min())}")
@@ -286,15 +347,20 @@ class RowCollector:
         self.lattice = alpha_lattice(self.alpha_grid)
         self.chunk = chunk
         self.budget = budget
+        self.distance_alphas = None if distance_alphas is None else np.asarray(distance_alphas, dtype=np.float64)
+        self.edges = distance_edges(int(self.grid.max()))
         self._on_device: dict[torch.device, tuple[torch.Tensor, AlphaLattice]] = {}
+        self._distance_t: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._parts: list[dict] = []
+        self._profile: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (batch, layer) -> sums, on the device
         self.seq = 0
 
     def start(self, seq: int) -> None:
         """Begin a sequence: rows collected from now on carry ``seq``."""
         self.seq = seq
         self._parts = []
+        self._profile = {}
 
     @property
     def rows(self) -> int:
@@ -324,7 +390,9 @@ class RowCollector:
                     workspace = Workspace()  # this call's scratch memory, freed before the layer goes on
                     for lo, hi in self._chunks(n_host, heads):
                         out = reduce_rows(q[:, :, keep[lo:hi]], key[b, :, :int(n_host[hi - 1])], n_rows[lo:hi],
-                                          scaling, k_max=self.k_max, alpha_grid=lattice, workspace=workspace)
+                                          scaling, k_max=self.k_max, alpha_grid=lattice, workspace=workspace,
+                                          distance=self._distance_tensors(query.device))
+                        self._add_profile(layer_idx, b, out.pop("distance", None), heads)
                         self._store(layer_idx, b, n_rows[lo:hi], out, heads)
 
     def take(self) -> RowStats:
@@ -345,7 +413,7 @@ class RowCollector:
                                 "try --dtype float32")
             host.append(flat)
         cat = {k: np.concatenate([p[k] for p in host]) for k in host[0]}
-        return RowStats(alpha_grid=self.alpha_grid, **cat)
+        return RowStats(alpha_grid=self.alpha_grid, distance=self._take_profile(), **cat)
 
     # -- internals ---------------------------------------------------------------------------
     def _device_tensors(self, device: torch.device) -> tuple[torch.Tensor, AlphaLattice]:
@@ -376,6 +444,43 @@ class RowCollector:
             tensor.record_stream(stream)
         with torch.cuda.stream(stream):
             yield
+
+    def _distance_tensors(self, device: torch.device):
+        if self.distance_alphas is None:
+            return None
+        if device not in self._distance_t:
+            self._distance_t[device] = (torch.as_tensor(self.edges, device=device),
+                                        torch.as_tensor(self.distance_alphas, dtype=torch.float32, device=device))
+        return self._distance_t[device]
+
+    def _add_profile(self, layer_idx: int, b: int, sums: dict | None, heads: int) -> None:
+        """Add one chunk's ``distance_sums`` to the sequence's (batch, layer) totals, per head.
+
+        The totals stay where they were computed (on CUDA, summed on the side stream); ``take``
+        brings them to the host with the rows.
+        """
+        if sums is None:
+            return
+        flat = {k: v.reshape(heads, *v.shape[2:]) for k, v in sums.items()}  # (KVH, G, ...) -> (H, ...)
+        total = self._profile.get((b, layer_idx))
+        if total is None:
+            self._profile[(b, layer_idx)] = flat
+        else:
+            for k, v in flat.items():
+                total[k] += v
+
+    def _take_profile(self) -> DistanceStats | None:
+        """The sequence's ``DistanceStats``: (batches, layers, heads, ...) from the (batch, layer) totals."""
+        if not self._profile:
+            return None
+        profile, self._profile = self._profile, {}
+        batches = max(b for b, _ in profile) + 1
+        layers = max(layer for _, layer in profile) + 1
+        out = {k: np.zeros((batches, layers) + v.shape) for k, v in next(iter(profile.values())).items()}
+        for (b, layer), sums in profile.items():
+            for k, v in sums.items():
+                out[k][b, layer] = v.cpu().numpy()  # (H, ...) of this batch row and layer
+        return DistanceStats(seq=self.seq + np.arange(batches), alpha=self.distance_alphas, edges=self.edges, **out)
 
     def _chunks(self, n_rows: np.ndarray, heads: int):
         """Split sorted rows into chunks spanning at most 1.5x in n and within the logit budget."""

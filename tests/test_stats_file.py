@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -9,6 +10,7 @@ from calibrate.cli import app
 from tiny_checkpoints import tiny_target
 from calibrate.plots import STANDARD_FIGURES, load_stats
 from sharpdraft_theory import __version__
+from sharpdraft_theory.stats import RowStats, distance_edges, row_stats_from_logits
 from test_calibrate import VOCAB, _write_tokenizer
 
 runner = CliRunner()
@@ -52,3 +54,35 @@ def test_plot_reads_the_settings_from_the_file(calibrated, tmp_path):
     assert res.exit_code == 0, res.output
     for name in STANDARD_FIGURES:
         assert (tmp_path / "plain" / name).read_bytes() == (tmp_path / "spelled" / name).read_bytes()
+
+
+def test_calibration_stores_the_distance_profile(calibrated):
+    _, path = calibrated
+    stats, *_ = load_stats(path)
+    dist = stats.distance
+    assert dist is not None and dist.seq.tolist() == [0, 1]
+    assert dist.rows.shape == (2, 2, stats.head.max() + 1)
+    # every grid row of every layer and head is in the sums, and its distances fill the bins up to n - 1
+    assert np.all(dist.rows == np.unique(stats.n).size)
+    n = stats.n[(stats.seq == 0) & (stats.layer == 0) & (stats.head == 0)]
+    # n - 1 - k_max background keys per row (sink and top set out), one more where the sink is in the top set
+    assert np.sum(n - 1 - stats.k_max) <= dist.keys.sum(axis=-1)[0, 0, 0] <= np.sum(n - stats.k_max)
+    assert np.all((dist.sink >= 0) & (dist.sink <= dist.rows[..., None]))
+
+
+def test_joining_separate_runs_shifts_the_profile_with_its_rows():
+    z = np.random.default_rng(0).normal(size=(4, 40))
+    run = row_stats_from_logits(z, k_max=2, seq=[0, 0, 1, 1], edges=distance_edges(40))
+    joined = RowStats.concat([run, run], separate_runs=True)
+    assert joined.distance.seq.tolist() == [0, 1, 2, 3] and joined.seq.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    np.testing.assert_array_equal(joined.distance.weight[2:], run.distance.weight)
+
+
+def test_distance_profile_survives_save_and_load(tmp_path):
+    z = np.random.default_rng(1).normal(size=(3, 50))
+    stats = row_stats_from_logits(z, k_max=4, edges=distance_edges(50))
+    stats.save(tmp_path / "s.npz")
+    back, _ = RowStats.load(tmp_path / "s.npz")
+    for name in ("seq", "alpha", "edges", "weight", "keys", "sink", "rows"):
+        np.testing.assert_array_equal(getattr(back.distance, name), getattr(stats.distance, name))
+    assert back.select(back.n > 0).distance is back.distance
