@@ -1,4 +1,4 @@
-"""``sharpdraft predict``: dilution and its correction under a score model, no model needed."""
+"""``sharpdraft predict``: dilution and its correction under a score model, or from measured statistics."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import math
 
 import numpy as np
 
-from sharpdraft_theory import (Gaussian, TwoLevel, alpha_law, annealed_mass, exact_alpha, least_squares_slope,
-                               monte_carlo_mass, regime, tangent_slope)
+from scipy.special import expit
+
+from sharpdraft_theory import (Gaussian, TwoLevel, alpha_law, annealed_mass, dilution_mass, exact_alpha,
+                               least_squares_slope, monte_carlo_mass, regime, tangent_slope)
 from sharpdraft_theory.laws import MAX_N
 
 from .errors import UserError
 
-__all__ = ["predict"]
+__all__ = ["predict", "predict_from_stats"]
 
 MC_MAX_N = 1 << 22
 # Monte Carlo draws rows x n logits per length: 2^30 of them take about 10 s on one core, and by then
@@ -112,3 +114,80 @@ def predict(*, model: str, gap: float, sigma: float | None, top_k: int, n_ref: i
         "horizon_n": None if math.isinf(corr.horizon_n) else corr.horizon_n,
         "rows": rows,
     }
+
+
+def predict_from_stats(path, *, n: list[int] | None, n_ref: int | None = None, top_k: int | None = None,
+                       tail: str = "power", bootstrap: int = 100, seed: int = 0) -> dict:
+    """``sharpdraft predict --stats``: mass and exact alpha at each length from measured statistics.
+
+    Per length: ``mass_unscaled`` (the distance model, ``sharpdraft_theory.distance``),
+    ``mass_power_law`` (each head's constant-gamma law, gamma the closed-form estimator's (E2)
+    over the calibrated lengths, from the mass of its longest rows), ``mass_iid`` (the same with
+    gamma = 1), all means over every row of every head; ``alpha_exact`` restores the reference
+    mass under the distance model, with a 95% bootstrap band over sequences.
+    """
+    from sharpdraft_theory.distance import TAIL_FORMS, fit_distance
+    from sharpdraft_theory.estimators import _Table, closed_form
+
+    from .plots.files import load_stats
+
+    if tail not in TAIL_FORMS:
+        raise UserError(f"--tail {tail!r}: expected one of {', '.join(TAIL_FORMS)}")
+    if bootstrap < 0:
+        raise UserError(f"--bootstrap {bootstrap}: must be 0 or more")
+    stats, _, n_ref, top_k = load_stats(path, n_ref=n_ref, top_k=top_k)
+    if stats.distance is None:
+        raise UserError(f"{path} holds no distance profile (written by an older version): calibrate again with --stats")
+    longest = int(stats.n.max())
+    lengths = sorted(set(n or [longest, 2 * longest, 4 * longest, 16 * longest]))
+    bad = [v for v in lengths if not top_k < v <= MAX_N]
+    if bad:
+        raise UserError(f"--n {bad[0]}: must exceed --top-k {top_k} and be at most 2^32")
+    try:
+        fit = fit_distance(stats, n_ref=n_ref, top_k=top_k, tail=tail)
+    except ValueError as err:
+        raise UserError(f"cannot fit the distance model on {path}: {err}") from None
+    model_mass = fit.mass(lengths)  # (N, A)
+    one = int(np.argmin(np.abs(fit.alpha - 1.0)))
+    corr = fit.exact_alpha(lengths, bootstrap=bootstrap, seed=seed)
+
+    # Power law and i.i.d. law per head, from the mean mass of the head's longest rows (those the model extends).
+    cells = fit.table.cells((_Table.LAYER, _Table.HEAD))
+    gamma = np.full(fit.shape, np.nan)
+    gamma[tuple(cells.groups.T)] = closed_form(cells, n_ref).gamma
+    gamma_global = float(closed_form(fit.table.cells(()), n_ref).gamma[0])
+    gamma = np.where(np.isfinite(gamma), gamma, gamma_global).ravel()
+    anchor = fit.row_n > longest / np.sqrt(2.0)
+    heads = np.unique(fit.row_head[anchor])
+    mass_anchor = np.array([np.mean(expit(fit.log_top[anchor & (fit.row_head == h), one]
+                                           - fit.log_rest[anchor & (fit.row_head == h), one])) for h in heads])
+    n_anchor = np.array([np.exp(np.mean(np.log(fit.row_n[anchor & (fit.row_head == h)]))) for h in heads])
+    rows_anchor = np.array([np.count_nonzero(anchor & (fit.row_head == h)) for h in heads])
+    m0 = np.clip(mass_anchor, 1e-12, 1 - 1e-12)
+
+    def law(g: np.ndarray, length: int) -> float:
+        per_head = [float(dilution_mass(m, length, na, top_k, gamma=gh)) for m, na, gh in zip(m0, n_anchor, g)]
+        return float(np.average(per_head, weights=rows_anchor))
+
+    rows = []
+    for i, length in enumerate(lengths):
+        rows.append({
+            "n": int(length),
+            "mass_unscaled": float(model_mass[i, one]),
+            "mass_power_law": law(gamma[heads], length),
+            "mass_iid": law(np.ones(heads.size), length),
+            "alpha_exact": _finite(corr.alpha[i]),
+            "alpha_low": _finite(corr.low[i]),
+            "alpha_high": _finite(corr.high[i]),
+            "extrapolated": bool(length > longest),
+        })
+    return {
+        "stats": str(path), "n_ref": n_ref, "top_k": top_k, "tail": tail, "longest_calibrated_n": longest,
+        "sequences": fit.sequences, "mass_ref": float(corr.mass_ref), "gamma_power_law": gamma_global,
+        "horizon_n": _finite(corr.horizon_n), "bootstrap": bootstrap, "rows": rows,
+    }
+
+
+def _finite(v) -> float | None:
+    v = float(v)
+    return v if math.isfinite(v) else None

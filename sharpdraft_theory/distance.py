@@ -53,14 +53,16 @@ sequences for the band.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 from scipy.interpolate import PchipInterpolator
-from scipy.optimize import brentq
 from scipy.special import expit, logsumexp
 
-__all__ = ["TAIL_FORMS", "DistanceProfile", "DistanceModel", "DistanceCorrection", "exact_alpha", "fit_tail"]
+__all__ = ["TAIL_FORMS", "DistanceProfile", "DistanceModel", "DistanceCorrection", "exact_alpha", "fit_tail", "crossing",
+           "DistanceAlpha", "DistanceFit", "fit_distance"]
 
 #: Tail forms of the profile past the largest measured distance (module docstring).
 TAIL_FORMS = ("power", "lognormal")
@@ -206,20 +208,22 @@ def fit_tail(alpha, edges, log_weight, counts, *, form: str = "power", octaves: 
     edges = np.asarray(edges, dtype=np.int64)
     lw = np.asarray(log_weight, dtype=np.float64)
     counts = np.asarray(counts, dtype=np.float64)
-    x = np.array([np.mean(np.log(np.arange(lo, hi))) for lo, hi in zip(edges[:-1], edges[1:])])  # (B,)
+    x = _log_centres(edges.tobytes())  # (B,)
     use = (edges[:-1] >= edges[-1] / 2.0**octaves) & (counts > 0)
     if np.count_nonzero(use) < 2:
         use = counts > 0  # too few bins in the window: fit all measured bins
     ok = use[:, None] & np.isfinite(lw)  # (B, A)
-    if np.count_nonzero(ok.any(axis=1)) < 2:
+    if np.any(np.count_nonzero(ok, axis=0) < 2):
         raise ValueError("the distance profile has fewer than two measured bins: no tail can be fitted")
     w = np.sqrt(np.where(ok, counts[:, None], 0.0))  # (B, A)
     y = np.where(ok, lw, 0.0)
-    if form == "power":
-        coef = np.zeros((2, alpha.size))
-        for i in range(alpha.size):
-            design = np.column_stack([np.ones_like(x), x]) * w[:, i : i + 1]
-            coef[:, i] = np.linalg.lstsq(design, y[:, i] * w[:, i], rcond=None)[0]
+    if form == "power":  # weighted least squares of a line, one per a, in closed form
+        w2 = w**2
+        mx = np.sum(w2 * x[:, None], axis=0) / np.sum(w2, axis=0)  # (A,)
+        my = np.sum(w2 * y, axis=0) / np.sum(w2, axis=0)
+        dx = x[:, None] - mx
+        slope = np.sum(w2 * dx * (y - my), axis=0) / np.sum(w2 * dx**2, axis=0)
+        coef = np.stack([my - slope * mx, slope])
     else:
         a = alpha[None, :]
         xx = x[:, None]
@@ -230,6 +234,13 @@ def fit_tail(alpha, edges, log_weight, counts, *, form: str = "power", octaves: 
     resid = np.where(ok, lw - (coef[0][None, :] + x[:, None] * coef[1][None, :]), 0.0)
     rms = float(np.sqrt(np.sum(w**2 * resid**2) / np.sum(w**2)))
     return coef, rms
+
+
+@functools.lru_cache(maxsize=16)
+def _log_centres(edges_bytes: bytes) -> np.ndarray:
+    """Mean of ``ln d`` over the distances of each bin (edges given as int64 bytes, for the cache)."""
+    edges = np.frombuffer(edges_bytes, dtype=np.int64)
+    return np.array([np.mean(np.log(np.arange(lo, hi))) for lo, hi in zip(edges[:-1], edges[1:])])
 
 
 @dataclass(frozen=True, eq=False)
@@ -322,17 +333,31 @@ class DistanceCorrection:
     horizon_n: float  # first length where no grid alpha reaches mass_ref (inf: none below 2^40)
 
 
-def _crossing(alpha: np.ndarray, curve: np.ndarray, target: float) -> float:
-    """First ``a`` where the PCHIP interpolant of ``curve`` on ``alpha`` reaches ``target``; NaN if none."""
-    above = np.flatnonzero(curve >= target)
-    if above.size == 0 or above[0] == 0:
-        return float(alpha[0]) if above.size and curve[0] == target else float("nan")
-    i = int(above[0])
-    if alpha.size < 3:
-        frac = (target - curve[i - 1]) / (curve[i] - curve[i - 1])
-        return float(alpha[i - 1] + frac * (alpha[i] - alpha[i - 1]))
-    spline = PchipInterpolator(alpha, curve)
-    return float(brentq(lambda a: spline(a) - target, alpha[i - 1], alpha[i], xtol=1e-12))
+_FINE = 0.0025  # spacing of the alpha grid the PCHIP interpolant is evaluated on to find a crossing
+
+
+def crossing(alpha: np.ndarray, curves: np.ndarray, target) -> np.ndarray:
+    """First ``a`` where the PCHIP interpolant of each curve reaches ``target``; NaN if none.
+
+    curves: (..., A) on ``alpha``; target broadcastable to ``curves.shape[:-1]``. The interpolant
+    is read on a grid of step ``_FINE`` and the crossing interpolated linearly there.
+    """
+    alpha = np.asarray(alpha, dtype=np.float64)
+    curves = np.asarray(curves, dtype=np.float64)
+    target = np.broadcast_to(np.asarray(target, dtype=np.float64), curves.shape[:-1])
+    if alpha.size >= 3:
+        fine = np.linspace(alpha[0], alpha[-1], int(np.ceil((alpha[-1] - alpha[0]) / _FINE)) + 1)
+        values = np.moveaxis(PchipInterpolator(alpha, curves, axis=-1)(fine), -1, -1)
+    else:
+        fine, values = alpha, curves
+    above = values >= target[..., None]
+    i = np.argmax(above, axis=-1)
+    ok = above.any(axis=-1) & ((i > 0) | (values[..., 0] == target))
+    lo = np.maximum(i - 1, 0)
+    v_lo = np.take_along_axis(values, lo[..., None], -1)[..., 0]
+    v_hi = np.take_along_axis(values, i[..., None], -1)[..., 0]
+    frac = np.where(v_hi > v_lo, (target - v_lo) / np.where(v_hi > v_lo, v_hi - v_lo, 1.0), 0.0)
+    return np.where(ok, fine[lo] + frac * (fine[i] - fine[lo]), np.nan)
 
 
 def exact_alpha(model: DistanceModel, n, *, mass_ref: float) -> DistanceCorrection:
@@ -350,7 +375,7 @@ def exact_alpha(model: DistanceModel, n, *, mass_ref: float) -> DistanceCorrecti
     Notes
     -----
     ``M(a; n)`` is tabulated on ``model.alpha`` and interpolated by PCHIP (monotone where the
-    data are); the root is the first crossing. The horizon is the first ``n`` where
+    data are); the root is the first crossing (``crossing``). The horizon is the first ``n`` where
     ``max_a M(a; n) < mass_ref``; ``M`` is non-increasing in ``n`` at every ``a`` (new keys only
     add weight), so it is found by bisection in ``ln n``.
 
@@ -368,7 +393,7 @@ def exact_alpha(model: DistanceModel, n, *, mass_ref: float) -> DistanceCorrecti
     """
     n = np.atleast_1d(np.asarray(n, dtype=np.int64))
     curves = model.mass(n)  # (N, A)
-    alpha = np.array([_crossing(model.alpha, c, mass_ref) for c in curves])
+    alpha = crossing(model.alpha, curves, mass_ref)
     return DistanceCorrection(n=n, alpha=alpha, reachable=np.isfinite(alpha), horizon_n=_horizon(model, mass_ref))
 
 
@@ -386,3 +411,193 @@ def _horizon(model: DistanceModel, mass_ref: float) -> float:
         mid = np.sqrt(lo * hi)
         lo, hi = (mid, hi) if reaches(mid) else (lo, mid)
     return float(hi)
+
+
+# -- models from calibration statistics -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DistanceAlpha:
+    """``a*(n)`` per group from calibration statistics, with a bootstrap band over sequences."""
+
+    n: np.ndarray  # (N,) lengths
+    alpha: np.ndarray  # (N, *groups) point estimate; NaN where the reference mass is out of the grid's reach
+    low: np.ndarray  # (N, *groups) 2.5% bootstrap percentile (NaN: no bootstrap, or too few finite draws)
+    high: np.ndarray  # (N, *groups) 97.5% bootstrap percentile
+    mass_ref: np.ndarray  # (*groups) the reference mass each group is held to
+    horizon_n: np.ndarray  # (*groups) first length of a 4-per-octave ladder where no grid alpha reaches mass_ref
+
+
+@dataclass(frozen=True, eq=False)
+class DistanceFit:
+    """Distance models of every (layer, head) of a calibration, evaluated at any granularity.
+
+    Built by :func:`fit_distance`. For a length ``n`` the anchor rows are the measured rows with
+    ``n_r`` in ``(m / sqrt 2, m]``, ``m = min(n, longest measured n)``: past the calibrated lengths
+    the longest rows are extended by the profile, inside them the rows near ``n`` are (exact up to
+    the half-octave). Each head has its own profile; a layer's or the global mass is the mean over
+    all anchor rows of its heads.
+    """
+
+    n_ref: int  # reference length: mass_ref is the mean mass there at a = 1
+    top_k: int  # size of the top set
+    tail: str  # tail form of the profiles (TAIL_FORMS)
+    octaves: float  # tail fitted over this many octaves of the largest distances
+    alpha: np.ndarray  # (A,) query scales of the profile
+    edges: np.ndarray  # (B + 1,) distance bins
+    shape: tuple  # (layers, heads)
+    seq_weight: np.ndarray  # (S, L * H, B, A) summed weights per sequence and head
+    seq_keys: np.ndarray  # (S, L * H, B) background keys per sequence and head
+    row_n: np.ndarray  # (R,) keys of each measured row
+    row_head: np.ndarray  # (R,) layer * heads + head
+    row_seq: np.ndarray  # (R,) index of the row's sequence in seq_weight
+    log_top: np.ndarray  # (R, A) ln S_T(a) relative to the row's largest logit
+    log_rest: np.ndarray  # (R, A) ln S_B(a) of the row's own keys, same reference
+    table: object  # the estimators' row table (mass_ref by mass matching, E1)
+
+    @property
+    def sequences(self) -> int:
+        return int(self.seq_weight.shape[0])
+
+    def profiles(self, seq_weights=None) -> tuple:
+        """One ``DistanceProfile`` per head, from the sequences' sums weighted by ``seq_weights``."""
+        c = np.ones(self.sequences) if seq_weights is None else np.asarray(seq_weights, dtype=np.float64)
+        weight = np.einsum("s,shba->hba", c, self.seq_weight)
+        keys = np.einsum("s,shb->hb", c, self.seq_keys)
+        return tuple(DistanceProfile.from_sums(self.alpha, self.edges, weight[h], keys[h], tail=self.tail,
+                                               octaves=self.octaves) for h in range(weight.shape[0]))
+
+    def _groups(self, granularity: str) -> tuple[np.ndarray, tuple]:
+        layers, heads = self.shape
+        if granularity == "global":
+            return np.zeros(layers * heads, np.int64), ()
+        if granularity == "layer":
+            return np.repeat(np.arange(layers), heads), (layers,)
+        if granularity == "head":
+            return np.arange(layers * heads), (layers, heads)
+        raise ValueError(f"granularity must be global, layer or head, got {granularity!r}")
+
+    def mass(self, n, granularity: str = "global", seq_weights=None, profiles=None) -> np.ndarray:
+        """Predicted mean mass ``M(a; n)``: (N, *groups, A)."""
+        n = np.atleast_1d(np.asarray(n, dtype=np.int64))
+        c = np.ones(self.sequences) if seq_weights is None else np.asarray(seq_weights, dtype=np.float64)
+        profiles = self.profiles(c) if profiles is None else profiles
+        of_head, shape = self._groups(granularity)
+        groups = int(np.prod(shape)) if shape else 1
+        total = np.zeros((n.size, groups, self.alpha.size))
+        weight_sum = np.zeros((n.size, groups))
+        longest = int(self.row_n.max())
+        window = np.minimum(n, longest)  # lengths past the calibrated ones share the longest rows
+        for m in np.unique(window):
+            at = np.flatnonzero(window == m)  # lengths using this window, (N_m,)
+            rows = (self.row_n <= m) & (self.row_n > m / np.sqrt(2.0)) & (c[self.row_seq] > 0)
+            for h in np.unique(self.row_head[rows]):
+                r = np.flatnonzero(rows & (self.row_head == h))
+                lo = np.tile(self.row_n[r], at.size)
+                new = profiles[h].log_sum(lo, np.repeat(n[at], r.size)).reshape(at.size, r.size, -1)  # (N_m, R_h, A)
+                mass = expit(self.log_top[r][None] - np.logaddexp(self.log_rest[r][None], new))
+                w = c[self.row_seq[r]]
+                total[at, of_head[h]] += np.einsum("nra,r->na", mass, w)
+                weight_sum[at, of_head[h]] += w.sum()
+        with np.errstate(invalid="ignore"):
+            out = total / weight_sum[..., None]
+        return out.reshape((n.size, *shape, self.alpha.size))
+
+    def mass_ref(self, granularity: str = "global", seq_weights=None) -> np.ndarray:
+        """Mean mass at ``n_ref``, ``a = 1`` per group, as the mass-matching estimator (E1) reads it."""
+        from .estimators import _Table, mass_matching
+
+        of_head, shape = self._groups(granularity)
+        by = () if granularity == "global" else (_Table.LAYER,) if granularity == "layer" else (_Table.LAYER, _Table.HEAD)
+        weights = None
+        if seq_weights is not None:
+            seqs = np.unique(self.table.keys[:, _Table.SEQ], return_inverse=True)[1].ravel()
+            weights = np.asarray(seq_weights, dtype=np.float64)[seqs]
+        cells = self.table.cells(by, weights=weights)
+        ref = mass_matching(cells, self.n_ref).mass_ref
+        out = np.full(shape if shape else (1,), np.nan)
+        if shape:
+            out[tuple(cells.groups.T)] = ref
+            return out
+        return ref
+
+    def exact_alpha(self, n, granularity: str = "global", *, bootstrap: int = 0, seed: int = 0) -> DistanceAlpha:
+        """``a*(n)`` per group (``M(a*; n) = mass_ref``), with a percentile band over sequence resamples."""
+        n = np.atleast_1d(np.asarray(n, dtype=np.int64))
+        _, shape = self._groups(granularity)
+        ref = self.mass_ref(granularity).reshape(shape)
+        profiles = self.profiles()
+        alpha = crossing(self.alpha, self.mass(n, granularity, profiles=profiles), ref)
+        ladder = np.unique(np.round(self.row_n.max() * 2.0 ** (np.arange(0, 4 * 30 + 1) / 4)).astype(np.int64))  # 4/octave
+        ladder = ladder[ladder <= _HORIZON_MAX_N]
+        peak = self.mass(ladder, granularity, profiles=profiles).max(axis=-1)  # (ladder, *groups)
+        short = peak < ref
+        horizon = np.where(short.any(axis=0), ladder[np.argmax(short, axis=0)], np.inf)
+        low = high = np.full(alpha.shape, np.nan)
+        if bootstrap > 0 and self.sequences > 1:
+            rng = np.random.default_rng(seed)
+            draws = rng.multinomial(self.sequences, np.full(self.sequences, 1.0 / self.sequences), size=bootstrap)
+            samples = np.stack([crossing(self.alpha, self.mass(n, granularity, seq_weights=c),
+                                         self.mass_ref(granularity, seq_weights=c).reshape(shape))
+                                for c in draws.astype(np.float64)])
+            enough = np.isfinite(samples).sum(axis=0) >= max(10, bootstrap // 2)
+            with warnings.catch_warnings():  # all-NaN slices (never reached) are masked just below
+                warnings.simplefilter("ignore", RuntimeWarning)
+                lo, hi = np.nanpercentile(samples, [2.5, 97.5], axis=0)
+            low, high = np.where(enough, lo, np.nan), np.where(enough, hi, np.nan)
+        return DistanceAlpha(n=n, alpha=alpha, low=low, high=high, mass_ref=ref, horizon_n=horizon)
+
+
+def fit_distance(stats, *, n_ref: int, top_k: int, tail: str = "power", octaves: float = 2.0) -> DistanceFit:
+    """Distance models of every (layer, head) from calibration statistics (``RowStats`` with a profile).
+
+    Parameters
+    ----------
+    stats : RowStats
+        Rows and their ``distance`` statistics (``calibrate --stats``).
+    n_ref : int
+        Reference length (``mass_ref`` as mass matching, E1, reads it).
+    top_k : int
+        Size of the top set.
+    tail, octaves
+        Tail form and fit window of the profiles (:func:`fit_tail`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from sharpdraft_theory.stats import distance_edges, row_stats_from_logits
+    >>> z = np.random.default_rng(0).normal(size=(64, 512)) - 0.5 * np.log1p(np.arange(512))[::-1]
+    >>> n = np.tile([128, 181, 256, 362, 512], 13)[:64]
+    >>> z = np.where(np.arange(512) < n[:, None], z, -np.inf)
+    >>> stats = row_stats_from_logits(z, k_max=4, seq=np.arange(64) % 4, edges=distance_edges(512))
+    >>> fit = fit_distance(stats, n_ref=256, top_k=4)
+    >>> fit.mass([2048]).shape  # (N, A): global mean mass on the profile's alpha grid
+    (1, 10)
+    """
+    from .estimators import _Table
+
+    dist = stats.distance
+    if dist is None:
+        raise ValueError("these statistics hold no distance profile: recalibrate with this version (--stats)")
+    if not 1 <= top_k <= stats.k_max:
+        raise ValueError(f"top_k={top_k} must be between 1 and k_max={stats.k_max} of these statistics")
+    grid = stats.alpha_grid
+    at = np.array([int(np.argmin(np.abs(grid - a))) for a in dist.alpha])
+    if not np.allclose(grid[at], dist.alpha):
+        raise ValueError("the distance profile's alpha values are not on the rows' alpha grid")
+    keep = stats.n > top_k
+    s = stats.select(keep)
+    layers, heads = dist.rows.shape[1:]
+    top = s.top[:, :1].astype(np.float64)  # (R, 1) t0
+    a = dist.alpha[None, :]
+    log_top = s.log_top(top_k)[:, at] - a * top  # (R, A)
+    lse = s.lse[:, at].astype(np.float64)
+    share = np.minimum(np.exp(s.log_top(top_k)[:, at] - lse), 1.0 - 1e-15)
+    log_rest = lse + np.log1p(-share) - a * top  # (R, A)
+    seq_index = np.searchsorted(dist.seq, s.seq)
+    if np.any(dist.seq[np.minimum(seq_index, dist.seq.size - 1)] != s.seq):
+        raise ValueError("rows and distance profile hold different sequences")
+    return DistanceFit(
+        n_ref=n_ref, top_k=top_k, tail=tail, octaves=octaves, alpha=dist.alpha.astype(np.float64), edges=dist.edges,
+        shape=(layers, heads), seq_weight=dist.weight.reshape(dist.seq.size, layers * heads, *dist.weight.shape[3:]),
+        seq_keys=dist.keys.reshape(dist.seq.size, layers * heads, -1), row_n=s.n.astype(np.int64),
+        row_head=(s.layer.astype(np.int64) * heads + s.head), row_seq=seq_index, log_top=log_top, log_rest=log_rest,
+        table=_Table.of_rows(s, n_ref, top_k))

@@ -391,9 +391,9 @@ def _distance_reference(z, finite, k_max, edges, alphas, layer, head, seq) -> Di
         d = n - np.arange(n)  # distance of key j: own key 1, sink n
         bins = np.searchsorted(edges, d, side="right") - 1
         weights = np.exp(alphas[None, :] * (row - row.max())[:, None])  # (n, A)
-        for j in np.flatnonzero(background & (bins < b)):
-            out["weight"][cell + (bins[j],)] += weights[j]
-            out["keys"][cell + (bins[j],)] += 1
+        j = np.flatnonzero(background & (bins < b))
+        np.add.at(out["weight"][cell], bins[j], weights[j])
+        np.add.at(out["keys"][cell], bins[j], 1.0)
         out["sink"][cell] += weights[0] / weights.sum(axis=0)
         out["rows"][cell] += 1
     return DistanceStats(seq=seqs, alpha=alphas, edges=edges, **out)

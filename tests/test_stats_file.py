@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -12,6 +14,7 @@ from calibrate.plots import STANDARD_FIGURES, load_stats
 from sharpdraft_theory import __version__
 from sharpdraft_theory.stats import RowStats, distance_edges, row_stats_from_logits
 from test_calibrate import VOCAB, _write_tokenizer
+from test_cli_theory import run_main
 
 runner = CliRunner()
 
@@ -86,3 +89,41 @@ def test_distance_profile_survives_save_and_load(tmp_path):
     for name in ("seq", "alpha", "edges", "weight", "keys", "sink", "rows"):
         np.testing.assert_array_equal(getattr(back.distance, name), getattr(stats.distance, name))
     assert back.select(back.n > 0).distance is back.distance
+
+
+def test_predict_from_the_statistics_file(calibrated):
+    _, path = calibrated
+    res = runner.invoke(app, ["predict", "--stats", str(path), "--n", "256", "--n", "2048", "--bootstrap", "10",
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert (out["n_ref"], out["top_k"], out["longest_calibrated_n"], out["sequences"]) == (64, 3, 256, 2)
+    assert [r["n"] for r in out["rows"]] == [256, 2048] and [r["extrapolated"] for r in out["rows"]] == [False, True]
+    for row in out["rows"]:
+        for key in ("mass_unscaled", "mass_power_law", "mass_iid"):
+            assert 0 < row[key] < 1
+    far = out["rows"][1]
+    assert far["mass_iid"] < out["rows"][0]["mass_iid"] and far["mass_unscaled"] < out["rows"][0]["mass_unscaled"]
+    res = runner.invoke(app, ["predict", "--stats", str(path), "--n", "2048", "--bootstrap", "0"])
+    assert res.exit_code == 0 and "distance model" in res.output.lower()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tail", "cubic"], "--tail 'cubic'"),
+    (["--bootstrap", "-1"], "--bootstrap -1"),
+    (["--n", "2"], "--n 2: must exceed --top-k 3"),
+    (["--gap", "5"], "--gap describes a score model"),
+    (["--mc-rows", "10"], "--mc-rows describes a score model"),
+    (["--top-k", "99"], "99"),
+])
+def test_predict_from_statistics_refuses_bad_values(calibrated, args, message):
+    _, path = calibrated
+    res = run_main("predict", "--stats", str(path), *args)
+    assert res.returncode == 1
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_predict_refuses_a_missing_statistics_file(tmp_path):
+    res = run_main("predict", "--stats", str(tmp_path / "none.npz"))
+    assert res.returncode == 1 and "does not exist" in res.stderr

@@ -5,9 +5,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sharpdraft_theory import Empirical, Gaussian, annealed_mass, exact_alpha
-from sharpdraft_theory.distance import DistanceModel, DistanceProfile, fit_tail
+from sharpdraft_theory import Empirical, Gaussian, annealed_mass, dilution_mass, exact_alpha
+from sharpdraft_theory.distance import DistanceModel, DistanceProfile, fit_distance, fit_tail
 from sharpdraft_theory.distance import exact_alpha as distance_alpha
+from sharpdraft_theory.stats import RowStats, distance_edges, row_stats_from_logits
 
 GRID = np.round(np.arange(0.5, 4.0001, 0.01), 6)
 
@@ -160,3 +161,57 @@ def test_bad_inputs():
         p2 = DistanceProfile.from_tail([2.0], np.zeros((2, 1)))
         DistanceModel(profiles=(p1, p2), group=np.zeros(1, int), n_row=np.ones(1, int), log_top=np.zeros((1, 1)),
                       log_rest=np.zeros((1, 1)), weight=np.ones(1))
+
+
+def _planted_rows(lengths, seqs, rng, width, heads=2, seq0=0):
+    """Rows whose logit at distance d is N(1 - (0.8 + 0.3 h) ln d, 0.3 + 0.05 ln d), a sink at 2 + N(0, 0.3), own key + 3."""
+    parts = []
+    for s in range(seqs):
+        for h in range(heads):
+            z = np.full((len(lengths), width), -np.inf)
+            for i, n in enumerate(lengths):
+                d = n - np.arange(n)
+                z[i, :n] = 1.0 - (0.8 + 0.3 * h) * np.log(d) + np.sqrt(0.3 + 0.05 * np.log(d)) * rng.standard_normal(n)
+                z[i, 0] = 2.0 + np.sqrt(0.3) * rng.standard_normal()  # the sink: the same whatever n
+                z[i, n - 1] += 3.0
+            parts.append(row_stats_from_logits(z, k_max=4, head=h, seq=seq0 + s, edges=distance_edges(width)))
+    return RowStats.concat(parts)
+
+
+@pytest.fixture(scope="module")
+def planted():
+    rng = np.random.default_rng(0)
+    grid = np.unique(np.round(32 * 2 ** (np.arange(0, 25) / 8)).astype(int))  # 32 .. 256
+    return _planted_rows(grid, 8, rng, 256), _planted_rows([2048], 30, rng, 2048)
+
+
+def test_fitted_model_predicts_planted_rows_past_the_calibrated_lengths(planted):
+    calibration, far = planted
+    fit = fit_distance(calibration, n_ref=64, top_k=4)
+    one = int(np.argmin(np.abs(fit.alpha - 1.0)))
+    measured = far.mass(4)[:, far.index_of_one]
+    for h in range(2):
+        got = fit.mass([2048], granularity="head")[0, 0, h, one]
+        want = measured[far.head == h].mean()
+        # 30 rows of sampled logits (standard error ~0.005) and an 8x extrapolation of the fitted tail.
+        assert got == pytest.approx(want, abs=0.02)
+    iid = float(dilution_mass(fit.mass([256])[0, one], 2048, 256, 4))
+    assert abs(iid - measured.mean()) > 0.1  # this test can fail: the i.i.d. law is far off here
+
+
+def test_fitted_correction_has_a_band_and_rises(planted):
+    calibration, _ = planted
+    fit = fit_distance(calibration, n_ref=64, top_k=4)
+    c = fit.exact_alpha([512, 2048, 8192], bootstrap=20)
+    assert np.all(np.diff(c.alpha) > 0) and c.alpha[0] > 1
+    assert np.all((c.low <= c.alpha) & (c.alpha <= c.high))
+    per_head = fit.exact_alpha([2048], granularity="head")
+    assert per_head.alpha.shape == (1, 1, 2) and per_head.mass_ref.shape == (1, 2)
+    # the head whose logits fall faster with distance dilutes less and needs a smaller correction
+    assert per_head.alpha[0, 0, 1] < per_head.alpha[0, 0, 0]
+
+
+def test_fit_distance_refuses_statistics_without_a_profile():
+    stats = row_stats_from_logits(np.random.default_rng(0).normal(size=(4, 40)), k_max=2)
+    with pytest.raises(ValueError, match="no distance profile"):
+        fit_distance(stats, n_ref=32, top_k=2)
