@@ -136,7 +136,8 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
     workspace : Workspace, optional
         Scratch buffers to reuse across calls (default: fresh ones).
     distance : (edges, alphas), optional
-        Also return ``distance_sums`` of the chunk under the key ``distance``.
+        Also return ``distance_sums`` of the chunk under the key ``distance`` (every alpha on
+        ``alpha_grid``).
 
     Returns
     -------
@@ -208,11 +209,15 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
             tilted[lo:hi] += e_one.mul_(z_tile).sum(-1)  # at alpha = 1: sum s e^s
     lead = sums.view(n_rows, -1)[:, lattice.index.to(device)].view(kv_heads, group, rows, -1)  # (.., n_alpha)
     tilted = peak[..., 0] + (tilted.view(kv_heads, group, rows) / lead[..., lattice.one]).float()
+    if distance is not None:  # S(a) at the profile's scales, before lead becomes ln S
+        values = lattice.values.to(device)
+        at = (values[:, None] - torch.tensor(distance[1], dtype=values.dtype, device=device)).abs_().argmin(0)
+        row_sums = lead.index_select(-1, at)  # (KVH, G, R, A): sum_j e^{a s_j}, float64
     out = dict(top=top, lse=lead.log_().float() + peak * lattice.values.to(device), tilted_mean=tilted,
                mean=peak[..., 0] + mean_s, var=var.clamp_(min=0.0).float())
     if distance is None:
         return out
-    return {**out, "distance": distance_sums(shifted, top_index, n_visible, *distance)}
+    return {**out, "distance": distance_sums(shifted, top_index, n_visible, row_sums, *distance)}
 
 
 class Workspace:
@@ -237,22 +242,24 @@ class Workspace:
         return buffer[:size].view(shape)
 
 
-def distance_sums(shifted: torch.Tensor, top_index: torch.Tensor, n_visible: torch.Tensor, edges: torch.Tensor,
-                  alphas: torch.Tensor) -> dict[str, torch.Tensor]:
+def distance_sums(shifted: torch.Tensor, top_index: torch.Tensor, n_visible: torch.Tensor, row_sums: torch.Tensor,
+                  edges: torch.Tensor, alphas: torch.Tensor) -> dict[str, torch.Tensor]:
     """The background's distance profile of one chunk, summed over its rows (``DistanceStats``).
 
     Parameters
     ----------
     shifted : Tensor, shape (kv_heads, group, rows, keys)
-        Logits minus each row's largest, ``s_j = z_j - t0 <= 0``; ``-inf`` where hidden.
+        Logits minus each row's largest, ``s_j = z_j - t0 <= 0``; ``-inf`` where hidden (read only).
     top_index : LongTensor, shape (kv_heads, group, rows, k_max)
         Keys of each row's top set (left out of the background).
     n_visible : LongTensor, shape (rows,)
         Visible keys per row (the first ``n`` keys).
+    row_sums : Tensor, shape (kv_heads, group, rows, A)
+        ``sum_j exp(a s_j)`` over all visible keys at each of ``alphas`` (the sink's share needs it).
     edges : LongTensor, shape (B + 1,)
         Distance bins ``edges[b] <= d < edges[b + 1]``, ``d = n - j``.
-    alphas : Tensor, shape (A,)
-        Query scales.
+    alphas : sequence of float
+        Query scales, each a multiple of 1/4 (``DISTANCE_ALPHAS``).
 
     Returns
     -------
@@ -261,29 +268,58 @@ def distance_sums(shifted: torch.Tensor, top_index: torch.Tensor, n_visible: tor
 
     Notes
     -----
-    Every key gets a bin index, and the sink, hidden keys and top keys a spare bin ``B`` that
-    is dropped; one ``scatter_add`` over keys then sums all scales at once. The sink's share is
-    ``exp(a s_0) / sum_j exp(a s_j)``, from the same weights.
+    Keys are gathered by distance, ``aligned[.., r, d - 1] = s[.., r, n_r - d]``, so all rows
+    share one distance axis: the sum over rows comes first, then bin sums as differences of a
+    cumulative sum over distance (float64). The weights are powers of ``u = exp(s / 4)``,
+    ``exp(a s) = u^{4a}``, made by in-place multiplication (one ``exp`` per logit in all). On CPU
+    subnormal results are flushed to 0 (``_flush_denormal``): a weight under 1e-38 is dropped,
+    where computing it would take the processor's slow path.
     """
     kvh, group, rows, keys = shifted.shape
-    bins = edges.numel() - 1
-    d = n_visible[:, None] - torch.arange(keys, device=shifted.device)  # (R, N): own key 1, sink n, hidden <= 0
-    index = torch.bucketize(d, edges, right=True) - 1  # (R, N): bin of each key
-    index = torch.where((d >= 1) & (d < n_visible[:, None]) & (index < bins), index, bins)  # sink, hidden -> spare
-    index = index.expand(kvh, group, rows, keys).clone()  # (KVH, G, R, N)
-    index.scatter_(-1, top_index, bins)  # top keys -> spare
-    index = index.view(kvh * group, rows * keys, 1)  # (KVH * G, R * N, 1)
-    weight = torch.exp(shifted[..., None] * alphas)  # (KVH, G, R, N, A); 0 where hidden
-    row_sum = weight.sum(-2, dtype=torch.float64)  # (KVH, G, R, A): sum_j exp(a s_j)
-    sink = (weight[..., 0, :].double() / row_sum).sum(-2)  # (KVH, G, A)
-    flat = weight.view(kvh * group, rows * keys, -1)  # (KVH * G, R * N, A)
-    summed = torch.zeros(kvh * group, bins + 1, alphas.numel(), dtype=torch.float32, device=shifted.device)
-    summed.scatter_add_(1, index.expand_as(flat), flat)  # (KVH * G, B + 1, A)
-    count = torch.zeros(kvh * group, bins + 1, dtype=torch.float32, device=shifted.device)
-    count.scatter_add_(1, index[..., 0], torch.ones_like(index[..., 0], dtype=torch.float32))  # (KVH * G, B + 1)
-    return dict(weight=summed[:, :bins].view(kvh, group, bins, -1).double(),
-                keys=count[:, :bins].view(kvh, group, bins).double(), sink=sink,
-                rows=torch.full((kvh, group), float(rows), dtype=torch.float64, device=shifted.device))
+    device = shifted.device
+    quarters = [int(round(4 * float(a))) for a in alphas]
+    if quarters != sorted(set(quarters)) or quarters[0] < 1:
+        raise ValueError("distance alphas must be increasing positive multiples of 1/4")
+    scales = torch.tensor([q / 4.0 for q in quarters], device=device)
+    sink = (torch.exp(shifted[..., :1].double() * scales) / row_sums.double()).sum(-2)  # (KVH, G, A)
+    j = n_visible[:, None] - torch.arange(1, keys + 1, device=device)  # (R, N): key at distance d = 1 .. N
+    aligned = shifted.gather(-1, j.clamp(min=0).expand(kvh, group, rows, keys))  # (KVH, G, R, N) by distance
+    with _flush_denormal(device):
+        unit = torch.exp(aligned.mul_(0.25))  # (KVH, G, R, N): u = e^{s/4}
+        unit.masked_fill_(j < 1, 0.0)  # the sink (d = n) and distances past the row
+        unit.scatter_(-1, n_visible[:, None] - 1 - top_index, 0.0)  # top keys: d - 1 = n - 1 - j
+        steps = {1: unit}
+        for step in (2, 4):  # u^2, u^4: the steps between consecutive quarters
+            steps[step] = steps[step // 2] * steps[step // 2]
+        per_d, power, q_now = [], None, 0
+        for q in quarters:  # u^q by in-place steps from the previous quarter
+            while q_now < q:
+                step = max(s for s in steps if s <= q - q_now)  # greedy: u^4, u^2 or u
+                power = steps[step].clone() if power is None else power.mul_(steps[step])
+                q_now += step
+            per_d.append(power.sum(2, dtype=torch.float64))  # (KVH, G, N)
+        per_d.append((unit > 0).sum(2, dtype=torch.float64))  # background keys per distance
+    cum = torch.nn.functional.pad(torch.stack(per_d, -1).cumsum(2), (0, 0, 1, 0))  # (KVH, G, N + 1, A + 1)
+    at = (edges - 1).clamp(max=keys)  # (B + 1,): sums over d < edges[b]
+    binned = cum[:, :, at[1:]] - cum[:, :, at[:-1]]  # (KVH, G, B, A + 1)
+    weight, count = binned[..., :-1], binned[..., -1]  # (KVH, G, B, A), (KVH, G, B)
+    return dict(weight=weight, keys=count, sink=sink,
+                rows=torch.full((kvh, group), float(rows), dtype=torch.float64, device=device))
+
+
+@contextlib.contextmanager
+def _flush_denormal(device: torch.device):
+    """On CPU, flush subnormal floats to zero inside the block (``torch.set_flush_denormal``), then stop.
+
+    Calibration runs with the default (off) everywhere else, which is what is restored.
+    """
+    if device.type != "cpu" or not torch.set_flush_denormal(True):
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 @contextlib.contextmanager
@@ -348,6 +384,9 @@ class RowCollector:
         self.chunk = chunk
         self.budget = budget
         self.distance_alphas = None if distance_alphas is None else np.asarray(distance_alphas, dtype=np.float64)
+        if self.distance_alphas is not None and \
+                np.abs(self.alpha_grid[:, None] - self.distance_alphas).min(0).max() > 1e-6:
+            raise ValueError("every distance alpha must lie on alpha_grid (reduce_rows reads its sums there)")
         self.edges = distance_edges(int(self.grid.max()))
         self._on_device: dict[torch.device, tuple[torch.Tensor, AlphaLattice]] = {}
         self._distance_t: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -449,8 +488,7 @@ class RowCollector:
         if self.distance_alphas is None:
             return None
         if device not in self._distance_t:
-            self._distance_t[device] = (torch.as_tensor(self.edges, device=device),
-                                        torch.as_tensor(self.distance_alphas, dtype=torch.float32, device=device))
+            self._distance_t[device] = (torch.as_tensor(self.edges, device=device), tuple(self.distance_alphas))
         return self._distance_t[device]
 
     def _add_profile(self, layer_idx: int, b: int, sums: dict | None, heads: int) -> None:

@@ -110,7 +110,7 @@ def test_distance_sums_match_float64_reference(kv_heads, group, scale):
     query, key, n_visible = _random_rows(kv_heads * 10 + group, kv_heads, group, 7, 300, 32, scale)
     scaling, edges = 32 ** -0.5, distance_edges(300)
     out = reduce_rows(query, key, n_visible, scaling, k_max=16, alpha_grid=DEFAULT_ALPHA_GRID,
-                      distance=(torch.as_tensor(edges), torch.as_tensor(DISTANCE_ALPHAS, dtype=torch.float32)))
+                      distance=(torch.as_tensor(edges), tuple(DISTANCE_ALPHAS)))
     q, k = query.double().numpy(), key.double().numpy()
     z = scaling * np.einsum("hgrd,hnd->hgrn", q, k).reshape(kv_heads * group * 7, -1)
     n = np.tile(n_visible.numpy(), kv_heads * group)
