@@ -14,7 +14,7 @@ from sharpdraft_theory.laws import MAX_N
 
 from .errors import UserError
 
-__all__ = ["predict", "predict_from_stats"]
+__all__ = ["predict", "predict_from_stats", "head_laws"]
 
 MC_MAX_N = 1 << 22
 # Monte Carlo draws rows x n logits per length: 2^30 of them take about 10 s on one core, and by then
@@ -127,7 +127,6 @@ def predict_from_stats(path, *, n: list[int] | None, n_ref: int | None = None, t
     mass under the distance model, with a 95% bootstrap band over sequences.
     """
     from sharpdraft_theory.distance import TAIL_FORMS, fit_distance
-    from sharpdraft_theory.estimators import _Table, closed_form
 
     from .plots.files import load_stats
 
@@ -151,31 +150,19 @@ def predict_from_stats(path, *, n: list[int] | None, n_ref: int | None = None, t
     one = int(np.argmin(np.abs(fit.alpha - 1.0)))
     corr = fit.exact_alpha(lengths, bootstrap=bootstrap, seed=seed)
 
-    # Power law and i.i.d. law per head, from the mean mass of the head's longest rows (those the model extends).
-    cells = fit.table.cells((_Table.LAYER, _Table.HEAD))
-    gamma = np.full(fit.shape, np.nan)
-    gamma[tuple(cells.groups.T)] = closed_form(cells, n_ref).gamma
-    gamma_global = float(closed_form(fit.table.cells(()), n_ref).gamma[0])
-    gamma = np.where(np.isfinite(gamma), gamma, gamma_global).ravel()
-    anchor = fit.row_n > longest / np.sqrt(2.0)
-    heads = np.unique(fit.row_head[anchor])
-    mass_anchor = np.array([np.mean(expit(fit.log_top[anchor & (fit.row_head == h), one]
-                                           - fit.log_rest[anchor & (fit.row_head == h), one])) for h in heads])
-    n_anchor = np.array([np.exp(np.mean(np.log(fit.row_n[anchor & (fit.row_head == h)]))) for h in heads])
-    rows_anchor = np.array([np.count_nonzero(anchor & (fit.row_head == h)) for h in heads])
-    m0 = np.clip(mass_anchor, 1e-12, 1 - 1e-12)
+    per_head = head_laws(fit, lengths)
+    weights = per_head["rows"]
 
-    def law(g: np.ndarray, length: int) -> float:
-        per_head = [float(dilution_mass(m, length, na, top_k, gamma=gh)) for m, na, gh in zip(m0, n_anchor, g)]
-        return float(np.average(per_head, weights=rows_anchor))
+    def mean(values: np.ndarray) -> float:
+        return float(np.average(np.where(weights > 0, values, 0.0), weights=weights))  # heads without rows: none
 
     rows = []
     for i, length in enumerate(lengths):
         rows.append({
             "n": int(length),
             "mass_unscaled": float(model_mass[i, one]),
-            "mass_power_law": law(gamma[heads], length),
-            "mass_iid": law(np.ones(heads.size), length),
+            "mass_power_law": mean(per_head["power_law"][i]),
+            "mass_iid": mean(per_head["iid"][i]),
             "alpha_exact": _finite(corr.alpha[i]),
             "alpha_low": _finite(corr.low[i]),
             "alpha_high": _finite(corr.high[i]),
@@ -183,9 +170,43 @@ def predict_from_stats(path, *, n: list[int] | None, n_ref: int | None = None, t
         })
     return {
         "stats": str(path), "n_ref": n_ref, "top_k": top_k, "tail": tail, "longest_calibrated_n": longest,
-        "sequences": fit.sequences, "mass_ref": float(corr.mass_ref), "gamma_power_law": gamma_global,
+        "sequences": fit.sequences, "mass_ref": float(corr.mass_ref), "gamma_power_law": mean(per_head["gamma"]),
         "horizon_n": _finite(corr.horizon_n), "bootstrap": bootstrap, "rows": rows,
     }
+
+
+def head_laws(fit, lengths) -> dict[str, np.ndarray]:
+    """Per head, the laws ``predict --stats`` compares with the distance model, from the head's longest rows.
+
+    Returns arrays over heads (``layer * heads + head``): ``rows`` (anchor rows: measured rows
+    with ``n`` in the last half-octave), ``mass`` (their mean mass at ``a = 1``), ``n`` (their
+    geometric mean length), ``gamma`` (the closed-form estimator's (E2) dilution exponent over
+    the calibrated lengths; the global one where a head's is undefined), and (N, heads) arrays
+    ``power_law`` (``dilution_mass`` with that gamma from ``(n, mass)``) and ``iid`` (gamma = 1).
+    """
+    from sharpdraft_theory.estimators import _Table, closed_form
+
+    cells = fit.table.cells((_Table.LAYER, _Table.HEAD))
+    gamma = np.full(fit.shape, np.nan)
+    gamma[tuple(cells.groups.T)] = closed_form(cells, fit.n_ref).gamma
+    gamma = np.where(np.isfinite(gamma), gamma, float(closed_form(fit.table.cells(()), fit.n_ref).gamma[0])).ravel()
+    one = int(np.argmin(np.abs(fit.alpha - 1.0)))
+    longest = int(fit.row_n.max())
+    anchor = fit.row_n > longest / np.sqrt(2.0)
+    heads = fit.shape[0] * fit.shape[1]
+    rows = np.bincount(fit.row_head[anchor], minlength=heads).astype(np.float64)
+    row_mass = expit(fit.log_top[anchor, one] - fit.log_rest[anchor, one])
+    with np.errstate(invalid="ignore"):
+        mass = np.bincount(fit.row_head[anchor], weights=row_mass, minlength=heads) / rows
+        n_anchor = np.exp(np.bincount(fit.row_head[anchor], weights=np.log(fit.row_n[anchor]), minlength=heads) / rows)
+    m0 = np.clip(mass, 1e-12, 1 - 1e-12)
+
+    def law(g: np.ndarray) -> np.ndarray:  # (N, heads); NaN for heads without anchor rows
+        return np.stack([dilution_mass(m0[h], lengths, n_anchor[h], fit.top_k, gamma=g[h]) if rows[h]
+                         else np.full(len(lengths), np.nan) for h in range(heads)], axis=1)
+
+    return {"rows": rows, "mass": mass, "n": n_anchor, "gamma": gamma, "power_law": law(gamma),
+            "iid": law(np.ones(heads))}
 
 
 def _finite(v) -> float | None:
