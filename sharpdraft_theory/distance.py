@@ -68,6 +68,7 @@ __all__ = ["TAIL_FORMS", "DistanceProfile", "DistanceModel", "DistanceCorrection
 TAIL_FORMS = ("power", "lognormal")
 
 _HORIZON_MAX_N = 2.0**40  # the horizon search stops here (reported as inf beyond)
+_UNDERFLOW = -700.0  # tail ln P at an a whose weights all underflowed: e^-700 per key, nothing next to the top
 
 
 def _midpoint_log_sum(tail: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -201,6 +202,8 @@ def fit_tail(alpha, edges, log_weight, counts, *, form: str = "power", octaves: 
     -----
     Each bin sits at the mean of ``ln d`` over its distances (``ln`` of the geometric mean),
     weighted least squares by keys; bins without weight at some ``a`` are left out at that ``a``.
+    An ``a`` where fewer than two bins hold weight (all of it below float32's range: large ``a``,
+    keys far below the top) gets the flat tail ``ln P = -700``.
     """
     if form not in TAIL_FORMS:
         raise ValueError(f"tail form must be one of {', '.join(TAIL_FORMS)}, got {form!r}")
@@ -213,17 +216,20 @@ def fit_tail(alpha, edges, log_weight, counts, *, form: str = "power", octaves: 
     if np.count_nonzero(use) < 2:
         use = counts > 0  # too few bins in the window: fit all measured bins
     ok = use[:, None] & np.isfinite(lw)  # (B, A)
-    if np.any(np.count_nonzero(ok, axis=0) < 2):
+    fitted = np.count_nonzero(ok, axis=0) >= 2  # (A,): a's whose weights did not all underflow
+    if not fitted.any():
         raise ValueError("the distance profile has fewer than two measured bins: no tail can be fitted")
+    ok &= fitted[None, :]
     w = np.sqrt(np.where(ok, counts[:, None], 0.0))  # (B, A)
     y = np.where(ok, lw, 0.0)
     if form == "power":  # weighted least squares of a line, one per a, in closed form
-        w2 = w**2
+        w2 = np.where(fitted[None, :], w**2, 1.0)  # unfitted a's: any finite line, replaced below
         mx = np.sum(w2 * x[:, None], axis=0) / np.sum(w2, axis=0)  # (A,)
         my = np.sum(w2 * y, axis=0) / np.sum(w2, axis=0)
         dx = x[:, None] - mx
         slope = np.sum(w2 * dx * (y - my), axis=0) / np.sum(w2 * dx**2, axis=0)
         coef = np.stack([my - slope * mx, slope])
+        coef = np.where(fitted[None, :], coef, np.array([[_UNDERFLOW], [0.0]]))
     else:
         a = alpha[None, :]
         xx = x[:, None]
@@ -231,6 +237,7 @@ def fit_tail(alpha, edges, log_weight, counts, *, form: str = "power", octaves: 
         design = np.stack([(c * w).ravel() for c in cols], axis=1)
         m0, m1, v0, v1 = np.linalg.lstsq(design, (y * w).ravel(), rcond=None)[0]
         coef = np.stack([alpha * m0 + 0.5 * alpha**2 * v0, alpha * m1 + 0.5 * alpha**2 * v1])
+        coef = np.where(fitted[None, :], coef, np.array([[_UNDERFLOW], [0.0]]))
     resid = np.where(ok, lw - (coef[0][None, :] + x[:, None] * coef[1][None, :]), 0.0)
     rms = float(np.sqrt(np.sum(w**2 * resid**2) / np.sum(w**2)))
     return coef, rms

@@ -215,3 +215,13 @@ def test_fit_distance_refuses_statistics_without_a_profile():
     stats = row_stats_from_logits(np.random.default_rng(0).normal(size=(4, 40)), k_max=2)
     with pytest.raises(ValueError, match="no distance profile"):
         fit_distance(stats, n_ref=32, top_k=2)
+
+
+def test_tail_fit_survives_weights_that_underflow_at_large_alpha():
+    alpha = np.array([0.5, 1.0, 4.0])
+    edges = np.array([1, 2, 4, 8, 16, 32])
+    with np.errstate(divide="ignore"):
+        log_weight = np.log(np.array([[0.1, 0.01, 0.0]] * 5))  # nothing left at a = 4 (float32 underflow)
+    tail, _ = fit_tail(alpha, edges, log_weight, np.diff(edges).astype(float))
+    np.testing.assert_allclose(tail[:, :2], [[np.log(0.1), np.log(0.01)], [0.0, 0.0]], atol=1e-12)
+    assert tail[0, 2] <= -700 and tail[1, 2] == 0
