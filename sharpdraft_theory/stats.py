@@ -104,7 +104,11 @@ class DistanceStats:
 
     @classmethod
     def concat(cls, parts: list["DistanceStats"], seqs: list[np.ndarray] | None = None) -> "DistanceStats":
-        """Join along sequences (``seqs``: new ids per part; layers and heads are padded to the largest)."""
+        """Join along sequences (``seqs``: new ids per part; layers and heads are padded to the largest).
+
+        A sequence id held by several parts (one run's sequence split across files, e.g. by
+        layer) is one sequence: its sums are added, at its first place.
+        """
         first = parts[0]
         for p in parts[1:]:
             if not (np.array_equal(p.alpha, first.alpha) and np.array_equal(p.edges, first.edges)):
@@ -115,9 +119,19 @@ class DistanceStats:
         def pad(x):
             return np.pad(x, [(0, 0), (0, layers - x.shape[1]), (0, heads - x.shape[2])] + [(0, 0)] * (x.ndim - 3))
 
-        return cls(seq=np.concatenate(seqs if seqs is not None else [p.seq for p in parts]), alpha=first.alpha,
-                   edges=first.edges, **{name: np.concatenate([pad(getattr(p, name)) for p in parts])
-                                         for name in ("weight", "keys", "sink", "rows")})
+        ids = np.concatenate(seqs if seqs is not None else [p.seq for p in parts])
+        sums = {name: np.concatenate([pad(getattr(p, name)) for p in parts]) for name in ("weight", "keys", "sink", "rows")}
+        unique, first_at, slot = np.unique(ids, return_index=True, return_inverse=True)
+        if unique.size < ids.size:  # merge repeated ids, in order of first appearance
+            order = np.argsort(first_at, kind="stable")
+            rank = np.empty_like(order)
+            rank[order] = np.arange(order.size)
+            merged = {}
+            for name, value in sums.items():
+                merged[name] = np.zeros((unique.size,) + value.shape[1:], dtype=value.dtype)
+                np.add.at(merged[name], rank[slot], value)
+            ids, sums = unique[order], merged
+        return cls(seq=ids, alpha=first.alpha, edges=first.edges, **sums)
 
 
 @dataclass(frozen=True, eq=False)
@@ -294,25 +308,25 @@ class RowStats:
                 raise ValueError("statistics to join were recorded on different alpha grids")
             if p.k_max != parts[0].k_max:
                 raise ValueError(f"statistics to join have different k_max ({parts[0].k_max} and {p.k_max})")
-        if separate_runs:
-            seqs, next_id = [], None
-            for p in parts:
-                ids = p.seq.astype(np.int64)
+        with_distance = all(p.distance is not None for p in parts)
+        shifts = [0] * len(parts)
+        if separate_runs:  # a part's ids are its rows' and, when joined, its profile's (``select`` keeps it whole)
+            next_id = None
+            for i, p in enumerate(parts):
+                ids = np.concatenate([p.seq, p.distance.seq] if with_distance else [p.seq]).astype(np.int64)
                 if ids.size:
                     if next_id is not None:
-                        ids = ids + (next_id - int(ids.min()))
-                    next_id = int(ids.max()) + 1
-                seqs.append(ids)
+                        shifts[i] = next_id - int(ids.min())
+                    next_id = int(ids.max()) + shifts[i] + 1
         else:
             _check_rows_distinct(parts)
-            seqs = [p.seq for p in parts]
+        seqs = [p.seq.astype(np.int64) + d if separate_runs else p.seq for p, d in zip(parts, shifts)]
         joined = {f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in _row_fields()
                   if f.name not in ("alpha_grid", "seq")}
         distance = None
-        if all(p.distance is not None for p in parts):  # each part's profile moves with its rows' ids
-            shift = [ids[0] - p.seq[0] if p.rows else 0 for p, ids in zip(parts, seqs)]
+        if with_distance:  # each part's profile moves with its rows' ids (parts without one: no profile)
             distance = DistanceStats.concat([p.distance for p in parts],
-                                            [p.distance.seq + int(d) for p, d in zip(parts, shift)])
+                                            [p.distance.seq + d for p, d in zip(parts, shifts)])
         return cls(alpha_grid=grid, seq=np.concatenate(seqs), distance=distance, **joined)
 
 

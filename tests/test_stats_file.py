@@ -79,6 +79,25 @@ def test_joining_separate_runs_shifts_the_profile_with_its_rows():
     joined = RowStats.concat([run, run], separate_runs=True)
     assert joined.distance.seq.tolist() == [0, 1, 2, 3] and joined.seq.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     np.testing.assert_array_equal(joined.distance.weight[2:], run.distance.weight)
+    # select keeps the profile whole (sequences 0 and 1): the next run starts past both
+    late = RowStats.concat([run.select(run.seq == 1), run], separate_runs=True)
+    assert late.distance.seq.tolist() == [0, 1, 2, 3] and late.seq.tolist() == [1, 1, 2, 2, 3, 3]
+    np.testing.assert_array_equal(late.distance.weight, joined.distance.weight)
+    without = row_stats_from_logits(z, k_max=2, seq=[0, 0, 1, 1])
+    assert RowStats.concat([run, without], separate_runs=True).distance is None  # only some parts hold a profile
+
+
+def test_one_run_split_across_parts_keeps_one_profile_per_sequence():
+    rng = np.random.default_rng(2)
+    z, layer = rng.normal(size=(6, 40)), [0, 1, 0, 1, 0, 1]
+    whole = row_stats_from_logits(z, k_max=2, seq=[0, 0, 1, 1, 2, 2], layer=layer, edges=distance_edges(40))
+    parts = [row_stats_from_logits(z[i::2], k_max=2, seq=[0, 1, 2], layer=i, edges=distance_edges(40))
+             for i in (0, 1)]  # the same sequences, one file per layer
+    joined = RowStats.concat(parts)
+    assert joined.distance.seq.tolist() == whole.distance.seq.tolist() == [0, 1, 2]
+    for name in ("weight", "keys", "sink", "rows"):
+        np.testing.assert_allclose(getattr(joined.distance, name), getattr(whole.distance, name), rtol=1e-12,
+                                   err_msg=name)  # the same float64 sums, added in another order
 
 
 def test_distance_profile_survives_save_and_load(tmp_path):
