@@ -128,20 +128,21 @@ def predict_from_stats(path, *, n: list[int] | None, n_ref: int | None = None, t
     """
     from sharpdraft_theory.distance import TAIL_FORMS, fit_distance
 
+    from .plot_cmd import MAX_BOOTSTRAP
     from .plots.files import load_stats
 
     if tail not in TAIL_FORMS:
         raise UserError(f"--tail {tail!r}: expected one of {', '.join(TAIL_FORMS)}")
-    if bootstrap < 0:
-        raise UserError(f"--bootstrap {bootstrap}: must be 0 or more")
+    if not 0 <= bootstrap <= MAX_BOOTSTRAP:
+        raise UserError(f"--bootstrap {bootstrap}: expected 0 (no band) to {MAX_BOOTSTRAP}")
     stats, _, n_ref, top_k = load_stats(path, n_ref=n_ref, top_k=top_k)
     if stats.distance is None:
         raise UserError(f"{path} holds no distance profile (written by an older version): calibrate again with --stats")
     longest = int(stats.n.max())
     lengths = sorted(set(n or [longest, 2 * longest, 4 * longest, 16 * longest]))
-    bad = [v for v in lengths if not top_k < v <= MAX_N]
+    bad = [v for v in lengths if not max(top_k + 1, n_ref) <= v <= MAX_N]
     if bad:
-        raise UserError(f"--n {bad[0]}: must exceed --top-k {top_k} and be at most 2^32")
+        raise UserError(f"--n {bad[0]}: must be at least --n-ref {n_ref} (and exceed --top-k {top_k}) and at most 2^32")
     try:
         fit = fit_distance(stats, n_ref=n_ref, top_k=top_k, tail=tail)
     except ValueError as err:

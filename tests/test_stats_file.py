@@ -130,7 +130,7 @@ def test_predict_from_the_statistics_file(calibrated):
 @pytest.mark.parametrize("args, message", [
     (["--tail", "cubic"], "--tail 'cubic'"),
     (["--bootstrap", "-1"], "--bootstrap -1"),
-    (["--n", "2"], "--n 2: must exceed --top-k 3"),
+    (["--n", "2"], "--n 2: must be at least --n-ref 64"),
     (["--gap", "5"], "--gap describes a score model"),
     (["--mc-rows", "10"], "--mc-rows describes a score model"),
     (["--top-k", "99"], "99"),
