@@ -45,20 +45,44 @@ def _fmt(value, digits: int = 4) -> str:
 @app.command()
 def predict(
     *,
-    model: Annotated[str, typer.Option(help="Score model: two-level (background at one value) or gaussian.")] = "gaussian",
-    gap: Annotated[float, typer.Option(help="Gap D between the top logits and the background mean (logit units).")] = 6.0,
+    stats: Annotated[Optional[Path], typer.Option(help="Predict from measured statistics (`calibrate --stats`) "
+                                                  "with the distance model instead of a score model.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Score model: two-level (background at one value) or gaussian "
+                                                 "(default gaussian).")] = None,
+    gap: Annotated[Optional[float], typer.Option(help="Gap D between the top logits and the background mean "
+                                                 "(logit units; default 6).")] = None,
     sigma: Annotated[Optional[float], typer.Option(help="Background standard deviation (gaussian only).")] = None,
-    top_k: Annotated[int, typer.Option("--top-k", help="Size of the top set whose mass is tracked.")] = 4,
-    n_ref: Annotated[int, typer.Option("--n-ref", help="Reference length: the drafter's training context.")] = 512,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Size of the top set whose mass is tracked "
+                                                 "(default 4, or the statistics file's).")] = None,
+    n_ref: Annotated[Optional[int], typer.Option("--n-ref", help="Reference length: the drafter's training context "
+                                                 "(default 512, or the statistics file's).")] = None,
     n: Annotated[Optional[list[int]], typer.Option("--n", help="Context length to evaluate; repeat the option.")] = None,
     mc_rows: Annotated[int, typer.Option("--mc-rows", help="Check masses by quenched Monte Carlo with this many rows "
                                          "(0: annealed formulas).")] = 0,
-    seed: Annotated[int, typer.Option(help="Monte Carlo seed.")] = 0,
+    tail: Annotated[str, typer.Option(help="With --stats: the profile's form past the calibrated distances, "
+                                      "power or lognormal.")] = "power",
+    bootstrap: Annotated[int, typer.Option(help="With --stats: resamples of sequences for the alpha band.")] = 100,
+    seed: Annotated[int, typer.Option(help="Monte Carlo and bootstrap seed.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ):
-    """Predict top-k mass dilution and the query scale that undoes it, under a score model."""
+    """Predict top-k mass dilution and the query scale that undoes it, under a score model or from statistics."""
     from .predict import predict as run_predict
+    from .predict import predict_from_stats
 
+    if stats is not None:
+        given = [name for name, value in (("--model", model), ("--gap", gap), ("--sigma", sigma)) if value is not None]
+        if given or mc_rows:
+            raise UserError(f"{(given or ['--mc-rows'])[0]} describes a score model; drop it when predicting from --stats")
+        result = predict_from_stats(stats, n=n, n_ref=n_ref, top_k=top_k, tail=tail, bootstrap=bootstrap, seed=seed)
+        if as_json:
+            print(json.dumps(result, indent=2))
+        else:
+            _show_stats_prediction(result)
+        return
+    model = model or "gaussian"
+    gap = 6.0 if gap is None else gap
+    top_k = 4 if top_k is None else top_k
+    n_ref = 512 if n_ref is None else n_ref
     if model == "gaussian" and sigma is None:
         sigma = 1.0
     lengths = n or [1024, 4096, 16384, 65536]
@@ -90,6 +114,24 @@ def predict(
     console.print("alpha exact keeps the top-k mass at its n_ref value; alpha fixed-slope is the deployed law "
                   "1 + beta ln(n / n_ref). Regime: where the annealed sum behind the formulas holds "
                   "(annealed), drifts (crossover) or fails (frozen).")
+
+
+def _show_stats_prediction(result: dict) -> None:
+    console.print(f"[bold]Distance model[/] from {result['stats']} ({result['sequences']} sequences, calibrated up to "
+                  f"n = {result['longest_calibrated_n']}, {result['tail']} tail); top-{result['top_k']} reference mass "
+                  f"{result['mass_ref']:.4f} at n_ref = {result['n_ref']}; power-law gamma {result['gamma_power_law']:.3f}")
+    table = Table(title="Top-k mass (alpha = 1) and the exact correction")
+    for col in ("n", "distance model", "power law", "i.i.d. law", "alpha exact", "95% band"):
+        table.add_column(col, justify="right")
+    for row in result["rows"]:
+        band = f"[{_fmt(row['alpha_low'], 3)}, {_fmt(row['alpha_high'], 3)}]" if row["alpha_low"] is not None else "-"
+        table.add_row(f"{row['n']}" + ("*" if row["extrapolated"] else ""), _fmt(row["mass_unscaled"]),
+                      _fmt(row["mass_power_law"]), _fmt(row["mass_iid"]), _fmt(row["alpha_exact"], 3), band)
+    console.print(table)
+    horizon = result["horizon_n"]
+    console.print("* past the calibrated lengths (the profile's fitted tail). Correction horizon: "
+                  + ("none found below 2^40" if horizon is None else f"n = {horizon:.4g} (no alpha on the grid restores "
+                                                                     "the mass past it)"))
 
 
 @app.command()

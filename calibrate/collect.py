@@ -11,6 +11,9 @@ statistics of ``sharpdraft_theory.stats.RowStats`` (theory.md section 6):
     tilted_mean sum_j z_j e^{z_j} / sum_j e^{z_j}
     mean, var   plain mean and population variance of the z_j
 
+``distance_sums`` adds, summed over the chunk's rows, the background's distance profile of
+``sharpdraft_theory.stats.DistanceStats`` (theory.md section 8); ``take()`` returns it with the rows.
+
 ``row_stats_from_logits`` in ``sharpdraft_theory.stats`` is the float64 numpy version of the
 same reduction; the tests hold this one to it.
 
@@ -33,12 +36,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, RowStats
+from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, DISTANCE_ALPHAS, DistanceStats, RowStats, distance_edges
 
 from .errors import UserError
 
-__all__ = ["log_grid", "alpha_lattice", "AlphaLattice", "reduce_rows", "Workspace", "RowCollector", "DEFAULT_K_MAX",
-           "DEFAULT_BUDGET"]
+__all__ = ["log_grid", "alpha_lattice", "AlphaLattice", "reduce_rows", "distance_sums", "Workspace", "RowCollector",
+           "DEFAULT_K_MAX", "DEFAULT_BUDGET"]
 
 DEFAULT_K_MAX = 16  # top logits kept per row: any --top-k up to this can be fitted later
 DEFAULT_BUDGET = 1 << 19  # logits per chunk (2 MiB in fp32, about 4x that in temporaries); --chunk: rows
@@ -112,7 +115,8 @@ def alpha_lattice(alpha_grid, columns: int = 16) -> AlphaLattice:
 
 
 def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor, scaling: float, *,
-                k_max: int, alpha_grid, workspace: Workspace | None = None) -> dict[str, torch.Tensor]:
+                k_max: int, alpha_grid, workspace: Workspace | None = None,
+                distance: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Statistics of the rows ``scaling * query @ key[:n].T`` for one chunk, in fp32.
 
     Parameters
@@ -131,6 +135,9 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
         Query scales for ``lse`` (increasing, all > 0, holding 1.0), or their ``alpha_lattice``.
     workspace : Workspace, optional
         Scratch buffers to reuse across calls (default: fresh ones).
+    distance : (edges, alphas), optional
+        Also return ``distance_sums`` of the chunk under the key ``distance`` (every alpha on
+        ``alpha_grid``).
 
     Returns
     -------
@@ -170,7 +177,7 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
     positions = torch.arange(keys, out=ws.take("positions", (keys,), torch.int64, device))
     hidden = torch.ge(positions, n_visible[:, None], out=ws.take("hidden", (rows, keys), torch.bool, device))
     logits.masked_fill_(hidden, float("-inf"))
-    top = torch.topk(logits, k_max, dim=-1).values  # (KVH, G, R, k_max), descending
+    top, top_index = torch.topk(logits, k_max, dim=-1)  # (KVH, G, R, k_max), descending
     peak = top[..., :1]
     shifted = logits.sub_(peak)  # s_j <= 0; -inf where hidden
     zeroed = torch.where(hidden, shifted.new_zeros(()), shifted, out=ws.take("zeroed", shifted.shape, f32, device))
@@ -202,8 +209,15 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
             tilted[lo:hi] += e_one.mul_(z_tile).sum(-1)  # at alpha = 1: sum s e^s
     lead = sums.view(n_rows, -1)[:, lattice.index.to(device)].view(kv_heads, group, rows, -1)  # (.., n_alpha)
     tilted = peak[..., 0] + (tilted.view(kv_heads, group, rows) / lead[..., lattice.one]).float()
-    return dict(top=top, lse=lead.log_().float() + peak * lattice.values.to(device), tilted_mean=tilted,
-                mean=peak[..., 0] + mean_s, var=var.clamp_(min=0.0).float())
+    if distance is not None:  # S(a) at the profile's scales, before lead becomes ln S
+        values = lattice.values.to(device)
+        at = (values[:, None] - torch.tensor(distance[1], dtype=values.dtype, device=device)).abs_().argmin(0)
+        row_sums = lead.index_select(-1, at)  # (KVH, G, R, A): sum_j e^{a s_j}, float64
+    out = dict(top=top, lse=lead.log_().float() + peak * lattice.values.to(device), tilted_mean=tilted,
+               mean=peak[..., 0] + mean_s, var=var.clamp_(min=0.0).float())
+    if distance is None:
+        return out
+    return {**out, "distance": distance_sums(shifted, top_index, n_visible, row_sums, *distance)}
 
 
 class Workspace:
@@ -226,6 +240,86 @@ class Workspace:
         if buffer is None or buffer.numel() < size or buffer.dtype != dtype or buffer.device != device:
             buffer = self._buffers[name] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:size].view(shape)
+
+
+def distance_sums(shifted: torch.Tensor, top_index: torch.Tensor, n_visible: torch.Tensor, row_sums: torch.Tensor,
+                  edges: torch.Tensor, alphas: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The background's distance profile of one chunk, summed over its rows (``DistanceStats``).
+
+    Parameters
+    ----------
+    shifted : Tensor, shape (kv_heads, group, rows, keys)
+        Logits minus each row's largest, ``s_j = z_j - t0 <= 0``; ``-inf`` where hidden (read only).
+    top_index : LongTensor, shape (kv_heads, group, rows, k_max)
+        Keys of each row's top set (left out of the background).
+    n_visible : LongTensor, shape (rows,)
+        Visible keys per row (the first ``n`` keys).
+    row_sums : Tensor, shape (kv_heads, group, rows, A)
+        ``sum_j exp(a s_j)`` over all visible keys at each of ``alphas`` (the sink's share needs it).
+    edges : LongTensor, shape (B + 1,)
+        Distance bins ``edges[b] <= d < edges[b + 1]``, ``d = n - j``.
+    alphas : sequence of float
+        Query scales, each a multiple of 1/4 (``DISTANCE_ALPHAS``).
+
+    Returns
+    -------
+    dict of fp64 tensors: ``weight`` (kv_heads, group, B, A), ``keys`` (kv_heads, group, B),
+    ``sink`` (kv_heads, group, A), ``rows`` (kv_heads, group).
+
+    Notes
+    -----
+    Keys are gathered by distance, ``aligned[.., r, d - 1] = s[.., r, n_r - d]``, so all rows
+    share one distance axis: the sum over rows comes first, then bin sums as differences of a
+    cumulative sum over distance (float64). The weights are powers of ``u = exp(s / 4)``,
+    ``exp(a s) = u^{4a}``, made by in-place multiplication (one ``exp`` per logit in all). On CPU
+    subnormal results are flushed to 0 (``_flush_denormal``): a weight under 1e-38 is dropped,
+    where computing it would take the processor's slow path.
+    """
+    kvh, group, rows, keys = shifted.shape
+    device = shifted.device
+    quarters = [int(round(4 * float(a))) for a in alphas]
+    if quarters != sorted(set(quarters)) or quarters[0] < 1:
+        raise ValueError("distance alphas must be increasing positive multiples of 1/4")
+    scales = torch.tensor([q / 4.0 for q in quarters], device=device)
+    sink = (torch.exp(shifted[..., :1].double() * scales) / row_sums.double()).sum(-2)  # (KVH, G, A)
+    j = n_visible[:, None] - torch.arange(1, keys + 1, device=device)  # (R, N): key at distance d = 1 .. N
+    aligned = shifted.gather(-1, j.clamp(min=0).expand(kvh, group, rows, keys))  # (KVH, G, R, N) by distance
+    with _flush_denormal(device):
+        unit = torch.exp(aligned.mul_(0.25))  # (KVH, G, R, N): u = e^{s/4}
+        unit.masked_fill_(j < 1, 0.0)  # the sink (d = n) and distances past the row
+        unit.scatter_(-1, n_visible[:, None] - 1 - top_index, 0.0)  # top keys: d - 1 = n - 1 - j
+        steps = {1: unit}
+        for step in (2, 4):  # u^2, u^4: the steps between consecutive quarters
+            steps[step] = steps[step // 2] * steps[step // 2]
+        per_d, power, q_now = [], None, 0
+        for q in quarters:  # u^q by in-place steps from the previous quarter
+            while q_now < q:
+                step = max(s for s in steps if s <= q - q_now)  # greedy: u^4, u^2 or u
+                power = steps[step].clone() if power is None else power.mul_(steps[step])
+                q_now += step
+            per_d.append(power.sum(2, dtype=torch.float64))  # (KVH, G, N)
+        per_d.append((unit > 0).sum(2, dtype=torch.float64))  # background keys per distance
+    cum = torch.nn.functional.pad(torch.stack(per_d, -1).cumsum(2), (0, 0, 1, 0))  # (KVH, G, N + 1, A + 1)
+    at = (edges - 1).clamp(max=keys)  # (B + 1,): sums over d < edges[b]
+    binned = cum[:, :, at[1:]] - cum[:, :, at[:-1]]  # (KVH, G, B, A + 1)
+    weight, count = binned[..., :-1], binned[..., -1]  # (KVH, G, B, A), (KVH, G, B)
+    return dict(weight=weight, keys=count, sink=sink,
+                rows=torch.full((kvh, group), float(rows), dtype=torch.float64, device=device))
+
+
+@contextlib.contextmanager
+def _flush_denormal(device: torch.device):
+    """On CPU, flush subnormal floats to zero inside the block (``torch.set_flush_denormal``), then stop.
+
+    Calibration runs with the default (off) everywhere else, which is what is restored.
+    """
+    if device.type != "cpu" or not torch.set_flush_denormal(True):
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 @contextlib.contextmanager
@@ -274,10 +368,13 @@ class RowCollector:
         Query rows (per head) per chunk; default: as many as fit ``budget`` logits.
     budget : int
         Logits per chunk when ``chunk`` is not given.
+    distance_alphas : array or None
+        Query scales of the distance profile (``DistanceStats``; bins up to ``max(grid)``);
+        None records none.
     """
 
     def __init__(self, grid, *, k_max: int = DEFAULT_K_MAX, alpha_grid=DEFAULT_ALPHA_GRID,
-                 chunk: int | None = None, budget: int = DEFAULT_BUDGET):
+                 chunk: int | None = None, budget: int = DEFAULT_BUDGET, distance_alphas=DISTANCE_ALPHAS):
         self.grid = np.asarray(grid, dtype=np.int64)
         if self.grid.min() <= k_max:
             raise ValueError(f"every sampled n must exceed k_max={k_max}, got n={int(self.grid.min())}")
@@ -286,15 +383,23 @@ class RowCollector:
         self.lattice = alpha_lattice(self.alpha_grid)
         self.chunk = chunk
         self.budget = budget
+        self.distance_alphas = None if distance_alphas is None else np.asarray(distance_alphas, dtype=np.float64)
+        if self.distance_alphas is not None and \
+                np.abs(self.alpha_grid[:, None] - self.distance_alphas).min(0).max() > 1e-6:
+            raise ValueError("every distance alpha must lie on alpha_grid (reduce_rows reads its sums there)")
+        self.edges = distance_edges(int(self.grid.max()))
         self._on_device: dict[torch.device, tuple[torch.Tensor, AlphaLattice]] = {}
+        self._distance_t: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._parts: list[dict] = []
+        self._profile: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (batch, layer) -> sums, on the device
         self.seq = 0
 
     def start(self, seq: int) -> None:
         """Begin a sequence: rows collected from now on carry ``seq``."""
         self.seq = seq
         self._parts = []
+        self._profile = {}
 
     @property
     def rows(self) -> int:
@@ -324,7 +429,9 @@ class RowCollector:
                     workspace = Workspace()  # this call's scratch memory, freed before the layer goes on
                     for lo, hi in self._chunks(n_host, heads):
                         out = reduce_rows(q[:, :, keep[lo:hi]], key[b, :, :int(n_host[hi - 1])], n_rows[lo:hi],
-                                          scaling, k_max=self.k_max, alpha_grid=lattice, workspace=workspace)
+                                          scaling, k_max=self.k_max, alpha_grid=lattice, workspace=workspace,
+                                          distance=self._distance_tensors(query.device))
+                        self._add_profile(layer_idx, b, out.pop("distance", None), heads)
                         self._store(layer_idx, b, n_rows[lo:hi], out, heads)
 
     def take(self) -> RowStats:
@@ -345,7 +452,7 @@ class RowCollector:
                                 "try --dtype float32")
             host.append(flat)
         cat = {k: np.concatenate([p[k] for p in host]) for k in host[0]}
-        return RowStats(alpha_grid=self.alpha_grid, **cat)
+        return RowStats(alpha_grid=self.alpha_grid, distance=self._take_profile(), **cat)
 
     # -- internals ---------------------------------------------------------------------------
     def _device_tensors(self, device: torch.device) -> tuple[torch.Tensor, AlphaLattice]:
@@ -376,6 +483,42 @@ class RowCollector:
             tensor.record_stream(stream)
         with torch.cuda.stream(stream):
             yield
+
+    def _distance_tensors(self, device: torch.device):
+        if self.distance_alphas is None:
+            return None
+        if device not in self._distance_t:
+            self._distance_t[device] = (torch.as_tensor(self.edges, device=device), tuple(self.distance_alphas))
+        return self._distance_t[device]
+
+    def _add_profile(self, layer_idx: int, b: int, sums: dict | None, heads: int) -> None:
+        """Add one chunk's ``distance_sums`` to the sequence's (batch, layer) totals, per head.
+
+        The totals stay where they were computed (on CUDA, summed on the side stream); ``take``
+        brings them to the host with the rows.
+        """
+        if sums is None:
+            return
+        flat = {k: v.reshape(heads, *v.shape[2:]) for k, v in sums.items()}  # (KVH, G, ...) -> (H, ...)
+        total = self._profile.get((b, layer_idx))
+        if total is None:
+            self._profile[(b, layer_idx)] = flat
+        else:
+            for k, v in flat.items():
+                total[k] += v
+
+    def _take_profile(self) -> DistanceStats | None:
+        """The sequence's ``DistanceStats``: (batches, layers, heads, ...) from the (batch, layer) totals."""
+        if not self._profile:
+            return None
+        profile, self._profile = self._profile, {}
+        batches = max(b for b, _ in profile) + 1
+        layers = max(layer for _, layer in profile) + 1
+        out = {k: np.zeros((batches, layers) + v.shape) for k, v in next(iter(profile.values())).items()}
+        for (b, layer), sums in profile.items():
+            for k, v in sums.items():
+                out[k][b, layer] = v.cpu().numpy()  # (H, ...) of this batch row and layer
+        return DistanceStats(seq=self.seq + np.arange(batches), alpha=self.distance_alphas, edges=self.edges, **out)
 
     def _chunks(self, n_rows: np.ndarray, heads: int):
         """Split sorted rows into chunks spanning at most 1.5x in n and within the logit budget."""

@@ -13,9 +13,9 @@ GPUs) stays on the rank's own GPUs. NCCL connects CUDA ranks, gloo CPU ranks.
 
 Statistics travel through the process group (``gather``), not through files: every rank keeps
 its per-sequence partial files for ``--resume`` wherever its ``--out`` points, and rank 0
-receives all sequences' rows, so several nodes need no shared filesystem. With one, a resumed run
-finds every saved sequence whatever the world size; without one, a sequence saved on another
-node is collected again. A ``UserError`` on any rank is raised on every rank (``agree``), so
+receives all sequences' rows (each with its distance profile, ``RowStats.distance``), so several
+nodes need no shared filesystem. With one, a resumed run finds every saved sequence whatever the
+world size; without one, a sequence saved on another node is collected again. A ``UserError`` on any rank is raised on every rank (``agree``), so
 none waits for a rank that has given up; rank 0 prints it, naming the rank.
 """
 

@@ -262,6 +262,10 @@ def fit_files(paths: list[Path], **overrides) -> tuple[ScaleSpec, SlopeFit, RowS
     collection = replace(first_collection, corpus=" + ".join(corpora),
                          sequences=sum(c.sequences for _, _, c, _ in files))
     spec, fit, notes = fit_spec(stats, collection, settings)
+    bare = [str(path) for path, s, _, _ in files if s.distance is None]
+    if bare and len(bare) < len(files):
+        notes.append(f"{', '.join(bare)} hold{'s' if len(bare) == 1 else ''} no distance statistics: the joined rows "
+                     "carry none (recollect that file to keep them)")
     return spec, fit, stats, notes
 
 

@@ -14,6 +14,7 @@ alpha_grid      (n_alpha,)           query scales; must contain 1.0
 lse             (rows, n_alpha)      ``LSE_j(a z_j)`` over all visible keys, for each grid a
 tilted_mean     (rows,)              ``sum z e^z / sum e^z`` over all keys (a = 1)
 mean, var       (rows,)              plain mean and population variance of all visible logits
+distance        (per sequence)       optional ``DistanceStats``: the background's distance profile
 ==============  ===================  ==========================================================
 
 From these, the top-k mass ``M_k(a)`` is exact for every ``k <= k_max`` and grid ``a``::
@@ -21,6 +22,25 @@ From these, the top-k mass ``M_k(a)`` is exact for every ``k <= k_max`` and grid
     ln S_T(a) = LSE(a top[:k]),   ln S_B(a) = lse(a) + log1p(-exp(ln S_T(a) - lse(a)))
 
 and the background's tilted mean, plain mean and variance follow by removing the top set.
+
+``DistanceStats`` (theory.md section 8, ``sharpdraft_theory.distance``) sums, per (sequence,
+layer, head), over all rows of the sequence, with ``t0`` the row's largest logit and the distance
+of key ``j`` in a row of ``n`` keys ``d = n - j`` (the query's own key at 1, the sink at ``n``):
+
+==============  ===================  ==========================================================
+field           shape                meaning
+==============  ===================  ==========================================================
+seq             (S,)                 sequence ids (the bootstrap's unit)
+alpha           (A,)                 query scales of the profile (``DISTANCE_ALPHAS``)
+edges           (B + 1,)             distance bins ``edges[b] <= d < edges[b + 1]``
+weight          (S, L, H, B, A)      ``sum exp(a (z_j - t0))`` over background keys in bin b
+keys            (S, L, H, B)         how many background keys that sum holds
+sink            (S, L, H, A)         ``sum exp(a z_0) / sum_j exp(a z_j)``: the sink's share
+rows            (S, L, H)            rows summed
+==============  ===================  ==========================================================
+
+Background keys are all but the sink (position 0) and the row's ``k_max`` largest logits. Sums
+of weights ``<= 1``, aggregated over rows, keep the memory independent of the row count.
 """
 
 from __future__ import annotations
@@ -34,13 +54,84 @@ from scipy.special import logsumexp
 
 from .atomic import atomic_path
 
-__all__ = ["RowStats", "row_stats_from_logits", "DEFAULT_ALPHA_GRID"]
+__all__ = ["RowStats", "DistanceStats", "row_stats_from_logits", "distance_edges", "DEFAULT_ALPHA_GRID",
+           "DISTANCE_ALPHAS"]
 
 #: Background mass share below which float32 statistics cannot resolve the background's tilted mean.
 UNRESOLVED_SHARE = 1e-3
 
 #: Default grid of query scales at which calibration records ``lse``: fine near 1, up to 4.
 DEFAULT_ALPHA_GRID = np.round(np.concatenate([np.arange(0.5, 2.0, 0.025), np.arange(2.0, 4.0001, 0.05)]), 6)
+
+
+#: Query scales at which calibration records the distance profile: a subset of the default grid.
+DISTANCE_ALPHAS = np.array([0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0])
+
+
+def distance_edges(max_length: int, per_octave: int = 4) -> np.ndarray:
+    """Log-spaced distance bin edges covering ``1 <= d <= max_length``: ``per_octave`` per doubling.
+
+    >>> distance_edges(20).tolist()
+    [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 16, 19, 21]
+    """
+    steps = np.arange(0, int(np.ceil(per_octave * np.log2(max(max_length, 1)))) + 1)
+    edges = np.unique(np.round(2.0 ** (steps / per_octave)).astype(np.int64))
+    return np.append(edges[edges <= max_length], max_length + 1)
+
+
+@dataclass(frozen=True, eq=False)
+class DistanceStats:
+    """Distance profile of the background per (sequence, layer, head): see the module docstring."""
+
+    seq: np.ndarray  # (S,) sequence ids
+    alpha: np.ndarray  # (A,) query scales
+    edges: np.ndarray  # (B + 1,) distance bin edges
+    weight: np.ndarray  # (S, L, H, B, A) summed exp(a (z - t0)) of background keys per bin
+    keys: np.ndarray  # (S, L, H, B) background keys summed per bin
+    sink: np.ndarray  # (S, L, H, A) summed share of the sink in each row's mass
+    rows: np.ndarray  # (S, L, H) rows summed
+
+    def __post_init__(self):
+        for f in fields(self):
+            object.__setattr__(self, f.name, np.asarray(getattr(self, f.name)))
+        s, a, b = self.seq.size, self.alpha.size, self.edges.size - 1
+        lh = self.rows.shape[1:] if self.rows.ndim == 3 else None
+        if lh is None or self.rows.shape[0] != s or self.weight.shape != (s, *lh, b, a) \
+                or self.keys.shape != (s, *lh, b) or self.sink.shape != (s, *lh, a):
+            raise ValueError(f"DistanceStats: inconsistent shapes (seq {self.seq.shape}, alpha {self.alpha.shape}, "
+                             f"edges {self.edges.shape}, weight {self.weight.shape}, keys {self.keys.shape}, "
+                             f"sink {self.sink.shape}, rows {self.rows.shape})")
+
+    @classmethod
+    def concat(cls, parts: list["DistanceStats"], seqs: list[np.ndarray] | None = None) -> "DistanceStats":
+        """Join along sequences (``seqs``: new ids per part; layers and heads are padded to the largest).
+
+        A sequence id held by several parts (one run's sequence split across files, e.g. by
+        layer) is one sequence: its sums are added, at its first place.
+        """
+        first = parts[0]
+        for p in parts[1:]:
+            if not (np.array_equal(p.alpha, first.alpha) and np.array_equal(p.edges, first.edges)):
+                raise ValueError("distance statistics to join were recorded on different alpha grids or distance bins")
+        layers = max(p.rows.shape[1] for p in parts)
+        heads = max(p.rows.shape[2] for p in parts)
+
+        def pad(x):
+            return np.pad(x, [(0, 0), (0, layers - x.shape[1]), (0, heads - x.shape[2])] + [(0, 0)] * (x.ndim - 3))
+
+        ids = np.concatenate(seqs if seqs is not None else [p.seq for p in parts])
+        sums = {name: np.concatenate([pad(getattr(p, name)) for p in parts]) for name in ("weight", "keys", "sink", "rows")}
+        unique, first_at, slot = np.unique(ids, return_index=True, return_inverse=True)
+        if unique.size < ids.size:  # merge repeated ids, in order of first appearance
+            order = np.argsort(first_at, kind="stable")
+            rank = np.empty_like(order)
+            rank[order] = np.arange(order.size)
+            merged = {}
+            for name, value in sums.items():
+                merged[name] = np.zeros((unique.size,) + value.shape[1:], dtype=value.dtype)
+                np.add.at(merged[name], rank[slot], value)
+            ids, sums = unique[order], merged
+        return cls(seq=ids, alpha=first.alpha, edges=first.edges, **sums)
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,11 +146,14 @@ class RowStats:
     tilted_mean: np.ndarray
     mean: np.ndarray
     var: np.ndarray
+    distance: DistanceStats | None = None  # per-sequence distance profile (kept whole by ``select``)
 
     def __post_init__(self):
         object.__setattr__(self, "_log_top_cache", {})
         rows = np.shape(self.n)[0] if np.ndim(self.n) else -1
-        for f in fields(self):
+        if self.distance is not None and not isinstance(self.distance, DistanceStats):
+            raise ValueError("RowStats.distance must be DistanceStats or None")
+        for f in _row_fields():
             value = np.asarray(getattr(self, f.name))
             object.__setattr__(self, f.name, value)
             if f.name != "alpha_grid" and (value.ndim == 0 or value.shape[0] != rows):
@@ -86,9 +180,10 @@ class RowStats:
         return int(np.argmin(np.abs(self.alpha_grid - 1.0)))
 
     def select(self, mask) -> "RowStats":
-        """The rows where ``mask`` is True (or at the given indices)."""
-        return RowStats(**{f.name: getattr(self, f.name) if f.name == "alpha_grid" else getattr(self, f.name)[mask]
-                           for f in fields(self)})
+        """The rows where ``mask`` is True (or at the given indices); ``distance`` is kept whole."""
+        return RowStats(distance=self.distance,
+                        **{f.name: getattr(self, f.name) if f.name == "alpha_grid" else getattr(self, f.name)[mask]
+                           for f in _row_fields()})
 
     # -- derived quantities (float64) --------------------------------------------------------
     def log_top(self, top_k: int) -> np.ndarray:
@@ -154,8 +249,10 @@ class RowStats:
     # -- I/O ---------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike, **meta) -> None:
         """Write the statistics (and string metadata) atomically as ``.npz``."""
+        dist = {} if self.distance is None else {f"distance_{f.name}": getattr(self.distance, f.name)
+                                                 for f in fields(DistanceStats)}
         with atomic_path(path, suffix=".npz") as tmp:
-            np.savez_compressed(tmp, **{f.name: getattr(self, f.name) for f in fields(self)},
+            np.savez_compressed(tmp, **{f.name: getattr(self, f.name) for f in _row_fields()}, **dist,
                                 **{f"meta_{k}": np.asarray(str(v)) for k, v in meta.items()})
 
     @classmethod
@@ -170,7 +267,10 @@ class RowStats:
             raise ValueError(f"{where} is not an .npz archive (as `sharpdraft calibrate --stats` writes)")
         try:
             with np.load(path, allow_pickle=False) as data:
-                stats = cls(**{f.name: data[f.name] for f in fields(cls)})
+                distance = None
+                if "distance_weight" in data.files:
+                    distance = DistanceStats(**{f.name: data[f"distance_{f.name}"] for f in fields(DistanceStats)})
+                stats = cls(distance=distance, **{f.name: data[f.name] for f in _row_fields()})
                 meta = {k[5:]: str(data[k]) for k in data.files if k.startswith("meta_")}
         except KeyError as err:
             raise ValueError(f"{where} cannot be read: {err.args[0]}") from None
@@ -208,21 +308,31 @@ class RowStats:
                 raise ValueError("statistics to join were recorded on different alpha grids")
             if p.k_max != parts[0].k_max:
                 raise ValueError(f"statistics to join have different k_max ({parts[0].k_max} and {p.k_max})")
-        if separate_runs:
-            seqs, next_id = [], None
-            for p in parts:
-                ids = p.seq.astype(np.int64)
+        with_distance = all(p.distance is not None for p in parts)
+        shifts = [0] * len(parts)
+        if separate_runs:  # a part's ids are its rows' and, when joined, its profile's (``select`` keeps it whole)
+            next_id = None
+            for i, p in enumerate(parts):
+                ids = np.concatenate([p.seq, p.distance.seq] if with_distance else [p.seq]).astype(np.int64)
                 if ids.size:
                     if next_id is not None:
-                        ids = ids + (next_id - int(ids.min()))
-                    next_id = int(ids.max()) + 1
-                seqs.append(ids)
+                        shifts[i] = next_id - int(ids.min())
+                    next_id = int(ids.max()) + shifts[i] + 1
         else:
             _check_rows_distinct(parts)
-            seqs = [p.seq for p in parts]
-        joined = {f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)
+        seqs = [p.seq.astype(np.int64) + d if separate_runs else p.seq for p, d in zip(parts, shifts)]
+        joined = {f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in _row_fields()
                   if f.name not in ("alpha_grid", "seq")}
-        return cls(alpha_grid=grid, seq=np.concatenate(seqs), **joined)
+        distance = None
+        if with_distance:  # each part's profile moves with its rows' ids (parts without one: no profile)
+            distance = DistanceStats.concat([p.distance for p in parts],
+                                            [p.distance.seq + d for p, d in zip(parts, shifts)])
+        return cls(alpha_grid=grid, seq=np.concatenate(seqs), distance=distance, **joined)
+
+
+def _row_fields():
+    """RowStats' per-row fields and ``alpha_grid`` (everything but ``distance``)."""
+    return [f for f in fields(RowStats) if f.name != "distance"]
 
 
 def _check_rows_distinct(parts: list[RowStats]) -> None:
@@ -242,11 +352,14 @@ def _check_rows_distinct(parts: list[RowStats]) -> None:
                          f"n {n}): parts of separate runs share sequence ids; join them with separate_runs=True")
 
 
-def row_stats_from_logits(logits, *, k_max: int, alpha_grid=DEFAULT_ALPHA_GRID, layer=0, head=0, seq=0) -> RowStats:
+def row_stats_from_logits(logits, *, k_max: int, alpha_grid=DEFAULT_ALPHA_GRID, layer=0, head=0, seq=0,
+                          edges=None, distance_alphas=DISTANCE_ALPHAS) -> RowStats:
     """Reference (float64, numpy) reduction of whole rows to statistics; ``-inf`` = not visible.
 
     Calibration computes the same quantities in torch chunk by chunk; this is the plain-math
     version its tests compare against, and the way to build statistics for synthetic rows.
+    With ``edges`` (``distance_edges``) it also records the distance profile at
+    ``distance_alphas``; visible keys must then be each row's first ``n``.
     """
     z = np.atleast_2d(np.asarray(logits, dtype=np.float64))  # (rows, n)
     rows = z.shape[0]
@@ -265,5 +378,36 @@ def row_stats_from_logits(logits, *, k_max: int, alpha_grid=DEFAULT_ALPHA_GRID, 
     def col(v):
         return np.broadcast_to(np.asarray(v), (rows,)).copy()
 
-    return RowStats(n=n, layer=col(layer), head=col(head), seq=col(seq), top=top, alpha_grid=grid, lse=lse,
-                    tilted_mean=np.sum(w * zf, axis=1), mean=mean, var=var)
+    layer, head, seq = col(layer), col(head), col(seq)
+    distance = None if edges is None else _distance_reference(z, finite, k_max, np.asarray(edges),
+                                                             np.asarray(distance_alphas, dtype=np.float64),
+                                                             layer, head, seq)
+    return RowStats(n=n, layer=layer, head=head, seq=seq, top=top, alpha_grid=grid, lse=lse,
+                    tilted_mean=np.sum(w * zf, axis=1), mean=mean, var=var, distance=distance)
+
+
+def _distance_reference(z, finite, k_max, edges, alphas, layer, head, seq) -> DistanceStats:
+    """``DistanceStats`` of whole rows, row by row in float64 (the definition in the module docstring)."""
+    seqs, s_idx = np.unique(seq, return_inverse=True)
+    shape = (seqs.size, int(layer.max()) + 1, int(head.max()) + 1)
+    b, a = edges.size - 1, alphas.size
+    out = dict(weight=np.zeros(shape + (b, a)), keys=np.zeros(shape + (b,)), sink=np.zeros(shape + (a,)),
+               rows=np.zeros(shape))
+    for r in range(z.shape[0]):
+        n = int(finite[r].sum())
+        if not finite[r, :n].all():
+            raise ValueError("distance statistics need each row's visible keys first")
+        row = z[r, :n]
+        cell = (s_idx[r], layer[r], head[r])
+        background = np.ones(n, bool)
+        background[0] = False  # the sink
+        background[np.argsort(-row, kind="stable")[:k_max]] = False  # the top set
+        d = n - np.arange(n)  # distance of key j: own key 1, sink n
+        bins = np.searchsorted(edges, d, side="right") - 1
+        weights = np.exp(alphas[None, :] * (row - row.max())[:, None])  # (n, A)
+        j = np.flatnonzero(background & (bins < b))
+        np.add.at(out["weight"][cell], bins[j], weights[j])
+        np.add.at(out["keys"][cell], bins[j], 1.0)
+        out["sink"][cell] += weights[0] / weights.sum(axis=0)
+        out["rows"][cell] += 1
+    return DistanceStats(seq=seqs, alpha=alphas, edges=edges, **out)

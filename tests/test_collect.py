@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from calibrate.collect import RowCollector, alpha_lattice, log_grid, reduce_rows
 from calibrate.errors import UserError
 from calibrate.taps import TAP_IMPLEMENTATION, attention_tap
-from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, row_stats_from_logits
+from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, DISTANCE_ALPHAS, distance_edges, row_stats_from_logits
 
 # Tolerances of the fp32 reduction against float64 on the same query/key values (logits up to
 # about 40 in magnitude). Reasons:
@@ -102,6 +102,27 @@ def test_reduce_rows_property(seed, rows, keys, scale):
     i1 = int(np.argmin(np.abs(DEFAULT_ALPHA_GRID - 1)))
     top = out["top"].reshape(4 * rows, -1).numpy().astype(np.float64)
     assert np.all(np.log(np.exp(top - top[:, :1]).sum(1)) + top[:, 0] <= got[:, i1] + 1e-4)
+
+
+@pytest.mark.parametrize("kv_heads,group", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("scale", [0.5, 2.5])
+def test_distance_sums_match_float64_reference(kv_heads, group, scale):
+    query, key, n_visible = _random_rows(kv_heads * 10 + group, kv_heads, group, 7, 300, 32, scale)
+    scaling, edges = 32 ** -0.5, distance_edges(300)
+    out = reduce_rows(query, key, n_visible, scaling, k_max=16, alpha_grid=DEFAULT_ALPHA_GRID,
+                      distance=(torch.as_tensor(edges), tuple(DISTANCE_ALPHAS)))
+    q, k = query.double().numpy(), key.double().numpy()
+    z = scaling * np.einsum("hgrd,hnd->hgrn", q, k).reshape(kv_heads * group * 7, -1)
+    n = np.tile(n_visible.numpy(), kv_heads * group)
+    z = np.where(np.arange(z.shape[1])[None, :] < n[:, None], z, -np.inf)
+    ref = row_stats_from_logits(z, k_max=16, head=np.repeat(np.arange(kv_heads * group), 7), edges=edges).distance
+    got = out["distance"]
+    assert ref.keys.sum() > 0 and ref.weight[..., -1].max() < ref.weight[..., 0].max()  # this test can fail
+    for name in ("weight", "keys", "sink", "rows"):
+        # Weights exp(a (z - t0)) <= 1 from fp32 logits (error ~1e-6 |z| per unit of a, a <= 4), summed in
+        # fp32 over at most 7 x 300 keys per bin: 1e-4 relative, 1e-6 absolute on sums of numbers <= 1.
+        np.testing.assert_allclose(got[name].reshape(kv_heads * group, *got[name].shape[2:]).numpy(),
+                                   getattr(ref, name)[0, 0], rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_log_grid_is_log_spaced_and_ends_at_max_length():
@@ -203,6 +224,10 @@ def test_collector_matches_reference_on_model_rows_and_chunking_does_not_matter(
         for name in ("top", "lse", "tilted_mean", "mean", "var"):
             np.testing.assert_allclose(getattr(other, name)[order_b], getattr(results[0], name)[order_a],
                                        rtol=2e-5, atol=1e-5, err_msg=name)  # matmul blocking differs
+        for name in ("weight", "keys", "sink", "rows"):  # the profile does not depend on the chunking either
+            np.testing.assert_allclose(getattr(other.distance, name), getattr(results[0].distance, name),
+                                       rtol=1e-4, atol=1e-6, err_msg=name)
+    assert results[0].distance.rows.shape == (1, 2, 4) and np.all(results[0].distance.rows == grid.size)
 
 
 def test_collector_rejects_non_finite_logits():

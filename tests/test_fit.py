@@ -85,6 +85,20 @@ def test_fit_joins_corpora_keeping_their_sequences_apart(runs, tmp_path):
     assert sorted(set(stats.seq.tolist())) == [0, 1, 2, 3, 4]  # 3 + 2 sequences, none shared
     assert spec.calibration.corpus == "pydoc + pydoc:heldout" and spec.calibration.sequences == 5
     assert spec.calibration.rows == stats.rows
+    # the distance profile follows: one entry per sequence, the later file's shifted with its rows
+    assert stats.distance.seq.tolist() == [0, 1, 2, 3, 4]
+    for name in ("weight", "keys", "sink", "rows"):
+        np.testing.assert_array_equal(getattr(stats.distance, name),
+                                      np.concatenate([getattr(train.distance, name), getattr(heldout.distance, name)]))
+
+
+def test_fit_notes_a_file_without_distance_statistics(runs, tmp_path):
+    heldout, collection, settings = read_record(runs["heldout"])
+    bare = tmp_path / "bare.npz"
+    replace(heldout, distance=None).save(bare, **record_meta(collection, settings))
+    spec, _, stats, notes = fit_files([runs["train"], bare])
+    assert stats.distance is None and stats.rows == read_record(runs["train"])[0].rows + heldout.rows
+    assert any(f"{bare} holds no distance statistics" in note for note in notes), notes
 
 
 def test_fit_refuses_files_of_two_drafters(runs, tmp_path):

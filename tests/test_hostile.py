@@ -25,7 +25,7 @@ import os
 import shutil
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,7 @@ import torch
 from calibrate.cli import main
 from calibrate.run import CalibrateOptions, partial_dir, run_calibration
 from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory.stats import RowStats
 
 from test_calibrate import _write_causal_lm, _write_tokenizer, VOCAB
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
@@ -92,6 +93,18 @@ PREDICT = [
     Case("predict-gap-no-value", "predict --gap", "--gap"),
     Case("predict-seed-negative", "predict --mc-rows 10 --seed -1", "--seed -1"),
     Case("predict-unknown-option", "predict --frobnicate", "--frobnicate"),
+    # predict --stats: the distance model from a statistics file ({fx}/stats.npz: n_ref 64, n up to 256)
+    Case("predict-stats-missing", "predict --stats {w}/none.npz", "none.npz"),
+    Case("predict-stats-folder", "predict --stats {w}/d.npz", "d.npz", (("d.npz", None),)),
+    Case("predict-stats-json", "predict --stats {w}/spec.json", "spec.json", (("spec.json", _spec()),)),
+    Case("predict-stats-no-distance", "predict --stats {fx}/stats-no-distance.npz", "stats-no-distance.npz"),
+    Case("predict-stats-tail-unknown", "predict --stats {fx}/stats.npz --tail cubic", "--tail 'cubic'"),
+    Case("predict-stats-bootstrap-negative", "predict --stats {fx}/stats.npz --bootstrap -1", "--bootstrap -1"),
+    Case("predict-stats-bootstrap-huge", "predict --stats {fx}/stats.npz --bootstrap 1000000000",
+         "--bootstrap 1000000000"),
+    Case("predict-stats-n-below-n-ref", "predict --stats {fx}/stats.npz --n 48", "--n 48"),
+    Case("predict-stats-n-zero", "predict --stats {fx}/stats.npz --n 0", "--n 0"),
+    Case("predict-stats-with-model", "predict --stats {fx}/stats.npz --model gaussian", "--model"),
 ]
 
 _DEEP_LIST = "[" * 200_000
@@ -314,6 +327,8 @@ def fx(tmp_path_factory) -> Path:
     run_calibration(opts)
     shutil.copy(root / "stats.npz", root / "stats-truncated.npz")
     _truncate(root / "stats-truncated.npz")
+    stats, meta = RowStats.load(root / "stats.npz")  # as a version without the distance profile wrote it
+    replace(stats, distance=None).save(root / "stats-no-distance.npz", **meta)
     import numpy as np
     np.savez(root / "wrong-arrays.npz", x=np.arange(3))
     # an interrupted run with the same options as CAL, its first sequence then corrupted
