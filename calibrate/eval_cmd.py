@@ -183,7 +183,11 @@ def _number(x) -> str:
 
 
 def _delta(triple) -> str:
-    return "" if triple is None else f"{triple[0]:+.3f} [{triple[1]:+.3f}, {triple[2]:+.3f}]"
+    if triple is None:
+        return ""
+    if triple[1] is None:
+        return f"{triple[0]:+.3f} (1 sequence: no interval)"
+    return f"{triple[0]:+.3f} [{triple[1]:+.3f}, {triple[2]:+.3f}]"
 
 
 def plot_result(result: dict, path: Path) -> None:

@@ -156,17 +156,22 @@ def paired_bootstrap(numerator: np.ndarray, denominator: np.ndarray | None = Non
         ``lo``, ``hi``: 2.5% and 97.5% percentiles of the statistic over ``resamples`` resamples
         of the sequences with replacement (the same resamples for every call with the same
         number of sequences and ``seed``, so intervals of different variants are paired too).
-        None when the denominator is 0.
+        None when the denominator is 0. With one sequence there is nothing to resample, so ``lo``
+        and ``hi`` are None (a zero-width interval would claim a certainty one sequence cannot give).
 
     Examples
     --------
     >>> paired_bootstrap(np.array([1.0, 1.0, 1.0]))
     [1.0, 1.0, 1.0]
+    >>> paired_bootstrap(np.array([3.0]), np.array([4.0]))
+    [0.75, None, None]
     """
     numerator = np.asarray(numerator, dtype=np.float64)
     denominator = np.ones_like(numerator) if denominator is None else np.asarray(denominator, dtype=np.float64)
     if denominator.sum() == 0:
         return None
+    if len(numerator) < 2:
+        return [float(numerator.sum() / denominator.sum()), None, None]
     picks = np.random.default_rng(seed).integers(0, len(numerator), size=(resamples, len(numerator)))  # (R, S)
     with np.errstate(invalid="ignore", divide="ignore"):
         stats = numerator[picks].sum(1) / denominator[picks].sum(1)  # (R,), nan where a resample has no rows
@@ -373,7 +378,8 @@ def _recovered(buckets: list[dict], names: list[str]) -> None:
             share = {}
             for metric, (mean, lo, hi) in ((m, t) for m, t in gains.items() if t is not None):
                 mine = row[variant]["delta_vs_none"].get(metric)
-                share[metric] = _round(mine[0] / mean) if (lo > 0 or hi < 0) and mine is not None else None
+                excludes_zero = lo is not None and (lo > 0 or hi < 0)
+                share[metric] = _round(mine[0] / mean) if excludes_zero and mine is not None else None
             row[variant]["recovered"] = share
 
 
@@ -382,7 +388,7 @@ def _triple(values: list[float] | None):
 
 
 def _interval(values: list[float] | None):
-    return None if values is None else [_round(values[1]), _round(values[2])]
+    return None if values is None or values[1] is None else [_round(values[1]), _round(values[2])]
 
 
 def _slope(spec: ScaleSpec):

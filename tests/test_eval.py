@@ -189,6 +189,11 @@ def test_bootstrap_resamples_sequences_not_rows():
     assert mean == pytest.approx(exact, abs=1e-15) and lo < exact < hi
 
 
+def test_one_sequence_has_no_interval():
+    """One sequence cannot be resampled: the mean is reported, the interval is not (never [x, x])."""
+    assert paired_bootstrap(np.array([3.0]), np.array([4.0])) == [0.75, None, None]
+
+
 def test_mass_meter_sees_the_window():
     """The window variant's meter measures the mass over the keys the window keeps, in float64."""
     g = torch.Generator().manual_seed(1)
