@@ -39,6 +39,7 @@ from sharpdraft_theory.stats import RowStats
 from sharpdraft_theory.tabulate import tabulate
 
 from .errors import UserError
+from .preflight import load_stats_file
 
 __all__ = ["Collection", "FitSettings", "check_fit_options", "check_max_n", "fit_spec", "plausibility_notes",
            "record_meta", "read_record", "fit_files", "LAWS_WRITTEN", "MAX_N_PER_N_REF"]
@@ -191,13 +192,7 @@ def record_meta(collection: Collection, settings: FitSettings) -> dict[str, str]
 def read_record(path: str | os.PathLike) -> tuple[RowStats, Collection, FitSettings]:
     """A statistics file's rows and the record ``calibrate --stats`` stored with them."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"statistics file {str(path)!r} does not exist; create it with "
-                        "`sharpdraft calibrate --stats FILE`")
-    try:
-        stats, raw = RowStats.load(path)
-    except ValueError as err:
-        raise UserError(str(err)) from None
+    stats, raw = load_stats_file(path)
     missing = [f.name for f in fields(Collection) + fields(FitSettings) if f.name not in raw]
     if missing:
         raise UserError(f"{path}: no record of {missing[0]} (written by an older sharpdraft?); "

@@ -16,10 +16,11 @@ import tempfile
 from pathlib import Path
 
 from sharpdraft_theory import ScaleSpec, SpecError
+from sharpdraft_theory.stats import RowStats
 
 from .errors import UserError
 
-__all__ = ["check_outputs", "check_corpus", "load_spec", "local_inputs"]
+__all__ = ["check_outputs", "check_corpus", "load_spec", "load_stats_file", "local_inputs"]
 
 
 def local_inputs(**options) -> dict[str, Path]:
@@ -91,4 +92,16 @@ def load_spec(path: str | os.PathLike) -> ScaleSpec:
     try:
         return ScaleSpec.load(path)
     except SpecError as err:
+        raise UserError(str(err)) from None
+
+
+def load_stats_file(path: str | os.PathLike) -> tuple[RowStats, dict[str, str]]:
+    """``RowStats.load`` (rows and the stored record, as strings) with its errors as a ``UserError``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"statistics file {str(path)!r} does not exist; create it with "
+                        "`sharpdraft calibrate --stats FILE`")
+    try:
+        return RowStats.load(path)
+    except ValueError as err:
         raise UserError(str(err)) from None

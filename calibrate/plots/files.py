@@ -24,6 +24,7 @@ from sharpdraft_theory.estimators import fit_slopes
 from sharpdraft_theory.stats import RowStats
 
 from ..errors import UserError
+from ..preflight import load_stats_file
 from .measured import alpha_figure, measured_dilution_figure, slope_heatmap_figure
 from .style import save_figure
 
@@ -54,13 +55,7 @@ def load_stats(path: str | os.PathLike, *, n_ref: int | None = None, top_k: int 
     setting is missing or out of range.
     """
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"statistics file {str(path)!r} does not exist; create it with "
-                        "`sharpdraft calibrate --stats FILE`")
-    try:
-        stats, raw = RowStats.load(path)
-    except ValueError as err:
-        raise UserError(str(err)) from None
+    stats, raw = load_stats_file(path)
     meta = {key: _meta_value(text) for key, text in raw.items()}
 
     def setting(value, key, option, default=None):
