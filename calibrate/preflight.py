@@ -98,6 +98,9 @@ def load_spec(path: str | os.PathLike) -> ScaleSpec:
 def load_stats_file(path: str | os.PathLike) -> tuple[RowStats, dict[str, str]]:
     """``RowStats.load`` (rows and the stored record, as strings) with its errors as a ``UserError``."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"statistics file {str(path)!r} is a folder; pass the .npz file that "
+                        "`sharpdraft calibrate --stats FILE` wrote")
     if not path.is_file():
         raise UserError(f"statistics file {str(path)!r} does not exist; create it with "
                         "`sharpdraft calibrate --stats FILE`")

@@ -260,6 +260,16 @@ CALIBRATE = [
     _cal("target-path-missing", "--drafter eagle3 --drafter-path {fx}/eagle3 --target-path {w}/none", "none"),
     _cal("pard-without-path", "--drafter-path ''", "--drafter-path"),
     Case("calibrate-out-missing", CAL, "--out"),
+    _cal("law-unknown", "--law cubic", "--law cubic"),
+    _cal("law-prior", "--law qwen-logn", "--law qwen-logn"),
+    _cal("max-n-without-tabulated", "--max-n 4096", "--max-n 4096"),
+    _cal("max-n-at-n-ref", "--law tabulated --max-n 64", "--max-n 64"),
+    _cal("max-n-negative", "--law tabulated --max-n -5", "--max-n -5"),
+    _cal("max-n-huge", f"--law tabulated --max-n {2**40}", f"--max-n {2**40}"),
+    _cal("tabulated-gaussian", "--law tabulated --estimator gaussian", "--estimator gaussian"),
+    _cal("aux-reading-unknown", "--drafter eagle3 --drafter-path {fx}/eagle3 --target-path {fx}/target "
+         "--aux-layer-reading hf", "--aux-layer-reading"),
+    _cal("aux-reading-pard", "--aux-layer-reading sglang", "--aux-layer-reading"),
 ]
 
 PLOT = [
@@ -283,7 +293,28 @@ PLOT = [
     Case("plot-bootstrap-huge", "plot {fx}/stats.npz --out {w}/f --bootstrap 1000000000", "--bootstrap 1000000000"),
 ]
 
-CASES = PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT
+FIT = [
+    Case("fit-missing", "fit {w}/none.npz --out {w}/f.json", "none.npz"),
+    Case("fit-folder", "fit {w} --out {w}/f.json", "folder"),
+    Case("fit-json", "fit {w}/s.json --out {w}/f.json", "s.json", (("s.json", _spec()),)),
+    Case("fit-truncated", "fit {fx}/stats-truncated.npz --out {w}/f.json", "stats-truncated.npz"),
+    Case("fit-garbage", "fit {w}/g.npz --out {w}/f.json", "g.npz", (("g.npz", os.urandom(2000)),)),
+    Case("fit-out-is-stats", "fit {w}/s.npz --out {w}/s.npz", "--out", (("s.npz", "@stats"),)),
+    Case("fit-out-folder", "fit {fx}/stats.npz --out {w}", "--out"),
+    Case("fit-out-unwritable", f"fit {{fx}}/stats.npz --out {UNWRITABLE}/f.json", "--out"),
+    Case("fit-same-file-twice", "fit {fx}/stats.npz {fx}/stats.npz --out {w}/f.json", "stats.npz"),
+    Case("fit-n-ref-zero", "fit {fx}/stats.npz --out {w}/f.json --n-ref 0", "--n-ref 0"),
+    Case("fit-top-k-zero", "fit {fx}/stats.npz --out {w}/f.json --top-k 0", "--top-k 0"),
+    Case("fit-top-k-huge", "fit {fx}/stats.npz --out {w}/f.json --top-k 999", "--top-k 999"),
+    Case("fit-granularity-unknown", "fit {fx}/stats.npz --out {w}/f.json --granularity row", "row"),
+    Case("fit-estimator-unknown", "fit {fx}/stats.npz --out {w}/f.json --estimator e9", "e9"),
+    Case("fit-alpha-max-nan", "fit {fx}/stats.npz --out {w}/f.json --alpha-max nan", "--alpha-max nan"),
+    Case("fit-alpha-max-below-one", "fit {fx}/stats.npz --out {w}/f.json --alpha-max 0.5", "--alpha-max 0.5"),
+    Case("fit-law-unknown", "fit {fx}/stats.npz --out {w}/f.json --law cubic", "cubic"),
+    Case("fit-max-n-without-tabulated", "fit {fx}/stats.npz --out {w}/f.json --max-n 4096", "--max-n 4096"),
+]
+
+CASES = PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT
 
 
 # -- fixtures -------------------------------------------------------------------------------------
