@@ -2,7 +2,7 @@
 
 The reference never uses the runtime's window rule: it takes the keys the unrestricted mask allows
 and keeps, per query row, the last W of them and the first S (ranks counted over the visible keys,
-the brief's "last W visible keys" and StreamingLLM's "first S keys of the sequence"), then computes
+SGLang's draft window, "the last W visible keys", and StreamingLLM's "first S keys of the sequence"), then computes
 ``softmax(alpha(n) * scaling * q k^T) v`` in float64 with ``n`` the keys kept. The runtime builds the
 restricted mask through transformers' mask function (or the EAGLE-3 head's own mask) and counts it.
 """
