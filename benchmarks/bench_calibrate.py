@@ -43,7 +43,7 @@ from calibrate.collect import RowCollector, log_grid
 from calibrate.corpus import pack
 from calibrate.drafters import load_drafter, resolve_device, resolve_dtype
 from sharpdraft_theory.estimators import fit_slopes
-from sharpdraft_theory.stats import RowStats
+from sharpdraft_theory.stats import DISTANCE_ALPHAS, RowStats
 
 
 class PeakMemory:
@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--chunk", type=int)
+    ap.add_argument("--distance-profile", action="store_true",
+                    help="also collect the distance profile, as calibrate does when it writes --stats")
     args = ap.parse_args()
 
     device = resolve_device(args.device)
@@ -109,7 +111,7 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     sequences = list(pack(args.corpus, drafter.tokenize, drafter.eos_token_id, args.max_length, limit=args.sequences))
     grid = log_grid(args.max_length)
-    collector = RowCollector(grid, chunk=args.chunk)
+    collector = RowCollector(grid, chunk=args.chunk, distance_alphas=DISTANCE_ALPHAS if args.distance_profile else None)
     positions = torch.as_tensor(grid - 1)
 
     def plain(ids):

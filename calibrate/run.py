@@ -40,7 +40,7 @@ import torch
 
 from sharpdraft_theory.estimators import SlopeFit
 from sharpdraft_theory.spec import ScaleSpec
-from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, RowStats
+from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, DISTANCE_ALPHAS, RowStats
 from sharpdraft_theory.atomic import atomic_write_text
 from sharpdraft_theory.laws import MAX_N
 
@@ -184,7 +184,10 @@ def _prepare(opts: CalibrateOptions, folder: Path, device, dtype, drafter) -> _S
 
     params = {"drafter": opts.drafter, "drafter_path": opts.drafter_path, "target_path": opts.target_path,
               "corpus": opts.corpus, "max_length": max_length, "dtype": str(dtype).removeprefix("torch."),
-              "k_max": k_max, "grid": grid.tolist(), "alpha_grid": DEFAULT_ALPHA_GRID.tolist()}
+              "k_max": k_max, "grid": grid.tolist(), "alpha_grid": DEFAULT_ALPHA_GRID.tolist(),
+              # the distance profile (predict --stats) is only kept in a statistics file, so it is only
+              # collected for one: the spec never reads it, and it costs about a tenth of the collection
+              "distance_profile": opts.stats is not None}
     sequences = list(pack(opts.corpus, drafter.tokenize, drafter.eos_token_id, max_length, limit=opts.sequences))
     if len(sequences) < opts.sequences:
         notes.append(f"the corpus holds only {len(sequences)} sequences of {max_length} tokens "
@@ -206,7 +209,8 @@ class _Shard:
 def _collect(opts: CalibrateOptions, setup: _Setup, mine: list[int], folder: Path,
              progress: Progress | None) -> _Shard:
     """Collect (or load, when saved) the sequences ``mine``, saving each as soon as it is done."""
-    collector = RowCollector(setup.grid, k_max=setup.k_max, alpha_grid=DEFAULT_ALPHA_GRID, chunk=opts.chunk)
+    collector = RowCollector(setup.grid, k_max=setup.k_max, alpha_grid=DEFAULT_ALPHA_GRID, chunk=opts.chunk,
+                             distance_alphas=DISTANCE_ALPHAS if setup.params["distance_profile"] else None)
     positions = torch.as_tensor(setup.grid - 1)
     shard = _Shard(parts={}, seconds=0.0, tokens=0, resumed=0)
     saved = {i: folder / f"seq-{i:05d}.npz" for i in mine}
