@@ -4,7 +4,7 @@ Each config in ``tests/data/drafter_configs/`` (with its public source beside it
 tiny target's width (64, heads 4 / 2, head_dim 16), vocabulary and depth, keeping every field that
 changes the computation (RoPE, norms, windows, aux ids), and written in its project's own key
 layout. The float64 reference of the attention inputs (post-RoPE queries and keys) is written
-here from the source projects' math (research notes summarised in ``docs/drafters.md``),
+here from the source projects' math (summarised in ``docs/drafters.md``),
 independently of ``calibrate.drafters``: its own RoPE frequencies (default, llama3, yarn with its
 attention factor on cos and sin), norms and aux-layer reading.
 """
@@ -47,14 +47,21 @@ def real_config(name: str) -> dict:
     return json.loads((CONFIGS / f"{name}.json").read_text())
 
 
-def shrink_eagle(name: str, vocab: int) -> dict:
-    """The real config with the decoder shrunk to the tiny target's; every other field kept."""
+def shrink_decoder(name: str, vocab: int) -> dict:
+    """The real config with its decoder (top level, or speculators' nested one) shrunk to the tiny target's;
+    every other field kept."""
     d = copy.deepcopy(real_config(name))
     inner = d.get("transformer_layer_config", d)
     inner.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
                  vocab_size=vocab)
     if inner.get("sliding_window"):
         inner["sliding_window"] = WINDOW
+    return d
+
+
+def shrink_eagle(name: str, vocab: int) -> dict:
+    """The real EAGLE-3 config shrunk to the tiny target's (``shrink_decoder``), with its aux ids scaled."""
+    d = shrink_decoder(name, vocab)
     d["draft_vocab_size"] = 128
     if name in AUX:
         if "eagle_config" in d:
@@ -65,7 +72,7 @@ def shrink_eagle(name: str, vocab: int) -> dict:
 
 
 def layout_keys(d: dict) -> set[str]:
-    """The weight names each project saves (research notes: SafeAILab/SpecForge ``midlayer.*`` plus
+    """The weight names each project saves (docs/drafters.md: SafeAILab/SpecForge ``midlayer.*`` plus
     ``fc_norm.{j}``; speculators ``layers.0.*`` plus ``input_norm`` and Qwen3 q/k norms)."""
     speculators = "speculators_model_type" in d
     layer = "layers.0." if speculators else "midlayer."
@@ -302,7 +309,7 @@ def test_fc_norm_changes_the_queries(target, tokens, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def visible_keys_of(d: dict, layer: int, p: int, j: int) -> list[int]:
-    """Keys block row ``j`` at ``p`` sees (research notes section 7): all ``p + b`` in a full layer; in a
+    """Keys block row ``j`` at ``p`` sees (docs/drafters.md, the window rule): all ``p + b`` in a full layer; in a
     sliding layer SpecForge's causal window over absolute positions, keys p + j - W + 1 .. p + j."""
     inner = d.get("transformer_layer_config", d)
     b = d.get("block_size", 16)
@@ -312,7 +319,7 @@ def visible_keys_of(d: dict, layer: int, p: int, j: int) -> list[int]:
 
 
 def reference_dflash(d: dict, state: dict, hs, tokens, p: int, embed, h_ids):
-    """Float64 DFlash block at position ``p`` (z-lab dflash/model.py math, research notes section 3d):
+    """Float64 DFlash block at position ``p`` (z-lab dflash/model.py math, docs/drafters.md):
     per layer the post-RoPE q (b, heads, D) and k (p + b, kv, D), and the block output.
 
     ctx = hidden_norm(fc(cat h[id])) at positions 0..p-1; block = embed(anchor, mask...) at p..p+b-1;
@@ -406,13 +413,8 @@ DFLASH_IDS = {"specforge-qwen3.6-27b-dflash-swa": [0, 1, 3, 4, 6],
 
 
 def shrink_dflash(name: str, vocab: int) -> dict:
-    """The real DFlash config with the decoder shrunk to the tiny target's; every other field kept."""
-    d = copy.deepcopy(real_config(name))
-    inner = d.get("transformer_layer_config", d)
-    inner.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                 vocab_size=vocab)
-    if inner.get("sliding_window"):
-        inner["sliding_window"] = WINDOW
+    """The real DFlash config shrunk to the tiny target's (``shrink_decoder``), with ids for its 8 layers."""
+    d = shrink_decoder(name, vocab)
     if "speculators_model_type" in d:
         d.update(mask_token_id=vocab - 1, draft_vocab_size=vocab, aux_hidden_state_layer_ids=DFLASH_IDS[name])
     else:
@@ -422,8 +424,8 @@ def shrink_dflash(name: str, vocab: int) -> dict:
 
 
 def write_dflash(directory: Path, name: str, vocab: int = 256, seed: int = 0) -> Path:
-    """A random DFlash model for the shrunk config ``name`` in its project's key layout (research notes
-    section 3c: speculators adds its own embed_tokens and lm_head to z-lab's keys)."""
+    """A random DFlash model for the shrunk config ``name`` in its project's key layout (docs/drafters.md:
+    speculators adds its own embed_tokens and lm_head to z-lab's keys)."""
     from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel
     d = shrink_dflash(name, vocab)
     with torch.device("meta"):

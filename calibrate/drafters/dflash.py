@@ -73,7 +73,7 @@ _SPECULATORS = frozenset({
     "aux_hidden_state_layer_ids", "sliding_window_non_causal", "transformer_layer_config", "draft_vocab_size",
     "max_anchors", "sample_from_anchor", "speculators_config", "speculators_model_type", "speculators_version",
 })
-# SpecForge's DFlash-backbone variants (research notes section 7): the attention is DFlash's, unchanged; each
+# SpecForge's DFlash-backbone variants (docs/drafters.md): the attention is DFlash's, unchanged; each
 # adds a logit term from heads with these weight prefixes, configured by these fields (logits only)
 _VARIANTS = {
     "DSparkDraftModel": ("DSpark", "Markov and confidence heads", ("markov_head.", "confidence_head."),
@@ -404,8 +404,8 @@ class DFlashDraftModel(nn.Module):
         """Keys a block at ``p`` sees in layer ``layer_idx``: None (all ``p + q_len``: full layers)
         or a bool mask (1, 1, q_len, p + q_len), True where visible (sliding layers).
 
-        Sliding layers follow SpecForge's training mask and vLLM's serving (research notes, section
-        7): a causal window over absolute positions, so block row ``j`` (position ``p + j``) sees
+        Sliding layers follow SpecForge's training mask and vLLM's serving (docs/drafters.md,
+        the window rule): a causal window over absolute positions, so block row ``j`` (position ``p + j``) sees
         keys ``p + j - n + 1 .. p + j`` with ``n = min(p + j + 1, W)`` from
         :func:`sharpdraft_runtime.causal_n_visible` (context and block keys alike). z-lab's
         transformers sdpa path would apply no window, and vLLM speculators counts it from the anchor.
