@@ -1,37 +1,48 @@
-"""Train the demo EAGLE-3 head for SmolLM2-135M-Instruct shipped in ``calibrate/assets/eagle3-smollm2``.
+"""Train the demo EAGLE-3 heads for SmolLM2-135M-Instruct (``calibrate/assets/eagle3-smollm2*``).
 
-The head is a real EAGLE-3 drafter (Li et al., 2025, arXiv:2503.01840; one decoder layer over the
-target's low / middle / high hidden states, official checkpoint layout) trained at a short context,
-``n_ref = 256``, so that the whole SharpDraft loop (calibrate, eval) runs on a CPU and shows attention
-dilution past the training length.
+The heads are real EAGLE-3 drafters (Li et al., 2025, arXiv:2503.01840; one decoder layer over the
+target's low / middle / high hidden states, official checkpoint layout), trained on a CPU:
 
-What it does, seeded and deterministic given the same torch build and thread count:
+* the **demo head** (``--span 256``, ``calibrate/assets/eagle3-smollm2``): no query sees more than
+  ``n_ref = 256`` keys in training, while RoPE positions span the whole 8,192-token sequences, so at
+  long context it differs from training only in how many keys a query sees (the dilution SharpDraft
+  corrects), not in rotation angles never seen;
+* the **long-trained reference** (``--span 8192``, ``calibrate/assets/eagle3-smollm2-long``): the
+  same recipe, data and steps, with spans up to 8,192 keys: the upper bound a training-free length
+  correction can hope to reach.
 
-1. Target features. The pydoc **train** split (``calibrate.corpus``, the calibration split; the
-   held-out topics are never read) is packed into sequences of ``--seq-len`` (2048) tokens; over
-   the first ``--sequences`` (16, about 33k tokens: the CPU budget) SmolLM2 runs once each,
-   keeping ``hidden_states[2, 15, 27]`` (the EAGLE-3 features) and the final normed state (the
-   teacher). Cached in fp16 under ``.cache/`` (about 150 MB; delete it after changing the data
-   options).
-2. Draft vocabulary. The ``--draft-vocab`` (4096) most frequent target tokens of those sequences,
-   sorted by target id: ``d2t[i] = target_id - i``, ``t2d[target_id] = True``, as EAGLE-3 builds it.
-3. Training. Each example is a window of ``n_ref`` consecutive head rows taken at a random offset
-   inside a 2048-token sequence, with its **true** position ids. The head's attention span is
-   therefore ``n_ref`` (what dilution is measured against), while RoPE sees positions 0..2047, so
-   at evaluation long contexts differ from training only in how many keys a query sees, not in
-   rotation angles never seen in training (EAGLE-3 itself trains with positions 0..max_len; with
-   positions 0..255 only, long-context results would mix RoPE extrapolation into the dilution).
-   Loss: cross-entropy to the target's next-token distribution restricted to the draft vocabulary
-   and renormalised (teacher logits = final hidden state @ the target's lm_head rows of the draft
-   vocabulary). One-step training only (no training-time test): later drafting steps, which feed
-   the head's own output back as the feature, are weaker than in EAGLE-3's released heads.
-   ``lm_head`` and ``norm`` start from the target's rows / final norm; everything else is random.
-4. Save ``config.json`` (``max_position_embeddings = n_ref``) and ``model.safetensors`` in fp16
-   without ``embed_tokens`` (the target's embedding is shared), plus the training log as JSON.
+Recipe, seeded and deterministic given the same torch build and thread count:
 
-Usage (about 23 minutes on 2 busy CPU cores: 15 for the features, 8 for training)::
+1. Target features: ``scripts/target_features.py`` (SmolLM2's ``hidden_states[2, 15, 27]`` and final
+   normed state over 64 packed sequences of 8,192 tokens: pydoc train split, then stdlib train
+   split; 524,288 target tokens), read from its shard folder.
+2. Draft vocabulary: the ``--draft-vocab`` most frequent target tokens of the training tokens,
+   sorted by id (``d2t[i] = id - i``, ``t2d[id] = True``, as EAGLE-3 builds it).
+3. Training-time test (EAGLE-3's): each window of head rows is unrolled ``--ttt`` drafting steps.
+   Step 0 reads the target's features; step ``s`` reads the head's own output of step ``s - 1`` in
+   place of the unknown target feature, the next token, and RoPE position ``+ s``, exactly as
+   ``Eagle3ChainDrafter.draft`` runs at inference. Its query at base row ``r`` attends to the
+   step-0 keys of rows ``<= r`` (the true context) plus the keys of steps ``1 .. s`` at row ``r``
+   (its own earlier drafts), which is the chain drafter's cache at that point. Loss: cross-entropy
+   to the target's next-token distribution restricted to the draft vocabulary and renormalised
+   (teacher logits = final hidden state @ the target's ``lm_head`` rows of the draft vocabulary),
+   step ``s`` weighted ``0.8 ** s``.
+4. A window has ``span - ttt + 1`` base rows, so that its last drafting step sees ``span`` keys: no
+   query sees more than ``--span`` keys. Every optimiser step takes ``--rows / --span`` windows
+   (8,192 / 256 = 32 windows of 253 base rows for the demo head; one window of 8,188 base rows,
+   a whole sequence less the rows whose later tokens have no teacher, for the reference, whose
+   last query sees 8,191 keys) at random sequences and offsets, with their true
+   positions.
+5. Progress is saved every ``--save-every`` steps under ``--work`` (atomically); a stopped run
+   resumes from there. At the end: ``config.json`` (``max_position_embeddings = --span``: the
+   training length, read as n_ref), ``model.safetensors`` in fp16 without ``embed_tokens`` (the
+   target's is shared), and ``training_log.json``.
 
-    python scripts/train_demo_eagle3.py --out calibrate/assets/eagle3-smollm2
+Usage (features first, then each head)::
+
+    python scripts/target_features.py
+    python scripts/train_demo_eagle3.py --span 256  --out calibrate/assets/eagle3-smollm2
+    python scripts/train_demo_eagle3.py --span 8192 --out calibrate/assets/eagle3-smollm2-long
 """
 
 from __future__ import annotations
@@ -39,46 +50,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
 import torch
-
-from calibrate.corpus import pack
-from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head, feature_layer_ids
-from calibrate.drafters.target import eos_token_id, hidden_state_features
-from calibrate.smollm2 import load_smollm2
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from target_features import DEFAULT_OUT as FEATURES, load_shards  # noqa: E402
+
+from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
+from calibrate.drafters.layers import apply_rope, repeat_kv, rope_cos_sin  # noqa: E402
+from calibrate.smollm2 import load_smollm2  # noqa: E402
+
+STEP_DECAY = 0.8  # loss weight of drafting step s: STEP_DECAY ** s (EAGLE-3's training-time test)
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-@torch.no_grad()
-def build_features(target, tokenizer, seq_len: int, limit: int, cache: Path) -> dict[str, torch.Tensor]:
-    """tokens (S, T) int64, features (S, T, 3 * hidden) fp16, final (S, T, hidden) fp16; cached."""
-    if cache.is_file():
-        log(f"features: reading {cache}")
-        return torch.load(cache, weights_only=True)
-    sequences = list(pack("pydoc:train", lambda t: tokenizer.encode(t, add_special_tokens=False),
-                          eos_token_id(tokenizer), seq_len, limit))
-    num_layers = len(target.get_decoder().layers)
-    ids = (*feature_layer_ids(num_layers), num_layers)
-    tokens = torch.tensor(sequences)
-    feats, finals = [], []
-    t0 = time.time()
-    for i in range(len(sequences)):
-        out = hidden_state_features(target, tokens[i:i + 1], ids)[0]  # (T, 4 * hidden)
-        width = out.shape[-1] // 4
-        feats.append(out[:, :3 * width].half())
-        finals.append(out[:, 3 * width:].half())
-        log(f"features: sequence {i + 1}/{len(sequences)} ({time.time() - t0:.0f} s)")
-    data = {"tokens": tokens, "features": torch.stack(feats), "final": torch.stack(finals)}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(data, cache)
-    return data
 
 
 def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
@@ -88,61 +81,144 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.
     return torch.sort(torch.topk(counts, size).indices).values
 
 
-def sample_windows(gen: torch.Generator, data: dict, batch: int, n_ref: int):
-    """Random windows of ``n_ref`` head rows with true positions: row t = (feature t, token t+1) -> t+2."""
+def sample_windows(gen: torch.Generator, data: dict, windows: int, span: int, ttt: int):
+    """``windows`` random windows of ``span`` base rows with their true positions.
+
+    Base row ``r`` at position ``p``: step 0 pairs feature ``p`` with token ``p + 1``; step ``s``
+    reads token ``p + 1 + s`` at position ``p + s`` and guesses token ``p + 2 + s``, whose target
+    distribution is the final state at ``p + 1 + s``. Returns features (W, span, 3H), tokens and
+    teacher states (W, span + ttt - 1, ...) for the steps to slice, and positions (W, span).
+    """
     S, T = data["tokens"].shape
-    seq = torch.randint(0, S, (batch,), generator=gen)
-    start = torch.randint(0, T - n_ref - 1, (batch,), generator=gen)  # rows t .. t + n_ref - 1, t + n_ref < T
-    pos = start[:, None] + torch.arange(n_ref)  # (B, n_ref)
+    seq = torch.randint(0, S, (windows,), generator=gen)
+    start = torch.randint(0, T - span - ttt + 1, (windows,), generator=gen)
+    pos = start[:, None] + torch.arange(span)
+    ahead = start[:, None] + 1 + torch.arange(span + ttt - 1)
     s = seq[:, None]
-    return (data["tokens"][s, pos + 1], data["features"][s, pos].float(),
-            data["final"][s, pos + 1].float(), pos)
+    return data["features"][s, pos].float(), data["tokens"][s, ahead], data["final"][s, ahead].float(), pos
 
 
-def soft_loss(head, teacher_w, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy to the renormalised draft-vocabulary target distribution, and top-1 agreement."""
-    input_ids, features, final, pos = batch
-    logits = head(input_ids, features, position_ids=pos).logits.float()  # (B, T, draft_vocab)
-    with torch.no_grad():
-        target_p = torch.softmax(final @ teacher_w.T, dim=-1)  # (B, T, draft_vocab)
-    loss = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-    agree = (logits.argmax(-1) == target_p.argmax(-1)).float().mean()
-    return loss, agree
+def chain_attention(query, keys, values, chunk: int) -> torch.Tensor:
+    """Attention of drafting step ``s = len(keys) - 1`` in the training-time test.
+
+    Query row ``r`` sees rows ``<= r`` of ``keys[0]`` (step 0: true features) and row ``r`` of
+    ``keys[1..s]`` (the chain's earlier drafts and itself). Queries go in chunks of ``chunk`` rows,
+    so memory is ``chunk x (T + s * chunk)`` per head, never ``T x (s + 1) T``.
+    """
+    B, H, T, D = query.shape
+    groups = H // keys[0].shape[1]
+    k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)
+    if len(keys) == 1:
+        return F.scaled_dot_product_attention(query, k0, v0, is_causal=True)
+    outs = []
+    for a in range(0, T, chunk):
+        b = min(T, a + chunk)
+        c = b - a
+        k = torch.cat([k0[:, :, :b]] + [repeat_kv(kj[:, :, a:b], groups) for kj in keys[1:]], dim=2)
+        v = torch.cat([v0[:, :, :b]] + [repeat_kv(vj[:, :, a:b], groups) for vj in values[1:]], dim=2)
+        rows = torch.arange(a, b)[:, None]
+        causal = torch.arange(b)[None, :] <= rows  # (c, b)
+        diagonal = torch.eye(c, dtype=torch.bool).repeat(1, len(keys) - 1)  # (c, s * c)
+        outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=torch.cat((causal, diagonal), 1)))
+    return torch.cat(outs, dim=2)
+
+
+def unrolled_logits(head: Eagle3Head, features, tokens, pos, ttt: int, chunk: int) -> list[torch.Tensor]:
+    """Draft logits of drafting steps ``0 .. ttt - 1`` for every base row, each (W, T, draft_vocab).
+
+    ``features`` (W, T, 3H) at positions ``pos`` (W, T); ``tokens`` (W, T + ttt - 1): the token after
+    each position and the ``ttt - 1`` after the window. Step ``s`` at base row ``r`` is the chain
+    drafter's step ``s`` after a true context ending at row ``r`` (see the module docstring).
+    """
+    c = head.config
+    mid = head.midlayer
+    attn = mid.self_attn
+    W, T = pos.shape
+    hidden = head.fc(head.combine(features))
+    keys, values, logits = [], [], []
+    for s in range(ttt):
+        embeds = head.embed_tokens(tokens[:, s:s + T]).to(hidden.dtype)
+        normed = mid.hidden_norm(hidden)
+        x = torch.cat((mid.input_layernorm(embeds), normed), dim=-1)
+        q = attn.q_proj(x).view(W, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(W, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(W, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(pos + s, c.head_dim, c.rope_theta, q.dtype, c.rope_scaling)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys.append(k)
+        values.append(v)
+        out = chain_attention(q, keys, values, chunk).transpose(1, 2).reshape(W, T, -1)
+        h = hidden + attn.o_proj(out)
+        hidden = h + mid.mlp(mid.post_attention_layernorm(h))
+        logits.append(head.lm_head(head.norm(hidden)))
+    return logits
+
+
+def unrolled_loss(head: Eagle3Head, teacher_w: torch.Tensor, batch, ttt: int, chunk: int):
+    """Weighted soft cross-entropy over ``ttt`` drafting steps, and top-1 agreement per step."""
+    features, tokens, final, pos = batch
+    T = pos.shape[1]
+    loss = torch.zeros(())
+    agreement = []
+    for s, logits in enumerate(unrolled_logits(head, features, tokens, pos, ttt, chunk)):
+        with torch.no_grad():
+            target_p = torch.softmax((final[:, s:s + T] @ teacher_w.T).float(), dim=-1)
+        step_loss = -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+        loss = loss + STEP_DECAY ** s * step_loss
+        agreement.append((logits.argmax(-1) == target_p.argmax(-1)).float().mean().item())
+    return loss / sum(STEP_DECAY ** s for s in range(ttt)), agreement
+
+
+def atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "calibrate" / "assets" / "eagle3-smollm2")
-    ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "eagle3-smollm2-train-features.pt")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--n-ref", type=int, default=256, help="attention span of a training window")
-    ap.add_argument("--seq-len", type=int, default=2048, help="target context of the features")
-    ap.add_argument("--sequences", type=int, default=16, help="first N packed train sequences used")
+    ap.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
+    ap.add_argument("--features", type=Path, default=FEATURES, help="shard folder of scripts/target_features.py")
+    ap.add_argument("--work", type=Path, default=None, help="progress folder (default .cache/train-<out name>)")
+    ap.add_argument("--span", type=int, default=256,
+                    help="keys a query sees at most in training (n_ref): windows of span - ttt + 1 base rows, "
+                         "whose last drafting step sees span keys")
+    ap.add_argument("--rows", type=int, default=8192, help="head rows per optimiser step")
+    ap.add_argument("--ttt", type=int, default=4, help="drafting steps unrolled (training-time test)")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=4, help="windows per step")
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--chunk", type=int, default=1024, help="query rows per attention chunk")
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                    help="bf16: matmuls in bfloat16 under autocast (fp32 weights and optimiser; 8x faster on CPUs "
+                         "with AVX-512 BF16)")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--save-every", type=int, default=10)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    started = time.time()
+    work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
+    work.mkdir(parents=True, exist_ok=True)
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "work", "threads", "save_every")}
 
-    target, tokenizer = load_smollm2()
+    target, _ = load_smollm2()
     tc = target.config
-    data = build_features(target, tokenizer, args.seq_len, args.sequences, args.cache)
-    feature_s = time.time() - started
+    data = load_shards(args.features)
+    seq_len = data["tokens"].shape[1]
+    if args.rows % args.span or args.span > seq_len or args.span < args.ttt:
+        raise SystemExit(f"--span {args.span} must divide --rows {args.rows}, be at most {seq_len} and at least --ttt")
     draft_ids = draft_vocabulary(data["tokens"], tc.vocab_size, args.draft_vocab)
     coverage = torch.isin(data["tokens"], draft_ids).float().mean().item()
-    log(f"{data['tokens'].numel()} train tokens in {data['tokens'].shape[0]} sequences; "
+    log(f"{data['tokens'].numel()} train tokens in {data['tokens'].shape[0]} sequences of {seq_len}; "
         f"draft vocabulary covers {coverage:.3f} of them")
 
     rope_theta = float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", getattr(tc, "rope_theta", 1e4)))
     config = Eagle3Config(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
                           num_key_value_heads=tc.num_key_value_heads, intermediate_size=args.intermediate,
                           vocab_size=tc.vocab_size, draft_vocab_size=args.draft_vocab,
-                          max_position_embeddings=args.n_ref, rms_norm_eps=tc.rms_norm_eps, rope_theta=rope_theta)
+                          max_position_embeddings=args.span, rms_norm_eps=tc.rms_norm_eps, rope_theta=rope_theta)
     head = Eagle3Head(config, embed_tokens=target.get_input_embeddings())
     teacher_w = target.get_output_embeddings().weight.detach()[draft_ids].float()  # (draft_vocab, hidden)
     with torch.no_grad():
@@ -158,23 +234,45 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
         1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     gen = torch.Generator().manual_seed(args.seed)
-    history = []
-    t0 = time.time()
-    ema_loss = ema_agree = None
-    for step in range(1, args.steps + 1):
-        loss, agree = soft_loss(head, teacher_w, sample_windows(gen, data, args.batch, args.n_ref))
+    history: list[dict] = []
+    done, seconds = 0, 0.0
+
+    progress = work / "progress.pt"
+    if progress.is_file():
+        state = torch.load(progress, weights_only=False)
+        if state["settings"] != settings:
+            raise SystemExit(f"{progress} was made with other options; delete it or use another --work")
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        history, done, seconds = state["history"], state["step"], state["seconds"]
+        log(f"resuming at step {done}/{args.steps}")
+
+    windows = args.rows // args.span
+    base_rows = min(args.span - args.ttt + 1, seq_len - args.ttt)  # the last token of a window needs a teacher
+    t0 = time.time() - seconds
+    ema = None
+    for step in range(done + 1, args.steps + 1):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            batch = sample_windows(gen, data, windows, base_rows, args.ttt)
+            loss, agreement = unrolled_loss(head, teacher_w, batch,
+                                            args.ttt, args.chunk)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        ema_loss = loss.item() if ema_loss is None else 0.9 * ema_loss + 0.1 * loss.item()
-        ema_agree = agree.item() if ema_agree is None else 0.9 * ema_agree + 0.1 * agree.item()
-        if step % 20 == 0 or step == 1:
-            history.append({"step": step, "loss": round(ema_loss, 4), "agreement": round(ema_agree, 4),
-                            "seconds": round(time.time() - t0, 1)})
-            log(f"step {step}/{args.steps} loss {ema_loss:.4f} top-1 agreement {ema_agree:.3f} "
-                f"({time.time() - t0:.0f} s)")
+        now = [loss.item(), *agreement]
+        ema = now if ema is None else [0.8 * e + 0.2 * x for e, x in zip(ema, now)]
+        history.append({"step": step, "loss": round(now[0], 4), "agreement": [round(a, 4) for a in agreement],
+                        "seconds": round(time.time() - t0, 1)})
+        log(f"step {step}/{args.steps} loss {ema[0]:.3f} agreement per drafting step "
+            + " ".join(f"{a:.3f}" for a in ema[1:]) + f" ({time.time() - t0:.0f} s)")
+        if step % args.save_every == 0 or step == args.steps:
+            atomic_save({"settings": settings, "head": head.state_dict(), "opt": opt.state_dict(),
+                         "sched": sched.state_dict(), "gen": gen.get_state(), "history": history, "step": step,
+                         "seconds": time.time() - t0}, progress)
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
@@ -182,12 +280,14 @@ def main() -> None:
     state = {k: (v.half() if v.is_floating_point() else v).contiguous()
              for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
     save_file(state, str(args.out / "model.safetensors"), metadata={"format": "pt"})
+    manifest = json.loads((args.features / "manifest.json").read_text())
     record = {"command": "python scripts/train_demo_eagle3.py " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "cache")),
-              "seed": args.seed, "n_ref": args.n_ref, "seq_len": args.seq_len, "corpus": "pydoc:train",
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                  if k not in ("out", "features", "work", "save_every")) + f" --out {args.out.name}",
+              "n_ref": args.span, "seq_len": seq_len, "corpus": manifest["per_source"],
               "train_tokens": data["tokens"].numel(), "draft_vocab_coverage": round(coverage, 4),
-              "feature_seconds": round(feature_s, 1), "train_seconds": round(time.time() - t0, 1),
-              "torch": torch.__version__, "threads": args.threads, "history": history}
+              "train_seconds": round(time.time() - t0, 1), "torch": torch.__version__, "threads": args.threads,
+              "history": history[::10] + ([history[-1]] if len(history) % 10 != 1 else [])}
     (args.out / "training_log.json").write_text(json.dumps(record, indent=1) + "\n")
     log(f"saved {args.out} ({(args.out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")
 

@@ -1,0 +1,109 @@
+"""Target features for training EAGLE-3 heads: SmolLM2's hidden states over packed corpus sequences.
+
+For each packed sequence of ``--seq-len`` tokens, SmolLM2-135M-Instruct runs once and this keeps
+``hidden_states[2, 15, 27]`` (the EAGLE-3 features: low, middle and high layer inputs) and the final
+normed state (the teacher: times the target's ``lm_head`` it gives the target's logits), in fp16.
+
+The job is resumable: every sequence is one shard file ``seq-NNNNN.pt`` in ``--out``, written
+atomically (temporary file, then rename), and shards already present are skipped, so an interrupted
+run continues where it stopped. ``manifest.json`` records what the shards hold, and a run with other
+options into the same folder is refused rather than mixed in.
+
+Sources are taken in the order given, each packed on its own (documents joined with EOS, as
+``calibrate.corpus.pack`` packs calibration and evaluation text), up to ``--tokens`` in all::
+
+    python scripts/target_features.py --sources pydoc:train,stdlib --seq-len 8192 --tokens 524288
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from calibrate.corpus import pack
+from calibrate.drafters.eagle3 import feature_layer_ids
+from calibrate.drafters.target import eos_token_id, hidden_state_features
+from calibrate.smollm2 import load_smollm2
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / ".cache" / "smollm2-features-8192"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def plan_sequences(tokenizer, sources: list[str], seq_len: int, tokens: int) -> list[tuple[str, list[int]]]:
+    """``(source, token ids)`` of every sequence to featurize: each source packed in turn, ``tokens`` in all."""
+    wanted = tokens // seq_len
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    planned: list[tuple[str, list[int]]] = []
+    for source in sources:
+        left = wanted - len(planned)
+        if left <= 0:
+            break
+        planned += [(source, seq) for seq in pack(source, encode, eos_token_id(tokenizer), seq_len, left)]
+    return planned
+
+
+def load_shards(folder: Path) -> dict[str, torch.Tensor]:
+    """All shards of a finished run: tokens (S, T) int64, features (S, T, 3H) fp16, final (S, T, H) fp16."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    shards = [torch.load(folder / f"seq-{i:05d}.pt", weights_only=True) for i in range(manifest["sequences"])]
+    return {key: torch.stack([s[key] for s in shards]) for key in ("tokens", "features", "final")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="shard folder (resumed if it exists)")
+    ap.add_argument("--sources", default="pydoc:train,stdlib", help="corpora, comma-separated, in order")
+    ap.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (target context)")
+    ap.add_argument("--tokens", type=int, default=524288, help="target tokens in all")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target, tokenizer = load_smollm2()
+    sources = args.sources.split(",")
+    planned = plan_sequences(tokenizer, sources, args.seq_len, args.tokens)
+    manifest = {"sources": sources, "seq_len": args.seq_len, "sequences": len(planned),
+                "per_source": {s: sum(src == s for src, _ in planned) for s in sources},
+                "layers": None, "dtype": "float16", "target": "SmolLM2-135M-Instruct (fp32)"}
+    num_layers = len(target.get_decoder().layers)
+    ids = (*feature_layer_ids(num_layers), num_layers)
+    manifest["layers"] = list(ids)
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest_path = args.out / "manifest.json"
+    if manifest_path.is_file() and json.loads(manifest_path.read_text()) != manifest:
+        raise SystemExit(f"{args.out} holds shards made with other options; use another --out")
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    log(f"{len(planned)} sequences of {args.seq_len}: {manifest['per_source']}")
+
+    started = time.time()
+    done_now = 0
+    for i, (_, seq) in enumerate(planned):
+        shard = args.out / f"seq-{i:05d}.pt"
+        if shard.is_file():
+            continue
+        tokens = torch.tensor([seq])
+        with torch.no_grad():
+            out = hidden_state_features(target, tokens, ids)[0]  # (T, 4H)
+        width = out.shape[-1] // 4
+        tmp = shard.with_suffix(".tmp")
+        torch.save({"tokens": tokens[0], "features": out[:, :3 * width].half().clone(),
+                    "final": out[:, 3 * width:].half().clone()}, tmp)
+        os.replace(tmp, shard)
+        done_now += 1
+        rate = (time.time() - started) / done_now
+        left = sum(not (args.out / f"seq-{j:05d}.pt").is_file() for j in range(len(planned)))
+        log(f"sequence {i + 1}/{len(planned)} ({rate:.0f} s each, about {left * rate / 60:.0f} min left)")
+    log(f"done: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The training-time test of ``scripts/train_demo_eagle3.py`` computes what the chain drafter runs.
+
+Drafting step ``s`` after a true context ending at base row ``r`` is computed for every row at once
+in training (one attention over the step-0 keys plus the chain's own keys). Here each (r, s) is
+recomputed the way ``Eagle3ChainDrafter`` runs it at inference: the head over rows ``0 .. r`` with
+true features, then ``s`` single-row calls that feed the head's own output hidden state back with
+a cache. In float64 the two agree to rounding (tolerance 1e-10: sums of a few hundred products of
+O(1) numbers, far above float64 rounding, far below any real difference).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("train_demo_eagle3", ROOT / "scripts" / "train_demo_eagle3.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _head(seed: int) -> Eagle3Head:
+    torch.manual_seed(seed)
+    config = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                          vocab_size=50, draft_vocab_size=20, rope_theta=1000.0)
+    head = Eagle3Head(config).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        head.d2t.copy_(torch.arange(20) * 2 - torch.arange(20))
+    return head.eval()
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_unrolled_steps_equal_the_chain_drafter(chunk):
+    train = _script()
+    head = _head(seed=1)
+    T, ttt, start = 10, 4, 7
+    gen = torch.Generator().manual_seed(2)
+    features = torch.randn(1, T, 3 * 32, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, 50, (1, T + ttt - 1), generator=gen)
+    pos = start + torch.arange(T)[None]
+    with torch.no_grad():
+        unrolled = train.unrolled_logits(head, features, tokens, pos, ttt, chunk)
+        for r in range(T):
+            out = head(tokens[:, :r + 1], features[:, :r + 1], position_ids=pos[:, :r + 1])
+            torch.testing.assert_close(unrolled[0][0, r], out.logits[0, -1], rtol=0, atol=1e-10)
+            past, hidden = out.past_key_values, out.hidden_states[:, -1:]
+            for s in range(1, ttt):
+                out = head(tokens[:, r + s:r + s + 1], hidden, position_ids=pos[:, r:r + 1] + s, past_key_values=past)
+                torch.testing.assert_close(unrolled[s][0, r], out.logits[0, -1], rtol=0, atol=1e-10)
+                past, hidden = out.past_key_values, out.hidden_states[:, -1:]
+
+
+def test_a_later_step_differs_from_step_zero():
+    """Not vacuous: step 1 reads the head's own output, so its logits differ from step 0's."""
+    train = _script()
+    head = _head(seed=3)
+    gen = torch.Generator().manual_seed(4)
+    features = torch.randn(2, 6, 96, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, 50, (2, 7), generator=gen)
+    with torch.no_grad():
+        step0, step1 = train.unrolled_logits(head, features, tokens, torch.arange(6).expand(2, 6), 2, 4)
+    assert (step0 - step1).abs().max() > 1e-3
