@@ -331,7 +331,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
 
 def _speculative(drafter, reference, texts, edges, specs, buckets, new_tokens, num_draft, progress) -> bool:
     """Fill acceptance_length, speedup and their deltas per bucket: one prompt of ``n`` tokens per sequence."""
-    from .speculative import greedy_generate, speculative_generate
+    from .speculative import greedy_generate, prefill, speculative_generate
 
     target = drafter.target
     chains = [(v, drafter, s) for v, s in specs.items()] + ([("reference", reference, None)] if reference else [])
@@ -345,12 +345,14 @@ def _speculative(drafter, reference, texts, edges, specs, buckets, new_tokens, n
             prompt = torch.tensor([text[:max(int(n) - new_tokens, 2)]], device=drafter.device)
             if progress:
                 progress(f"speculative decoding: n = {n}, prompt {i + 1}/{len(texts)}")
-            reference_out = greedy_generate(target, prompt, new_tokens)
+            # one target prefill per prompt, shared by the baseline and every variant (each decodes from a copy)
+            shared = prefill(target, prompt, drafter.chain_drafter(None).feature_ids)
+            reference_out = greedy_generate(target, prompt, new_tokens, shared)
             base_seconds += reference_out.decode_seconds
             for variant, source, s in chains:
                 chain = source.chain_drafter(s)
                 try:
-                    out = speculative_generate(target, chain, prompt, new_tokens, num_draft)
+                    out = speculative_generate(target, chain, prompt, new_tokens, num_draft, shared)
                 finally:
                     chain.close()
                 identical &= out.tokens == reference_out.tokens

@@ -17,14 +17,15 @@ KV cache (``calibrate.drafters.hf.CausalLMChainDrafter``), with or without a sca
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SpeculativeResult", "greedy_generate", "speculative_generate", "target_step", "new_cache", "crop_cache",
-           "cached_forward"]
+__all__ = ["SpeculativeResult", "Prefill", "prefill", "greedy_generate", "speculative_generate", "target_step",
+           "new_cache", "crop_cache", "cached_forward"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,41 @@ class SpeculativeResult:
     def acceptance_length(self) -> float:
         """Tokens committed per target forward: mean of ``accepted + 1`` (1 = no draft ever accepted)."""
         return sum(a + 1 for a in self.accepted) / max(len(self.accepted), 1)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """The target's forward over a prompt, shared by every decoding run from that prompt."""
+
+    cache: object  # transformers KV cache of the prompt; each run decodes from a copy
+    first: int  # the target's greedy token after the prompt
+    features: torch.Tensor | None  # (1, T, len(ids) * hidden) hidden states at ``feature_ids``, or None
+    feature_ids: tuple[int, ...] | None  # the hidden_states indices in ``features``
+    seconds: float  # wall-clock time of the forward
+
+
+@torch.no_grad()
+def prefill(target, prompt: torch.Tensor, feature_ids=None) -> Prefill:
+    """Run the target once over ``prompt`` (1, T), keeping ``hidden_states[feature_ids]`` if asked.
+
+    Several runs from one prompt (target-only greedy, then one speculative run per drafter variant)
+    start from one prefill: for long prompts the prefill is most of a run's time.
+    """
+    t0 = time.perf_counter()
+    cache = new_cache()
+    logits, feats = target_step(target, prompt, cache, feature_ids)
+    ids = None if feature_ids is None else tuple(feature_ids)
+    return Prefill(cache, int(logits[-1].argmax()), feats, ids, time.perf_counter() - t0)
+
+
+def _start(target, prompt, feature_ids, shared: Prefill | None) -> tuple[object, int, torch.Tensor | None, float]:
+    """(cache to decode into, first token, features, prefill seconds) from ``shared`` or a new prefill."""
+    if shared is None:
+        shared = prefill(target, prompt, feature_ids)
+        return shared.cache, shared.first, shared.features, shared.seconds
+    if feature_ids is not None and shared.feature_ids != tuple(feature_ids):
+        raise ValueError(f"the shared prefill holds hidden states {shared.feature_ids}, the drafter reads {feature_ids}")
+    return copy.deepcopy(shared.cache), shared.first, shared.features, shared.seconds
 
 
 def new_cache():
@@ -72,13 +108,15 @@ def target_step(target, input_ids: torch.Tensor, cache, feature_ids=None):
 
 
 @torch.no_grad()
-def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int) -> SpeculativeResult:
-    """Target-only greedy decoding with a KV cache: the reference output and the speed baseline."""
-    t0 = time.perf_counter()
-    cache = new_cache()
-    logits, _ = target_step(target, prompt, cache)
-    tokens = [int(logits[-1].argmax())]
+def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, shared: Prefill | None = None) -> SpeculativeResult:
+    """Target-only greedy decoding with a KV cache: the reference output and the speed baseline.
+
+    ``shared``: start from this prefill of ``prompt`` (a copy of its cache) instead of running one.
+    """
+    cache, first, _, prefill_seconds = _start(target, prompt, None, shared)
+    tokens = [first]
     t1 = time.perf_counter()
+    t0 = t1 - prefill_seconds
     while len(tokens) < max_new_tokens:
         logits, _ = target_step(target, torch.tensor([[tokens[-1]]], device=prompt.device), cache)
         tokens.append(int(logits[-1].argmax()))
@@ -88,20 +126,20 @@ def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int) -> Specul
 
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int,
-                         num_draft: int = 4) -> SpeculativeResult:
+                         num_draft: int = 4, shared: Prefill | None = None) -> SpeculativeResult:
     """Greedy speculative decoding of ``max_new_tokens`` after ``prompt`` (1, T), chain of ``num_draft``.
 
     ``drafter`` is a ``ChainDrafter`` (``calibrate.drafters.base``: ``feature_ids``,
-    ``start(prompt, features, pending)``, ``draft(k)``, ``commit(tokens, features)``). The output equals :func:`greedy_generate`'s up to floating-point
-    ties (the verify forward scores several tokens at once, decoding scores one).
+    ``start(prompt, features, pending)``, ``draft(k)``, ``commit(tokens, features)``). The output
+    equals :func:`greedy_generate`'s up to floating-point ties (the verify forward scores several
+    tokens at once, decoding scores one). ``shared``: start from this prefill of ``prompt``.
     """
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
-    t0 = time.perf_counter()
     device = prompt.device
-    cache = new_cache()
-    logits, feats = target_step(target, prompt, cache, drafter.feature_ids)
-    tokens = [int(logits[-1].argmax())]
+    cache, first, feats, prefill_seconds = _start(target, prompt, drafter.feature_ids, shared)
+    t0 = time.perf_counter() - prefill_seconds
+    tokens = [first]
     drafter.start(prompt, feats, tokens[0])
     t1 = time.perf_counter()
     accepted_counts = []

@@ -102,3 +102,29 @@ def test_smollm2_demo_head_equals_greedy():
     out = speculative_generate(d.target, d.chain_drafter(None), prompt, 12, 4)
     assert out.tokens == reference
     assert out.acceptance_length > 1.0
+
+
+def test_a_shared_prefill_changes_nothing(target, eagle3):
+    """Runs from one shared prefill (as eval runs every variant) equal runs with their own prefill,
+    and none of them alters the shared cache."""
+    from calibrate.speculative import prefill
+
+    for prompt in prompts(target.config.vocab_size):
+        shared = prefill(target, prompt, eagle3.chain_drafter(None).feature_ids)
+        length = shared.cache.get_seq_length()
+        assert greedy_generate(target, prompt, 11, shared).tokens == greedy_generate(target, prompt, 11).tokens
+        for spec in (None, SPEC):
+            alone = speculative_generate(target, eagle3.chain_drafter(spec), prompt, 11, 3)
+            again = speculative_generate(target, eagle3.chain_drafter(spec), prompt, 11, 3, shared)
+            assert (again.tokens, again.accepted) == (alone.tokens, alone.accepted)
+        assert shared.cache.get_seq_length() == length
+        hf = speculative_generate(target, CausalLMChainDrafter(tiny_target(3)), prompt, 11, 3, shared)
+        assert hf.tokens == greedy_generate(target, prompt, 11).tokens
+
+
+def test_a_shared_prefill_must_hold_the_drafters_features(target, eagle3):
+    from calibrate.speculative import prefill
+
+    prompt = prompts(target.config.vocab_size)[1]
+    with pytest.raises(ValueError, match="hidden states"):
+        speculative_generate(target, eagle3.chain_drafter(None), prompt, 5, 2, prefill(target, prompt, (0, 1)))
