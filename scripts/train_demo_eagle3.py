@@ -27,12 +27,11 @@ Recipe, seeded and deterministic given the same torch build and thread count:
    to the target's next-token distribution restricted to the draft vocabulary and renormalised
    (teacher logits = final hidden state @ the target's ``lm_head`` rows of the draft vocabulary),
    step ``s`` weighted ``0.8 ** s``.
-4. A window has ``span - ttt + 1`` base rows, so that its last drafting step sees ``span`` keys: no
-   query sees more than ``--span`` keys. Every optimiser step takes ``--rows / --span`` windows
-   (8,192 / 256 = 32 windows of 253 base rows for the demo head; one window of 8,188 base rows,
-   a whole sequence less the rows whose later tokens have no teacher, for the reference, whose
-   last query sees 8,191 keys) at random sequences and offsets, with their true
-   positions.
+4. Every optimiser step trains ``--rows`` (2,048) base rows. The demo head takes 8 windows of
+   ``span - ttt + 1 = 253`` rows, so that no query, the last drafting step's included, sees more
+   than 256 keys. The reference takes one window of 2,048 rows at a random offset, and its queries
+   also see the step-0 keys of every earlier row of the sequence (computed in the same pass, with
+   gradients), up to 8,191 keys. Sequences and offsets are random, positions true.
 5. Progress is saved every ``--save-every`` steps under ``--work`` (atomically); a stopped run
    resumes from there. At the end: ``config.json`` (``max_position_embeddings = --span``: the
    training length, read as n_ref), ``model.safetensors`` in fp16 without ``embed_tokens`` (the
@@ -43,6 +42,8 @@ Usage (features first, then each head)::
     python scripts/target_features.py
     python scripts/train_demo_eagle3.py --span 256  --out calibrate/assets/eagle3-smollm2
     python scripts/train_demo_eagle3.py --span 8192 --out calibrate/assets/eagle3-smollm2-long
+
+(the two can run at once, one thread each).
 """
 
 from __future__ import annotations
@@ -81,73 +82,84 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.
     return torch.sort(torch.topk(counts, size).indices).values
 
 
-def sample_windows(gen: torch.Generator, data: dict, windows: int, span: int, ttt: int):
-    """``windows`` random windows of ``span`` base rows with their true positions.
+def sample_windows(gen: torch.Generator, data: dict, windows: int, rows: int, ttt: int, context: int):
+    """``windows`` random windows of ``rows`` base rows with their true positions.
 
     Base row ``r`` at position ``p``: step 0 pairs feature ``p`` with token ``p + 1``; step ``s``
     reads token ``p + 1 + s`` at position ``p + s`` and guesses token ``p + 2 + s``, whose target
-    distribution is the final state at ``p + 1 + s``. Returns features (W, span, 3H), tokens and
-    teacher states (W, span + ttt - 1, ...) for the steps to slice, and positions (W, span).
+    distribution is the final state at ``p + 1 + s``. A window is preceded by up to ``context``
+    earlier rows of its sequence (one window only), whose step-0 keys its queries also see.
+
+    Returns features (W, C + rows, 3H), tokens and teacher states (W, C + rows + ttt - 1, ...),
+    positions (W, C + rows), and C, the context rows in front (the same for every window).
     """
     S, T = data["tokens"].shape
     seq = torch.randint(0, S, (windows,), generator=gen)
-    start = torch.randint(0, T - span - ttt + 1, (windows,), generator=gen)
-    pos = start[:, None] + torch.arange(span)
-    ahead = start[:, None] + 1 + torch.arange(span + ttt - 1)
+    start = torch.randint(0, T - rows - ttt + 1, (windows,), generator=gen)
+    c = min(int(start[0]), context) if context else 0
+    pos = start[:, None] - c + torch.arange(c + rows)
+    ahead = pos[:, :1] + 1 + torch.arange(c + rows + ttt - 1)
     s = seq[:, None]
-    return data["features"][s, pos].float(), data["tokens"][s, ahead], data["final"][s, ahead].float(), pos
+    return data["features"][s, pos].float(), data["tokens"][s, ahead], data["final"][s, ahead].float(), pos, c
 
 
-def chain_attention(query, keys, values, chunk: int) -> torch.Tensor:
+def chain_attention(query, keys, values, chunk: int, context: int = 0) -> torch.Tensor:
     """Attention of drafting step ``s = len(keys) - 1`` in the training-time test.
 
-    Query row ``r`` sees rows ``<= r`` of ``keys[0]`` (step 0: true features) and row ``r`` of
-    ``keys[1..s]`` (the chain's earlier drafts and itself). Queries go in chunks of ``chunk`` rows,
-    so memory is ``chunk x (T + s * chunk)`` per head, never ``T x (s + 1) T``.
+    Query row ``r`` sees rows ``<= context + r`` of ``keys[0]`` (step 0: true features, after
+    ``context`` rows in front of the window) and row ``r`` of ``keys[1..s]`` (the chain's earlier
+    drafts and itself). Queries go in chunks of ``chunk`` rows, so memory is
+    ``chunk x (context + T + s * chunk)`` per head, never ``T x (s + 1) T``.
     """
     B, H, T, D = query.shape
     groups = H // keys[0].shape[1]
     k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)
-    if len(keys) == 1:
+    if len(keys) == 1 and context == 0:
         return F.scaled_dot_product_attention(query, k0, v0, is_causal=True)
     outs = []
     for a in range(0, T, chunk):
         b = min(T, a + chunk)
         c = b - a
-        k = torch.cat([k0[:, :, :b]] + [repeat_kv(kj[:, :, a:b], groups) for kj in keys[1:]], dim=2)
-        v = torch.cat([v0[:, :, :b]] + [repeat_kv(vj[:, :, a:b], groups) for vj in values[1:]], dim=2)
-        rows = torch.arange(a, b)[:, None]
-        causal = torch.arange(b)[None, :] <= rows  # (c, b)
+        k = torch.cat([k0[:, :, :context + b]] + [repeat_kv(kj[:, :, a:b], groups) for kj in keys[1:]], dim=2)
+        v = torch.cat([v0[:, :, :context + b]] + [repeat_kv(vj[:, :, a:b], groups) for vj in values[1:]], dim=2)
+        rows = context + torch.arange(a, b)[:, None]
+        causal = torch.arange(context + b)[None, :] <= rows  # (c, context + b)
         diagonal = torch.eye(c, dtype=torch.bool).repeat(1, len(keys) - 1)  # (c, s * c)
         outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=torch.cat((causal, diagonal), 1)))
     return torch.cat(outs, dim=2)
 
 
-def unrolled_logits(head: Eagle3Head, features, tokens, pos, ttt: int, chunk: int) -> list[torch.Tensor]:
+def unrolled_logits(head: Eagle3Head, features, tokens, pos, ttt: int, chunk: int, context: int = 0) -> list[torch.Tensor]:
     """Draft logits of drafting steps ``0 .. ttt - 1`` for every base row, each (W, T, draft_vocab).
 
-    ``features`` (W, T, 3H) at positions ``pos`` (W, T); ``tokens`` (W, T + ttt - 1): the token after
-    each position and the ``ttt - 1`` after the window. Step ``s`` at base row ``r`` is the chain
-    drafter's step ``s`` after a true context ending at row ``r`` (see the module docstring).
+    ``features`` (W, C + T, 3H) at positions ``pos`` (W, C + T), the first ``C = context`` rows
+    only keys in front of the window; ``tokens`` (W, C + T + ttt - 1): the token after each
+    position and the ``ttt - 1`` after the window. Step ``s`` at base row ``r`` is the chain
+    drafter's step ``s`` after a true context ending at row ``C + r`` (see the module docstring).
     """
     c = head.config
     mid = head.midlayer
     attn = mid.self_attn
-    W, T = pos.shape
+    W, total = pos.shape
+    T = total - context
     hidden = head.fc(head.combine(features))
     keys, values, logits = [], [], []
     for s in range(ttt):
-        embeds = head.embed_tokens(tokens[:, s:s + T]).to(hidden.dtype)
+        first = 0 if s == 0 else context + s  # step 0 also makes the context rows' keys
+        rows = total if s == 0 else T
+        embeds = head.embed_tokens(tokens[:, first:first + rows]).to(hidden.dtype)
         normed = mid.hidden_norm(hidden)
         x = torch.cat((mid.input_layernorm(embeds), normed), dim=-1)
-        q = attn.q_proj(x).view(W, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(W, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(W, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(pos + s, c.head_dim, c.rope_theta, q.dtype, c.rope_scaling)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        where = pos if s == 0 else pos[:, context:] + s
+        cos, sin = rope_cos_sin(where, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
+        k = apply_rope(attn.k_proj(x).view(W, rows, c.num_key_value_heads, c.head_dim).transpose(1, 2), cos, sin)
+        v = attn.v_proj(x).view(W, rows, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         keys.append(k)
         values.append(v)
-        out = chain_attention(q, keys, values, chunk).transpose(1, 2).reshape(W, T, -1)
+        if s == 0:  # from here on only the window's rows
+            x, hidden, cos, sin = x[:, context:], hidden[:, context:], cos[:, :, context:], sin[:, :, context:]
+        q = apply_rope(attn.q_proj(x).view(W, T, c.num_attention_heads, c.head_dim).transpose(1, 2), cos, sin)
+        out = chain_attention(q, keys, values, chunk, context).transpose(1, 2).reshape(W, T, -1)
         h = hidden + attn.o_proj(out)
         hidden = h + mid.mlp(mid.post_attention_layernorm(h))
         logits.append(head.lm_head(head.norm(hidden)))
@@ -156,13 +168,13 @@ def unrolled_logits(head: Eagle3Head, features, tokens, pos, ttt: int, chunk: in
 
 def unrolled_loss(head: Eagle3Head, teacher_w: torch.Tensor, batch, ttt: int, chunk: int):
     """Weighted soft cross-entropy over ``ttt`` drafting steps, and top-1 agreement per step."""
-    features, tokens, final, pos = batch
-    T = pos.shape[1]
+    features, tokens, final, pos, context = batch
+    T = pos.shape[1] - context
     loss = torch.zeros(())
     agreement = []
-    for s, logits in enumerate(unrolled_logits(head, features, tokens, pos, ttt, chunk)):
+    for s, logits in enumerate(unrolled_logits(head, features, tokens, pos, ttt, chunk, context)):
         with torch.no_grad():
-            target_p = torch.softmax((final[:, s:s + T] @ teacher_w.T).float(), dim=-1)
+            target_p = torch.softmax((final[:, context + s:context + s + T] @ teacher_w.T).float(), dim=-1)
         step_loss = -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
         loss = loss + STEP_DECAY ** s * step_loss
         agreement.append((logits.argmax(-1) == target_p.argmax(-1)).float().mean().item())
@@ -183,9 +195,9 @@ def main() -> None:
     ap.add_argument("--span", type=int, default=256,
                     help="keys a query sees at most in training (n_ref): windows of span - ttt + 1 base rows, "
                          "whose last drafting step sees span keys")
-    ap.add_argument("--rows", type=int, default=8192, help="head rows per optimiser step")
+    ap.add_argument("--rows", type=int, default=2048, help="head rows per optimiser step")
     ap.add_argument("--ttt", type=int, default=4, help="drafting steps unrolled (training-time test)")
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=360)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=1536)
@@ -207,8 +219,15 @@ def main() -> None:
     tc = target.config
     data = load_shards(args.features)
     seq_len = data["tokens"].shape[1]
-    if args.rows % args.span or args.span > seq_len or args.span < args.ttt:
-        raise SystemExit(f"--span {args.span} must divide --rows {args.rows}, be at most {seq_len} and at least --ttt")
+    if not args.ttt <= args.span <= seq_len:
+        raise SystemExit(f"--span {args.span} must lie between --ttt {args.ttt} and the sequence length {seq_len}")
+    # windows of `base` rows; their last drafting step sees `base + ttt - 1` keys, and `context` more rows in
+    # front of a window (every earlier row of its sequence, up to the span) when the span exceeds a window
+    base = min(args.span - args.ttt + 1, args.rows, seq_len - args.ttt)
+    windows = args.rows // base
+    context = args.span - args.ttt + 1 - base
+    if context and windows != 1:
+        raise SystemExit(f"--span {args.span} exceeds one window of --rows {args.rows}: give --rows <= --span")
     draft_ids = draft_vocabulary(data["tokens"], tc.vocab_size, args.draft_vocab)
     coverage = torch.isin(data["tokens"], draft_ids).float().mean().item()
     log(f"{data['tokens'].numel()} train tokens in {data['tokens'].shape[0]} sequences of {seq_len}; "
@@ -249,13 +268,11 @@ def main() -> None:
         history, done, seconds = state["history"], state["step"], state["seconds"]
         log(f"resuming at step {done}/{args.steps}")
 
-    windows = args.rows // args.span
-    base_rows = min(args.span - args.ttt + 1, seq_len - args.ttt)  # the last token of a window needs a teacher
     t0 = time.time() - seconds
     ema = None
     for step in range(done + 1, args.steps + 1):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            batch = sample_windows(gen, data, windows, base_rows, args.ttt)
+            batch = sample_windows(gen, data, windows, base, args.ttt, context)
             loss, agreement = unrolled_loss(head, teacher_w, batch,
                                             args.ttt, args.chunk)
         opt.zero_grad(set_to_none=True)

@@ -43,23 +43,26 @@ def _head(seed: int) -> Eagle3Head:
 
 
 @pytest.mark.parametrize("chunk", [3, 64])
-def test_unrolled_steps_equal_the_chain_drafter(chunk):
+@pytest.mark.parametrize("context", [0, 5])
+def test_unrolled_steps_equal_the_chain_drafter(chunk, context):
+    """Every (base row, step), with and without context rows in front of the window."""
     train = _script()
     head = _head(seed=1)
-    T, ttt, start = 10, 4, 7
+    T, ttt, start = 10 + context, 4, 7
     gen = torch.Generator().manual_seed(2)
     features = torch.randn(1, T, 3 * 32, generator=gen, dtype=torch.float64)
     tokens = torch.randint(0, 50, (1, T + ttt - 1), generator=gen)
     pos = start + torch.arange(T)[None]
     with torch.no_grad():
-        unrolled = train.unrolled_logits(head, features, tokens, pos, ttt, chunk)
-        for r in range(T):
+        unrolled = list(train.unrolled_logits(head, features, tokens, pos, ttt, chunk, context))
+        assert unrolled[0].shape[1] == T - context
+        for r in range(context, T):
             out = head(tokens[:, :r + 1], features[:, :r + 1], position_ids=pos[:, :r + 1])
-            torch.testing.assert_close(unrolled[0][0, r], out.logits[0, -1], rtol=0, atol=1e-10)
+            torch.testing.assert_close(unrolled[0][0, r - context], out.logits[0, -1], rtol=0, atol=1e-10)
             past, hidden = out.past_key_values, out.hidden_states[:, -1:]
             for s in range(1, ttt):
                 out = head(tokens[:, r + s:r + s + 1], hidden, position_ids=pos[:, r:r + 1] + s, past_key_values=past)
-                torch.testing.assert_close(unrolled[s][0, r], out.logits[0, -1], rtol=0, atol=1e-10)
+                torch.testing.assert_close(unrolled[s][0, r - context], out.logits[0, -1], rtol=0, atol=1e-10)
                 past, hidden = out.past_key_values, out.hidden_states[:, -1:]
 
 
@@ -73,3 +76,14 @@ def test_a_later_step_differs_from_step_zero():
     with torch.no_grad():
         step0, step1 = train.unrolled_logits(head, features, tokens, torch.arange(6).expand(2, 6), 2, 4)
     assert (step0 - step1).abs().max() > 1e-3
+
+
+def test_windows_with_context_see_their_sequence_from_its_start():
+    train = _script()
+    data = {"tokens": torch.arange(40).view(2, 20), "features": torch.randn(2, 20, 6), "final": torch.randn(2, 20, 2)}
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        features, tokens, final, pos, context = train.sample_windows(gen, data, 1, 6, 3, context=100)
+        assert pos[0, 0] == 0 and pos.shape[1] == context + 6  # every earlier row is context
+        assert tokens[0, 0] % 20 == 1 and tokens.shape[1] == context + 6 + 2
+        assert int(pos[0, -1]) + 3 <= 19  # the last step's teacher exists
