@@ -15,6 +15,7 @@ lse             (rows, n_alpha)      ``LSE_j(a z_j)`` over all visible keys, for
 tilted_mean     (rows,)              ``sum z e^z / sum e^z`` over all keys (a = 1)
 mean, var       (rows,)              plain mean and population variance of all visible logits
 distance        (per sequence)       optional ``DistanceStats``: the background's distance profile
+budget          (rows, 3)            optional ``AttentionBudget``: mass on sink, local, far keys
 ==============  ===================  ==========================================================
 
 From these, the top-k mass ``M_k(a)`` is exact for every ``k <= k_max`` and grid ``a``::
@@ -52,9 +53,9 @@ sets, sinks first, then the window, the rest far, are::
     far    S <= j < n - W              everything else (empty while n <= S + W)
 
 and ``share = (sum_sink p, sum_local p, sum_far p)`` sums to 1. A row of ``n <= S`` keys is all
-sink. Mass draining from the top set into a growing far set is dilution (query scaling fixes it);
-mass leaving sinks and window for the far keys at no loss of peak is drift (a sliding window with
-sinks fixes it).
+sink. Mass draining from the top set into a growing far set is dilution (query scaling counters
+it); mass drifting away from the sinks and the window is drift (a sliding window with sinks
+counters it).
 """
 
 from __future__ import annotations
