@@ -95,13 +95,16 @@ def main() -> None:
     ap.add_argument("--corpus", default="pydoc")
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--sequences", type=int, default=3)
-    ap.add_argument("--n-ref", type=int, help="for the fit at the end (default max_length / 4)")
+    ap.add_argument("--n-ref", type=int, help="for the fit at the end and the budget's window (default max_length / 4)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--chunk", type=int)
     ap.add_argument("--distance-profile", action="store_true",
                     help="also collect the distance profile, as calibrate does when it writes --stats")
+    ap.add_argument("--attention-budget", action="store_true",
+                    help="also collect the attention budget (window n_ref), as calibrate does when it writes --stats")
     args = ap.parse_args()
+    n_ref = args.n_ref or args.max_length // 4
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -111,7 +114,8 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     sequences = list(pack(args.corpus, drafter.tokenize, drafter.eos_token_id, args.max_length, limit=args.sequences))
     grid = log_grid(args.max_length)
-    collector = RowCollector(grid, chunk=args.chunk, distance_alphas=DISTANCE_ALPHAS if args.distance_profile else None)
+    collector = RowCollector(grid, chunk=args.chunk, distance_alphas=DISTANCE_ALPHAS if args.distance_profile else None,
+                             budget_window=n_ref if args.attention_budget else None)
     positions = torch.as_tensor(grid - 1)
 
     def plain(ids):
@@ -166,7 +170,6 @@ def main() -> None:
     stats.save("/tmp/sharpdraft-bench-stats.npz")
     save_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    n_ref = args.n_ref or args.max_length // 4
     fit = fit_slopes(stats, n_ref=n_ref, top_k=4)
     fit_s = time.perf_counter() - t0
 

@@ -13,6 +13,8 @@ statistics of ``sharpdraft_theory.stats.RowStats`` (theory.md section 6):
 
 ``distance_sums`` adds, summed over the chunk's rows, the background's distance profile of
 ``sharpdraft_theory.stats.DistanceStats`` (theory.md section 8); ``take()`` returns it with the rows.
+``budget_shares`` adds each row's attention budget (``sharpdraft_theory.stats.AttentionBudget``:
+mass on sink, local and far keys at alpha = 1) from the same shifted logits and ``S(1)``.
 
 ``row_stats_from_logits`` in ``sharpdraft_theory.stats`` is the float64 numpy version of the
 same reduction; the tests hold this one to it.
@@ -36,12 +38,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from sharpdraft_theory.stats import DEFAULT_ALPHA_GRID, DISTANCE_ALPHAS, DistanceStats, RowStats, distance_edges
+from sharpdraft_theory.stats import (DEFAULT_ALPHA_GRID, DEFAULT_SINKS, DISTANCE_ALPHAS, AttentionBudget, DistanceStats,
+                                     RowStats, distance_edges)
 
 from .errors import UserError
 
-__all__ = ["log_grid", "alpha_lattice", "AlphaLattice", "reduce_rows", "distance_sums", "Workspace", "RowCollector",
-           "DEFAULT_K_MAX", "DEFAULT_BUDGET"]
+__all__ = ["log_grid", "alpha_lattice", "AlphaLattice", "reduce_rows", "distance_sums", "budget_shares", "Workspace",
+           "RowCollector", "DEFAULT_K_MAX", "DEFAULT_BUDGET"]
 
 DEFAULT_K_MAX = 16  # top logits kept per row: any --top-k up to this can be fitted later
 DEFAULT_BUDGET = 1 << 19  # logits per chunk (2 MiB in fp32, about 4x that in temporaries); --chunk: rows
@@ -116,7 +119,8 @@ def alpha_lattice(alpha_grid, columns: int = 16) -> AlphaLattice:
 
 def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor, scaling: float, *,
                 k_max: int, alpha_grid, workspace: Workspace | None = None,
-                distance: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                distance: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_budget: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Statistics of the rows ``scaling * query @ key[:n].T`` for one chunk, in fp32.
 
     Parameters
@@ -138,6 +142,8 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
     distance : (edges, alphas), optional
         Also return ``distance_sums`` of the chunk under the key ``distance`` (every alpha on
         ``alpha_grid``).
+    attention_budget : (sinks, window), optional
+        Also return ``budget_shares`` of the rows under the key ``budget``.
 
     Returns
     -------
@@ -213,8 +219,13 @@ def reduce_rows(query: torch.Tensor, key: torch.Tensor, n_visible: torch.Tensor,
         values = lattice.values.to(device)
         at = (values[:, None] - torch.tensor(distance[1], dtype=values.dtype, device=device)).abs_().argmin(0)
         row_sums = lead.index_select(-1, at)  # (KVH, G, R, A): sum_j e^{a s_j}, float64
+    shares = None
+    if attention_budget is not None:  # S(1) is read before lead becomes ln S
+        shares = budget_shares(shifted, n_visible, lead[..., lattice.one], *attention_budget, workspace=ws)
     out = dict(top=top, lse=lead.log_().float() + peak * lattice.values.to(device), tilted_mean=tilted,
                mean=peak[..., 0] + mean_s, var=var.clamp_(min=0.0).float())
+    if shares is not None:
+        out["budget"] = shares
     if distance is None:
         return out
     return {**out, "distance": distance_sums(shifted, top_index, n_visible, row_sums, *distance)}
@@ -307,6 +318,52 @@ def distance_sums(shifted: torch.Tensor, top_index: torch.Tensor, n_visible: tor
                 rows=torch.full((kvh, group), float(rows), dtype=torch.float64, device=device))
 
 
+def budget_shares(shifted: torch.Tensor, n_visible: torch.Tensor, total: torch.Tensor, sinks: int, window: int, *,
+                  workspace: Workspace | None = None) -> torch.Tensor:
+    """Each row's attention budget at alpha = 1: mass shares on sink, local and far keys (``AttentionBudget``).
+
+    Parameters
+    ----------
+    shifted : Tensor, shape (kv_heads, group, rows, keys)
+        Logits minus each row's largest, ``s_j = z_j - t0 <= 0``; ``-inf`` where hidden (read only).
+    n_visible : LongTensor, shape (rows,)
+        Visible keys per row (the first ``n``).
+    total : Tensor, shape (kv_heads, group, rows)
+        ``S(1) = sum_j exp(s_j)`` over the visible keys (``reduce_rows``'s sum at alpha = 1).
+    sinks, window : int
+        ``S`` and ``W`` of the key sets (``sharpdraft_theory.stats`` module docstring).
+    workspace : Workspace, optional
+        Scratch buffers to reuse.
+
+    Returns
+    -------
+    Tensor, shape (kv_heads, group, rows, 3), fp32: shares on sink, local, far keys; each row sums to 1.
+
+    Notes
+    -----
+    Only the sinks and the last ``min(W, keys)`` positions of each row are read (a gather, then
+    one ``exp`` each, subnormals flushed on CPU as in ``distance_sums``): far mass is the rest,
+    ``S(1) - sink - local``, taken as 0 where the far set is empty (``n <= S + W``) and clamped
+    at 0 against round-off elsewhere. The three sums are divided by their own total, so the
+    shares sum to 1 to fp32 rounding. Cost: ``S + min(W, keys)`` exponentials per row against
+    ``reduce_rows``'s ``(P + Q) keys``.
+    """
+    ws = workspace if workspace is not None else Workspace()
+    kvh, group, rows, keys = shifted.shape
+    device = shifted.device
+    span = min(window, keys)
+    position = n_visible[:, None] - span + torch.arange(span, device=device)  # (R, span): each row's last keys
+    local_keys = position >= sinks  # not a sink (this also drops the positions < 0 of rows shorter than W)
+    with _flush_denormal(device):
+        near = torch.gather(shifted, -1, position.clamp(min=0).expand(kvh, group, rows, span),
+                            out=ws.take("budget", (kvh, group, rows, span), shifted.dtype, device))
+        local = near.exp_().masked_fill_(~local_keys, 0.0).sum(-1, dtype=torch.float64)  # (KVH, G, R)
+        sink = shifted[..., :sinks].exp().sum(-1, dtype=torch.float64)  # hidden sinks (n < S) are exp(-inf) = 0
+    far = torch.where(n_visible > sinks + window, total - sink - local, 0.0).clamp_(min=0.0)
+    parts = torch.stack([sink, local, far], -1)  # (KVH, G, R, 3)
+    return (parts / parts.sum(-1, keepdim=True)).float()
+
+
 @contextlib.contextmanager
 def _flush_denormal(device: torch.device):
     """On CPU, flush subnormal floats to zero inside the block (``torch.set_flush_denormal``), then stop.
@@ -371,10 +428,14 @@ class RowCollector:
     distance_alphas : array or None
         Query scales of the distance profile (``DistanceStats``; bins up to ``max(grid)``);
         None records none.
+    budget_window : int or None
+        W of the attention budget (``AttentionBudget``, with ``DEFAULT_SINKS`` sinks); None
+        records none.
     """
 
     def __init__(self, grid, *, k_max: int = DEFAULT_K_MAX, alpha_grid=DEFAULT_ALPHA_GRID,
-                 chunk: int | None = None, budget: int = DEFAULT_BUDGET, distance_alphas=DISTANCE_ALPHAS):
+                 chunk: int | None = None, budget: int = DEFAULT_BUDGET, distance_alphas=DISTANCE_ALPHAS,
+                 budget_window: int | None = None):
         self.grid = np.asarray(grid, dtype=np.int64)
         if self.grid.min() <= k_max:
             raise ValueError(f"every sampled n must exceed k_max={k_max}, got n={int(self.grid.min())}")
@@ -388,6 +449,7 @@ class RowCollector:
                 np.abs(self.alpha_grid[:, None] - self.distance_alphas).min(0).max() > 1e-6:
             raise ValueError("every distance alpha must lie on alpha_grid (reduce_rows reads its sums there)")
         self.edges = distance_edges(int(self.grid.max()))
+        self.attention_budget = None if budget_window is None else (DEFAULT_SINKS, int(budget_window))
         self._on_device: dict[torch.device, tuple[torch.Tensor, AlphaLattice]] = {}
         self._distance_t: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -430,7 +492,8 @@ class RowCollector:
                     for lo, hi in self._chunks(n_host, heads):
                         out = reduce_rows(q[:, :, keep[lo:hi]], key[b, :, :int(n_host[hi - 1])], n_rows[lo:hi],
                                           scaling, k_max=self.k_max, alpha_grid=lattice, workspace=workspace,
-                                          distance=self._distance_tensors(query.device))
+                                          distance=self._distance_tensors(query.device),
+                                          attention_budget=self.attention_budget)
                         self._add_profile(layer_idx, b, out.pop("distance", None), heads)
                         self._store(layer_idx, b, n_rows[lo:hi], out, heads)
 
@@ -452,7 +515,11 @@ class RowCollector:
                                 "try --dtype float32")
             host.append(flat)
         cat = {k: np.concatenate([p[k] for p in host]) for k in host[0]}
-        return RowStats(alpha_grid=self.alpha_grid, distance=self._take_profile(), **cat)
+        budget = None
+        if self.attention_budget is not None:
+            sinks, window = self.attention_budget
+            budget = AttentionBudget(sinks=sinks, window=window, share=cat.pop("budget"))
+        return RowStats(alpha_grid=self.alpha_grid, distance=self._take_profile(), budget=budget, **cat)
 
     # -- internals ---------------------------------------------------------------------------
     def _device_tensors(self, device: torch.device) -> tuple[torch.Tensor, AlphaLattice]:

@@ -61,7 +61,9 @@ import torch
 
 from sharpdraft_runtime import causal_mask
 from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory.bootstrap import RESAMPLES, paired_bootstrap
 from sharpdraft_theory.mass import topk_mass
+from sharpdraft_theory.stats import DEFAULT_SINKS
 
 from .corpus import pack
 from .drafters import drafter_kind
@@ -72,8 +74,6 @@ __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_SINKS", "default_spec", "var
 
 VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", "reference")  # every variant eval knows
 DEFAULT_VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks")  # reference joins when a reference head is given
-DEFAULT_SINKS = 4  # StreamingLLM keeps 4 sink tokens
-RESAMPLES = 2000  # bootstrap resamples of the sequences
 MAX_LENGTH = 8192  # the longest bucket edge eval accepts
 
 
@@ -136,47 +136,6 @@ def bucket_edges(lengths: list[int]) -> np.ndarray:
         raise UserError(f"--lengths {','.join(map(str, lengths))}: give context lengths from 2 to {MAX_LENGTH}, "
                         "e.g. 256,512,1024,2048")
     return np.asarray(edges)
-
-
-def paired_bootstrap(numerator: np.ndarray, denominator: np.ndarray | None = None, *, resamples: int = RESAMPLES,
-                     seed: int = 0) -> list[float] | None:
-    """``[mean, lo, hi]`` of ``sum(numerator) / sum(denominator)`` with a 95% bootstrap over sequences.
-
-    Parameters
-    ----------
-    numerator : array of shape (sequences,)
-        Per sequence: a paired difference (hits of a variant minus hits of ``none`` on the same
-        rows), or a value.
-    denominator : array of shape (sequences,), optional
-        Per sequence: rows (default: 1 each, so the statistic is the mean over sequences).
-
-    Returns
-    -------
-    [mean, lo, hi] or None
-        ``lo``, ``hi``: 2.5% and 97.5% percentiles of the statistic over ``resamples`` resamples
-        of the sequences with replacement (the same resamples for every call with the same
-        number of sequences and ``seed``, so intervals of different variants are paired too).
-        None when the denominator is 0. With one sequence there is nothing to resample, so ``lo``
-        and ``hi`` are None (a zero-width interval would claim a certainty one sequence cannot give).
-
-    Examples
-    --------
-    >>> paired_bootstrap(np.array([1.0, 1.0, 1.0]))
-    [1.0, 1.0, 1.0]
-    >>> paired_bootstrap(np.array([3.0]), np.array([4.0]))
-    [0.75, None, None]
-    """
-    numerator = np.asarray(numerator, dtype=np.float64)
-    denominator = np.ones_like(numerator) if denominator is None else np.asarray(denominator, dtype=np.float64)
-    if denominator.sum() == 0:
-        return None
-    if len(numerator) < 2:
-        return [float(numerator.sum() / denominator.sum()), None, None]
-    picks = np.random.default_rng(seed).integers(0, len(numerator), size=(resamples, len(numerator)))  # (R, S)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        stats = numerator[picks].sum(1) / denominator[picks].sum(1)  # (R,), nan where a resample has no rows
-    lo, hi = np.nanpercentile(stats, [2.5, 97.5])
-    return [float(numerator.sum() / denominator.sum()), float(lo), float(hi)]
 
 
 class MassMeter:

@@ -253,14 +253,21 @@ def fit_files(paths: list[Path], **overrides) -> tuple[ScaleSpec, SlopeFit, RowS
     settings = FitSettings(**chosen)
     check_fit_options(top_k=settings.top_k, granularity=settings.granularity, estimator=settings.estimator,
                       alpha_max=settings.alpha_max, law=settings.law, max_n=settings.max_n, n_ref=settings.n_ref)
-    stats = RowStats.concat([s for _, s, _, _ in files], separate_runs=True)  # each file's sequences its own
+    budgets = {(s.budget.sinks, s.budget.window) for _, s, _, _ in files if s.budget is not None}
+    parts = [s if len(budgets) < 2 else replace(s, budget=None) for _, s, _, _ in files]
+    stats = RowStats.concat(parts, separate_runs=True)  # each file's sequences its own
     collection = replace(first_collection, corpus=" + ".join(corpora),
                          sequences=sum(c.sequences for _, _, c, _ in files))
     spec, fit, notes = fit_spec(stats, collection, settings)
-    bare = [str(path) for path, s, _, _ in files if s.distance is None]
-    if bare and len(bare) < len(files):
-        notes.append(f"{', '.join(bare)} hold{'s' if len(bare) == 1 else ''} no distance statistics: the joined rows "
-                     "carry none (recollect that file to keep them)")
+    for what, bare in (("distance statistics", [str(path) for path, s, _, _ in files if s.distance is None]),
+                       ("attention budget", [str(path) for path, s, _, _ in files if s.budget is None])):
+        if bare and len(bare) < len(files):
+            notes.append(f"{', '.join(bare)} hold{'s' if len(bare) == 1 else ''} no {what}: the joined rows "
+                         "carry none (recollect that file to keep them)")
+    if len(budgets) > 1:
+        shown = ", ".join(f"{sinks} sinks and {window} keys" for sinks, window in sorted(budgets))
+        notes.append(f"the files' attention budgets were taken with different sinks and windows ({shown}; the window "
+                     "is the n_ref of each calibration): the joined rows carry none")
     return spec, fit, stats, notes
 
 

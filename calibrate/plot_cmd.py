@@ -27,8 +27,8 @@ def plot(
         = None,
     bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples of sequences for the intervals.")] = 200,
 ):
-    """Write the standard figures: dilution curves, alpha versus n, per-head slope heatmap."""
-    from .plots import STANDARD_FIGURES, write_standard_figures
+    """Write the standard figures: dilution curves, alpha versus n, per-head slope heatmap, attention budget."""
+    from .plots import BUDGET_FIGURE, STANDARD_FIGURES, write_standard_figures
     from .preflight import check_outputs, local_inputs
 
     if stats.is_dir():
@@ -41,10 +41,12 @@ def plot(
         raise UserError(f"--bootstrap {bootstrap}: expected 0 (no intervals) to {MAX_BOOTSTRAP}")
     inputs = local_inputs(stats=stats)
     check_outputs({"--out": out}, inputs, folders=("--out",))
-    check_outputs({f"--out ({name})": out / name for name in STANDARD_FIGURES}, inputs)
+    check_outputs({f"--out ({name})": out / name for name in (*STANDARD_FIGURES, BUDGET_FIGURE)}, inputs)
     try:
-        paths = write_standard_figures(stats, out, n_ref=n_ref, top_k=top_k, bootstrap=bootstrap)
+        paths, notes = write_standard_figures(stats, out, n_ref=n_ref, top_k=top_k, bootstrap=bootstrap)
     except OSError as err:
         raise UserError(f"cannot write {err.filename or out}: {err.strerror}") from None
     for path in paths:
         typer.echo(f"wrote {path}")
+    for note in notes:
+        typer.echo(f"note: {note}")

@@ -23,7 +23,8 @@ rerun with ``resume=True`` (``--resume``) checks the parameters match, keeps the
 and collects the rest; since sequences and their order are fixed, the spec equals that of one
 uninterrupted run, whatever the world size of either. The folder is removed once the spec is
 written. The fit's own parameters (``n_ref``, ``top_k``, granularity, estimator) may change
-between the killed run and the resumed one.
+between the killed run and the resumed one, except ``n_ref`` for a run that writes statistics:
+there it is also the window of the attention budget its saved sequences hold.
 """
 
 from __future__ import annotations
@@ -187,7 +188,9 @@ def _prepare(opts: CalibrateOptions, folder: Path, device, dtype, drafter) -> _S
               "k_max": k_max, "grid": grid.tolist(), "alpha_grid": DEFAULT_ALPHA_GRID.tolist(),
               # the distance profile (predict --stats) is only kept in a statistics file, so it is only
               # collected for one: the spec never reads it, and it costs about a tenth of the collection
-              "distance_profile": opts.stats is not None}
+              "distance_profile": opts.stats is not None,
+              # so is the attention budget (plot's budget.png), its window the last n_ref keys
+              "budget_window": n_ref if opts.stats is not None else None}
     sequences = list(pack(opts.corpus, drafter.tokenize, drafter.eos_token_id, max_length, limit=opts.sequences))
     if len(sequences) < opts.sequences:
         notes.append(f"the corpus holds only {len(sequences)} sequences of {max_length} tokens "
@@ -210,7 +213,8 @@ def _collect(opts: CalibrateOptions, setup: _Setup, mine: list[int], folder: Pat
              progress: Progress | None) -> _Shard:
     """Collect (or load, when saved) the sequences ``mine``, saving each as soon as it is done."""
     collector = RowCollector(setup.grid, k_max=setup.k_max, alpha_grid=DEFAULT_ALPHA_GRID, chunk=opts.chunk,
-                             distance_alphas=DISTANCE_ALPHAS if setup.params["distance_profile"] else None)
+                             distance_alphas=DISTANCE_ALPHAS if setup.params["distance_profile"] else None,
+                             budget_window=setup.params["budget_window"])
     positions = torch.as_tensor(setup.grid - 1)
     shard = _Shard(parts={}, seconds=0.0, tokens=0, resumed=0)
     saved = {i: folder / f"seq-{i:05d}.npz" for i in mine}

@@ -15,6 +15,7 @@ lse             (rows, n_alpha)      ``LSE_j(a z_j)`` over all visible keys, for
 tilted_mean     (rows,)              ``sum z e^z / sum e^z`` over all keys (a = 1)
 mean, var       (rows,)              plain mean and population variance of all visible logits
 distance        (per sequence)       optional ``DistanceStats``: the background's distance profile
+budget          (rows, 3)            optional ``AttentionBudget``: mass on sink, local, far keys
 ==============  ===================  ==========================================================
 
 From these, the top-k mass ``M_k(a)`` is exact for every ``k <= k_max`` and grid ``a``::
@@ -41,6 +42,20 @@ rows            (S, L, H)            rows summed
 
 Background keys are all but the sink (position 0) and the row's ``k_max`` largest logits. Sums
 of weights ``<= 1``, aggregated over rows, keep the memory independent of the row count.
+
+``AttentionBudget`` says where each row's attention goes at alpha = 1 (the unscaled attention),
+one entry per row of the ``RowStats`` it belongs to. With ``p_j = e^{z_j} / sum_i e^{z_i}`` over a
+row's visible keys ``j = 0 .. n - 1``, ``S`` sinks and a window of ``W`` keys, the three disjoint
+sets, sinks first, then the window, the rest far, are::
+
+    sink   j < S                       the sequence's first keys (StreamingLLM's attention sinks)
+    local  max(S, n - W) <= j < n      the last W visible keys that are not sinks
+    far    S <= j < n - W              everything else (empty while n <= S + W)
+
+and ``share = (sum_sink p, sum_local p, sum_far p)`` sums to 1. A row of ``n <= S`` keys is all
+sink. Mass draining from the top set into a growing far set is dilution (query scaling counters
+it); mass drifting away from the sinks and the window is drift (a sliding window with sinks
+counters it).
 """
 
 from __future__ import annotations
@@ -54,8 +69,8 @@ from scipy.special import logsumexp
 
 from .atomic import atomic_path
 
-__all__ = ["RowStats", "DistanceStats", "row_stats_from_logits", "distance_edges", "DEFAULT_ALPHA_GRID",
-           "DISTANCE_ALPHAS"]
+__all__ = ["RowStats", "DistanceStats", "AttentionBudget", "row_stats_from_logits", "budget_from_logits",
+           "distance_edges", "DEFAULT_ALPHA_GRID", "DISTANCE_ALPHAS", "DEFAULT_SINKS", "BUDGET_PARTS"]
 
 #: Background mass share below which float32 statistics cannot resolve the background's tilted mean.
 UNRESOLVED_SHARE = 1e-3
@@ -66,6 +81,13 @@ DEFAULT_ALPHA_GRID = np.round(np.concatenate([np.arange(0.5, 2.0, 0.025), np.ara
 
 #: Query scales at which calibration records the distance profile: a subset of the default grid.
 DISTANCE_ALPHAS = np.array([0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0])
+
+
+#: Sink keys: the first 4 of the sequence, as StreamingLLM keeps (the budget's sinks, eval's sinks baseline).
+DEFAULT_SINKS = 4
+
+#: The attention budget's key sets, in the order of ``AttentionBudget.share``'s columns.
+BUDGET_PARTS = ("sink", "local", "far")
 
 
 def distance_edges(max_length: int, per_octave: int = 4) -> np.ndarray:
@@ -135,6 +157,43 @@ class DistanceStats:
 
 
 @dataclass(frozen=True, eq=False)
+class AttentionBudget:
+    """Each row's attention mass on sink, local and far keys at alpha = 1: see the module docstring."""
+
+    sinks: int  # S: the sequence's first S keys are the sinks
+    window: int  # W: the last W visible keys are local (calibration takes n_ref)
+    share: np.ndarray  # (rows, 3) mass shares on the sets of BUDGET_PARTS; each row sums to 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "sinks", int(self.sinks))
+        object.__setattr__(self, "window", int(self.window))
+        object.__setattr__(self, "share", np.asarray(self.share))
+        if self.sinks < 0 or self.window < 1:
+            raise ValueError(f"AttentionBudget: sinks must be >= 0 and window >= 1, got {self.sinks} and {self.window}")
+        if self.share.ndim != 2 or self.share.shape[1] != len(BUDGET_PARTS) or not np.all(np.isfinite(self.share)):
+            raise ValueError(f"AttentionBudget.share must be finite, (rows, {len(BUDGET_PARTS)}), "
+                             f"got shape {self.share.shape}")
+
+    @property
+    def rows(self) -> int:
+        return int(self.share.shape[0])
+
+    def select(self, mask) -> "AttentionBudget":
+        """The rows where ``mask`` is True (or at the given indices)."""
+        return AttentionBudget(sinks=self.sinks, window=self.window, share=self.share[mask])
+
+    @classmethod
+    def concat(cls, parts: list["AttentionBudget"]) -> "AttentionBudget":
+        """Join the rows of parts taken with the same sinks and window."""
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.sinks, p.window) != (first.sinks, first.window):
+                raise ValueError(f"attention budgets to join were taken with different sinks and windows "
+                                 f"({first.sinks}, {first.window} and {p.sinks}, {p.window})")
+        return cls(sinks=first.sinks, window=first.window, share=np.concatenate([p.share for p in parts]))
+
+
+@dataclass(frozen=True, eq=False)
 class RowStats:
     n: np.ndarray
     layer: np.ndarray
@@ -147,12 +206,15 @@ class RowStats:
     mean: np.ndarray
     var: np.ndarray
     distance: DistanceStats | None = None  # per-sequence distance profile (kept whole by ``select``)
+    budget: AttentionBudget | None = None  # per-row sink / local / far mass shares (selected with the rows)
 
     def __post_init__(self):
         object.__setattr__(self, "_log_top_cache", {})
         rows = np.shape(self.n)[0] if np.ndim(self.n) else -1
         if self.distance is not None and not isinstance(self.distance, DistanceStats):
             raise ValueError("RowStats.distance must be DistanceStats or None")
+        if self.budget is not None and (not isinstance(self.budget, AttentionBudget) or self.budget.rows != rows):
+            raise ValueError(f"RowStats.budget must be an AttentionBudget of {rows} rows or None")
         for f in _row_fields():
             value = np.asarray(getattr(self, f.name))
             object.__setattr__(self, f.name, value)
@@ -181,7 +243,7 @@ class RowStats:
 
     def select(self, mask) -> "RowStats":
         """The rows where ``mask`` is True (or at the given indices); ``distance`` is kept whole."""
-        return RowStats(distance=self.distance,
+        return RowStats(distance=self.distance, budget=None if self.budget is None else self.budget.select(mask),
                         **{f.name: getattr(self, f.name) if f.name == "alpha_grid" else getattr(self, f.name)[mask]
                            for f in _row_fields()})
 
@@ -251,8 +313,10 @@ class RowStats:
         """Write the statistics (and string metadata) atomically as ``.npz``."""
         dist = {} if self.distance is None else {f"distance_{f.name}": getattr(self.distance, f.name)
                                                  for f in fields(DistanceStats)}
+        budget = {} if self.budget is None else {f"budget_{f.name}": getattr(self.budget, f.name)
+                                                 for f in fields(AttentionBudget)}
         with atomic_path(path, suffix=".npz") as tmp:
-            np.savez_compressed(tmp, **{f.name: getattr(self, f.name) for f in _row_fields()}, **dist,
+            np.savez_compressed(tmp, **{f.name: getattr(self, f.name) for f in _row_fields()}, **dist, **budget,
                                 **{f"meta_{k}": np.asarray(str(v)) for k, v in meta.items()})
 
     @classmethod
@@ -270,7 +334,10 @@ class RowStats:
                 distance = None
                 if "distance_weight" in data.files:
                     distance = DistanceStats(**{f.name: data[f"distance_{f.name}"] for f in fields(DistanceStats)})
-                stats = cls(distance=distance, **{f.name: data[f.name] for f in _row_fields()})
+                budget = None  # files written before the budget was collected hold none
+                if "budget_share" in data.files:
+                    budget = AttentionBudget(**{f.name: data[f"budget_{f.name}"] for f in fields(AttentionBudget)})
+                stats = cls(distance=distance, budget=budget, **{f.name: data[f.name] for f in _row_fields()})
                 meta = {k[5:]: str(data[k]) for k in data.files if k.startswith("meta_")}
         except KeyError as err:
             raise ValueError(f"{where} cannot be read: {err.args[0]}") from None
@@ -327,12 +394,15 @@ class RowStats:
         if with_distance:  # each part's profile moves with its rows' ids (parts without one: no profile)
             distance = DistanceStats.concat([p.distance for p in parts],
                                             [p.distance.seq + d for p, d in zip(parts, shifts)])
-        return cls(alpha_grid=grid, seq=np.concatenate(seqs), distance=distance, **joined)
+        budget = None
+        if all(p.budget is not None for p in parts):  # as the rows (parts without one: no budget)
+            budget = AttentionBudget.concat([p.budget for p in parts])
+        return cls(alpha_grid=grid, seq=np.concatenate(seqs), distance=distance, budget=budget, **joined)
 
 
 def _row_fields():
-    """RowStats' per-row fields and ``alpha_grid`` (everything but ``distance``)."""
-    return [f for f in fields(RowStats) if f.name != "distance"]
+    """RowStats' plain array fields: the per-row ones and ``alpha_grid`` (not ``distance``, ``budget``)."""
+    return [f for f in fields(RowStats) if f.name not in ("distance", "budget")]
 
 
 def _check_rows_distinct(parts: list[RowStats]) -> None:
@@ -352,14 +422,40 @@ def _check_rows_distinct(parts: list[RowStats]) -> None:
                          f"n {n}): parts of separate runs share sequence ids; join them with separate_runs=True")
 
 
+def budget_from_logits(logits, *, window: int, sinks: int = DEFAULT_SINKS) -> np.ndarray:
+    """Attention budget of whole rows (float64 reference): ``(rows, 3)`` shares on sink, local, far keys.
+
+    Each row's visible keys are its first ``n`` (``-inf`` after them); the key sets are the module
+    docstring's, with ``S = sinks`` and ``W = window``.
+
+    Examples
+    --------
+    >>> budget_from_logits([[0.0] * 8, [0.0] * 2 + [-np.inf] * 6], window=2, sinks=2).tolist()
+    [[0.25, 0.25, 0.5], [1.0, 0.0, 0.0]]
+    """
+    z = np.atleast_2d(np.asarray(logits, dtype=np.float64))  # (rows, keys)
+    finite = np.isfinite(z)
+    n = finite.sum(axis=1)  # (rows,)
+    j = np.arange(z.shape[1])
+    if np.any(n < 1) or np.any(finite != (j[None, :] < n[:, None])):
+        raise ValueError("the budget needs each row's visible keys first, at least one per row")
+    p = np.exp(z - z.max(axis=1, keepdims=True))  # (rows, keys); 0 where not visible
+    p /= p.sum(axis=1, keepdims=True)
+    sink = j[None, :] < sinks
+    local = ~sink & (j[None, :] >= n[:, None] - window)
+    return np.stack([np.where(part, p, 0.0).sum(axis=1) for part in (sink, local, ~sink & ~local)], axis=1)
+
+
 def row_stats_from_logits(logits, *, k_max: int, alpha_grid=DEFAULT_ALPHA_GRID, layer=0, head=0, seq=0,
-                          edges=None, distance_alphas=DISTANCE_ALPHAS) -> RowStats:
+                          edges=None, distance_alphas=DISTANCE_ALPHAS, window: int | None = None,
+                          sinks: int = DEFAULT_SINKS) -> RowStats:
     """Reference (float64, numpy) reduction of whole rows to statistics; ``-inf`` = not visible.
 
     Calibration computes the same quantities in torch chunk by chunk; this is the plain-math
     version its tests compare against, and the way to build statistics for synthetic rows.
     With ``edges`` (``distance_edges``) it also records the distance profile at
-    ``distance_alphas``; visible keys must then be each row's first ``n``.
+    ``distance_alphas``; with ``window`` the attention budget (``budget_from_logits``, ``sinks``
+    sinks). Visible keys must then be each row's first ``n``.
     """
     z = np.atleast_2d(np.asarray(logits, dtype=np.float64))  # (rows, n)
     rows = z.shape[0]
@@ -382,8 +478,10 @@ def row_stats_from_logits(logits, *, k_max: int, alpha_grid=DEFAULT_ALPHA_GRID, 
     distance = None if edges is None else _distance_reference(z, finite, k_max, np.asarray(edges),
                                                              np.asarray(distance_alphas, dtype=np.float64),
                                                              layer, head, seq)
+    budget = None if window is None else AttentionBudget(sinks=sinks, window=window,
+                                                         share=budget_from_logits(z, window=window, sinks=sinks))
     return RowStats(n=n, layer=layer, head=head, seq=seq, top=top, alpha_grid=grid, lse=lse,
-                    tilted_mean=np.sum(w * zf, axis=1), mean=mean, var=var, distance=distance)
+                    tilted_mean=np.sum(w * zf, axis=1), mean=mean, var=var, distance=distance, budget=budget)
 
 
 def _distance_reference(z, finite, k_max, edges, alphas, layer, head, seq) -> DistanceStats:

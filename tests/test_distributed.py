@@ -64,7 +64,8 @@ def test_two_ranks_write_the_spec_of_one_process(pard, one_process, tmp_path):
         assert sorted(two.files) == sorted(one.files)
         for name in one.files:
             assert np.array_equal(two[name], one[name]), name
-        # the distance profile travels with the rows: every sequence once, in order, with its sums
+        # the distance profile and the attention budget travel with the rows: every sequence once, in order
+        assert one["budget_share"].shape == (one["n"].size, 3) and one["budget_window"] == 64
         assert one["distance_seq"].tolist() == list(range(SEQUENCES)) and one["distance_weight"].any()
     assert stdout.count("Calibrating pard drafter") == 1  # rank 1 is quiet
     assert stdout.count(f"from {SEQUENCES} sequences on 2 processes") == 1

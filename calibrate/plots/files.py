@@ -25,13 +25,17 @@ from sharpdraft_theory.stats import RowStats
 
 from ..errors import UserError
 from ..preflight import load_stats_file
+from .budget import budget_curve, budget_figure
 from .measured import alpha_figure, measured_dilution_figure, slope_heatmap_figure
 from .style import save_figure
 
-__all__ = ["STANDARD_FIGURES", "load_stats", "describe_stats", "write_standard_figures"]
+__all__ = ["STANDARD_FIGURES", "BUDGET_FIGURE", "load_stats", "describe_stats", "write_standard_figures"]
 
 #: File names ``sharpdraft plot`` writes, in order.
 STANDARD_FIGURES = ("dilution.png", "alpha.png", "slope_heatmap.png")
+
+#: The attention budget's figure, written after them when the file holds the budget.
+BUDGET_FIGURE = "budget.png"
 
 DEFAULT_TOP_K = 4  # calibration's default --top-k, for files that do not store theirs
 _DESCRIBED = ("drafter", "drafter_path", "corpus", "sequences", "max_length", "dtype", "granularity", "estimator",
@@ -92,10 +96,13 @@ def _title(path: str | os.PathLike, meta: dict) -> str:
 
 
 def write_standard_figures(stats_path: str | os.PathLike, out: str | os.PathLike, *, n_ref: int | None = None,
-                           top_k: int | None = None, bootstrap: int = 200, seed: int = 0) -> list[Path]:
-    """Write ``STANDARD_FIGURES`` (dilution curves, alpha versus n, slope heatmap) for one file.
+                           top_k: int | None = None, bootstrap: int = 200,
+                           seed: int = 0) -> tuple[list[Path], list[str]]:
+    """Write ``STANDARD_FIGURES`` (dilution curves, alpha versus n, slope heatmap) and ``BUDGET_FIGURE``.
 
-    ``n_ref`` and ``top_k`` override the values stored in the file (``load_stats``).
+    ``n_ref`` and ``top_k`` override the values stored in the file (``load_stats``). Returns the
+    paths written and notes for the user: a file without an attention budget (written before
+    calibration collected one) gets no ``BUDGET_FIGURE``, and a note saying so.
     """
     stats, meta, n_ref, top_k = load_stats(stats_path, n_ref=n_ref, top_k=top_k)
     title = _title(stats_path, meta)
@@ -107,4 +114,9 @@ def write_standard_figures(stats_path: str | os.PathLike, out: str | os.PathLike
     figures = (measured_dilution_figure(stats, fit, n_ref=n_ref, top_k=top_k, title=title),
                alpha_figure(fit, n_ref=n_ref, title=title),
                slope_heatmap_figure(fit, title=title))
-    return [save_figure(fig, out / name) for fig, name in zip(figures, STANDARD_FIGURES)]
+    paths = [save_figure(fig, out / name) for fig, name in zip(figures, STANDARD_FIGURES)]
+    if stats.budget is None:
+        return paths, [f"{Path(stats_path).name} holds no attention budget (written before calibration collected "
+                       f"it): {BUDGET_FIGURE} skipped; `sharpdraft calibrate --stats` records it"]
+    curve = budget_curve(stats, bootstrap=bootstrap, seed=seed)
+    return paths + [save_figure(budget_figure(curve, title=title), out / BUDGET_FIGURE)], []

@@ -1,0 +1,57 @@
+"""Intervals by bootstrap over sequences: the unit of every interval (rows of one sequence are not independent).
+
+``paired_bootstrap`` is the mean of per-sequence sums with its 95% percentile interval; ``sharpdraft
+eval`` reads its deltas with it, ``sharpdraft plot`` its budget band.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["RESAMPLES", "paired_bootstrap"]
+
+RESAMPLES = 2000  # bootstrap resamples of the sequences
+
+
+def paired_bootstrap(numerator: np.ndarray, denominator: np.ndarray | None = None, *, resamples: int = RESAMPLES,
+                     seed: int = 0) -> list[float] | None:
+    """``[mean, lo, hi]`` of ``sum(numerator) / sum(denominator)`` with a 95% bootstrap over sequences.
+
+    Parameters
+    ----------
+    numerator : array of shape (sequences,)
+        Per sequence: a paired difference (hits of a variant minus hits of ``none`` on the same
+        rows), or a value.
+    denominator : array of shape (sequences,), optional
+        Per sequence: rows (default: 1 each, so the statistic is the mean over sequences).
+    resamples : int
+        Resamples of the sequences (0: no interval).
+
+    Returns
+    -------
+    [mean, lo, hi] or None
+        ``lo``, ``hi``: 2.5% and 97.5% percentiles of the statistic over ``resamples`` resamples
+        of the sequences with replacement (the same resamples for every call with the same
+        number of sequences and ``seed``, so intervals of different variants are paired too).
+        None when the denominator is 0. With one sequence there is nothing to resample, so ``lo``
+        and ``hi`` are None (a zero-width interval would claim a certainty one sequence cannot give);
+        so they are with no resamples.
+
+    Examples
+    --------
+    >>> paired_bootstrap(np.array([1.0, 1.0, 1.0]))
+    [1.0, 1.0, 1.0]
+    >>> paired_bootstrap(np.array([3.0]), np.array([4.0]))
+    [0.75, None, None]
+    """
+    numerator = np.asarray(numerator, dtype=np.float64)
+    denominator = np.ones_like(numerator) if denominator is None else np.asarray(denominator, dtype=np.float64)
+    if denominator.sum() == 0:
+        return None
+    if len(numerator) < 2 or resamples < 1:
+        return [float(numerator.sum() / denominator.sum()), None, None]
+    picks = np.random.default_rng(seed).integers(0, len(numerator), size=(resamples, len(numerator)))  # (R, S)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        stats = numerator[picks].sum(1) / denominator[picks].sum(1)  # (R,), nan where a resample has no rows
+    lo, hi = np.nanpercentile(stats, [2.5, 97.5])
+    return [float(numerator.sum() / denominator.sum()), float(lo), float(hi)]
