@@ -134,3 +134,24 @@ def test_fit_spec_records_the_extrapolation_and_inspect_reads_it(stats, tmp_path
     assert bare.table.extrapolation == FIXED_SLOPE
     assert any("no distance profile" in note for note in bare_notes), bare_notes
     assert bare.table.n == spec.table.n and bare.table.alpha != spec.table.alpha
+
+
+def test_measured_heads_whose_model_falls_hold_their_last_value():
+    """SmolLM2-135M's 270 heads (the distance notebook's calibration file): where the model's a*(n)
+    falls below the knot before it the table holds that knot's value, elsewhere it is the model's."""
+    stats, _ = RowStats.load(ROOT / "notebooks" / "data" / "smollm2_distance_2048.npz")
+    fit = fit_slopes(stats, n_ref=256, top_k=TOP_K, granularity="head", bootstrap=0)
+    model = fit_distance(stats, n_ref=256, top_k=TOP_K)
+    table, _, out_of_reach = tabulate(fit, n_ref=256, max_n=16384, distance=model)
+    m = table.measured
+    values = np.asarray(table.alpha)  # (layers, heads, knots)
+    exact = np.moveaxis(model.alpha_at(table.n[m:], "head"), 0, -1)  # (layers, heads, extrapolated knots)
+    before = values[..., m - 1 : -1]  # each extrapolated knot's predecessor in the table
+    assert out_of_reach == np.count_nonzero(~np.isfinite(exact))
+    rises, falls = np.isfinite(exact) & (exact >= before), np.isfinite(exact) & (exact < before)
+    assert np.count_nonzero(falls) > 10  # the model does fall in real heads: holding is needed
+    np.testing.assert_array_equal(values[..., m:][rises], exact[rises])
+    np.testing.assert_array_equal(values[..., m:][falls], before[falls])
+    assert np.all(np.diff(values[..., m - 1 :], axis=-1) >= 0)
+    spec = ScaleSpec(law="tabulated", n_ref=256, slope=None, top_k=TOP_K, granularity="head", table=table)
+    jsonschema.validate(spec.to_dict(), json.loads(schema_path().read_text()))
