@@ -1,6 +1,6 @@
 """Distance-profile score model: a background whose logits depend on the query-key distance.
 
-Real attention rows are not i.i.d. (theory.md section 8): the logit of a key depends on its
+Real attention rows are not i.i.d. (theory.md section 7): the logit of a key depends on its
 distance ``d`` to the query, and the first key is a sink. This module predicts the top-k mass at
 lengths past the calibrated ones, and the exact correction ``a*(n)``, from such a profile.
 
