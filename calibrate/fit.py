@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from sharpdraft_theory import __version__
+from sharpdraft_theory.distance import DistanceFit, fit_distance
 from sharpdraft_theory.estimators import ESTIMATORS, SlopeFit, fit_slopes
 from sharpdraft_theory.laws import MAX_N, alpha_law
 from sharpdraft_theory.spec import GRANULARITIES, Calibration, DrafterInfo, ScaleSpec
@@ -121,7 +122,8 @@ def fit_spec(stats: RowStats, collection: Collection,
     ``UserError`` when no slope (or table) can be fitted. Log-linear: the chosen estimator's
     slope, negative ones (the mass did not dilute) written as 0 since the spec's contract keeps
     alpha positive at every n. Tabulated: mass matching's alpha per bucket, extrapolated to
-    ``max_n`` (``sharpdraft_theory.tabulate``). The notes say what was changed, and warn about
+    ``max_n`` (``sharpdraft_theory.tabulate``) by the distance model when ``stats`` hold a
+    distance profile, else by the fixed slope. The notes say what was changed, and warn about
     implausible fits (``plausibility_notes``).
     """
     try:
@@ -141,13 +143,21 @@ def fit_spec(stats: RowStats, collection: Collection,
                               max_length=collection.max_length, rows=stats.rows, buckets=fit.buckets,
                               results=fit.results, tool_version=__version__)
     if settings.law == "tabulated":
+        distance, without = _distance_models(stats, settings)
         try:
-            table, filled = tabulate(fit, n_ref=settings.n_ref, max_n=settings.max_n or MAX_N_PER_N_REF * settings.n_ref)
+            table, filled, out_of_reach = tabulate(fit, n_ref=settings.n_ref, distance=distance,
+                                                   max_n=settings.max_n or MAX_N_PER_N_REF * settings.n_ref)
         except ValueError as err:
             raise UserError(f"cannot tabulate alpha: {err}") from None
+        if without and table.extrapolation:
+            notes.append(f"{without}: knots past the calibrated lengths take the fixed slope")
         if filled:
             notes.append(f"{filled} {settings.granularity} values of the table were out of the alpha grid's reach "
                          "(or had no rows) and took the global bucket's alpha")
+        if out_of_reach:
+            notes.append(f"{out_of_reach} extrapolated {settings.granularity} values were out of the distance "
+                         "model's reach (the reference mass is not crossed on its alpha grid) and took the "
+                         "fixed slope's")
         law = dict(slope=None, table=table)
     else:
         if np.any(slope < 0):  # the spec's contract (alpha > 0 for every n) allows no negative log-linear slope
@@ -158,6 +168,16 @@ def fit_spec(stats: RowStats, collection: Collection,
     spec = ScaleSpec(law=settings.law, n_ref=settings.n_ref, top_k=settings.top_k, granularity=settings.granularity,
                      alpha_max=settings.alpha_max, drafter=collection.drafter_info, calibration=calibration, **law)
     return spec, fit, notes + plausibility_notes(spec, fit)
+
+
+def _distance_models(stats: RowStats, settings: FitSettings) -> tuple[DistanceFit | None, str | None]:
+    """The distance models a tabulated law extrapolates with, or None and why not (then the fixed slope does)."""
+    if stats.distance is None:
+        return None, "these rows hold no distance profile (calibrate --stats collects one)"
+    try:
+        return fit_distance(stats, n_ref=settings.n_ref, top_k=settings.top_k), None
+    except ValueError as err:
+        return None, f"the distance profile cannot be fitted ({err})"
 
 
 def plausibility_notes(spec: ScaleSpec, fit: SlopeFit) -> list[str]:

@@ -187,7 +187,8 @@ def _prepare(opts: CalibrateOptions, folder: Path, device, dtype, drafter) -> _S
               "corpus": opts.corpus, "max_length": max_length, "dtype": str(dtype).removeprefix("torch."),
               "k_max": k_max, "grid": grid.tolist(), "alpha_grid": DEFAULT_ALPHA_GRID.tolist(),
               # the distance profile (predict --stats) is only kept in a statistics file, so it is only
-              # collected for one: the spec never reads it, and it costs about a tenth of the collection
+              # collected for one (it costs about a tenth of the collection); a tabulated spec reads it
+              # to extrapolate its knots, and takes the fixed slope without it
               "distance_profile": opts.stats is not None,
               # so is the attention budget (plot's budget.png), its window the last n_ref keys
               "budget_window": n_ref if opts.stats is not None else None}

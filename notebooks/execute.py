@@ -20,7 +20,7 @@ import nbformat
 from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
-NOTEBOOKS = ("mass_dilution.ipynb", "calibration_report.ipynb")
+NOTEBOOKS = ("mass_dilution.ipynb", "calibration_report.ipynb", "distance_model.ipynb")
 SMALL_ENV = "SHARPDRAFT_NB_SMALL"  # "1": fewer Monte Carlo rows, shorter n, fewer bootstrap draws
 
 

@@ -1,6 +1,6 @@
 """Distance-profile score model: a background whose logits depend on the query-key distance.
 
-Real attention rows are not i.i.d. (theory.md section 8): the logit of a key depends on its
+Real attention rows are not i.i.d. (theory.md section 7): the logit of a key depends on its
 distance ``d`` to the query, and the first key is a sink. This module predicts the top-k mass at
 lengths past the calibrated ones, and the exact correction ``a*(n)``, from such a profile.
 
@@ -526,13 +526,19 @@ class DistanceFit:
             return out
         return ref
 
+    def alpha_at(self, n, granularity: str = "global", profiles=None) -> np.ndarray:
+        """``a*(n)`` per group, ``M(a*; n) = mass_ref``: (N, *groups); NaN where the grid does not reach it."""
+        _, shape = self._groups(granularity)
+        ref = self.mass_ref(granularity).reshape(shape)
+        return crossing(self.alpha, self.mass(n, granularity, profiles=profiles), ref)
+
     def exact_alpha(self, n, granularity: str = "global", *, bootstrap: int = 0, seed: int = 0) -> DistanceAlpha:
-        """``a*(n)`` per group (``M(a*; n) = mass_ref``), with a percentile band over sequence resamples."""
+        """``a*(n)`` per group (:meth:`alpha_at`), with the horizon and a percentile band over sequence resamples."""
         n = np.atleast_1d(np.asarray(n, dtype=np.int64))
         _, shape = self._groups(granularity)
         ref = self.mass_ref(granularity).reshape(shape)
         profiles = self.profiles()
-        alpha = crossing(self.alpha, self.mass(n, granularity, profiles=profiles), ref)
+        alpha = self.alpha_at(n, granularity, profiles=profiles)
         ladder = np.unique(np.round(self.row_n.max() * 2.0 ** (np.arange(0, 4 * 30 + 1) / 4)).astype(np.int64))  # 4/octave
         ladder = ladder[ladder <= _HORIZON_MAX_N]
         peak = self.mass(ladder, granularity, profiles=profiles).max(axis=-1)  # (ladder, *groups)

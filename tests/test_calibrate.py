@@ -107,7 +107,7 @@ def test_tabulated_law_is_exact_where_calibrated_and_extrapolated_beyond(tmp_pat
     """--law tabulated: knots at the buckets past n_ref holding mass matching's alpha, then fixed-slope
     knots up to --max-n; the spec loads, and the runtime applies it (float64) exactly at every knot."""
     import sharpdraft_runtime as sr
-    from sharpdraft_theory.tabulate import EXTRAPOLATION
+    from sharpdraft_theory.tabulate import FIXED_SLOPE
 
     opts = _opts(tmp_path, ckpts, law="tabulated", granularity=granularity, sequences=2, max_n=2000)
     result = run_calibration(opts)
@@ -115,7 +115,7 @@ def test_tabulated_law_is_exact_where_calibrated_and_extrapolated_beyond(tmp_pat
     assert spec == result.spec and spec.law == "tabulated" and spec.slope is None
     t, fit = spec.table, result.fit
     calibrated = [b for b in fit.buckets if b.n > 64 and b.alpha is not None]
-    assert t.measured == len(calibrated) > 0 and t.extrapolation == EXTRAPOLATION
+    assert t.measured == len(calibrated) > 0 and t.extrapolation == FIXED_SLOPE
     assert t.n[:t.measured] == tuple(round(b.n) for b in calibrated)
     last = t.n[t.measured - 1]  # the last bucket's n, ~220 (its rows reach 256)
     assert t.n[t.measured:] == tuple(64 * 2**j for j in range(1, 5) if last < 64 * 2**j) + (2000,)  # then --max-n
@@ -138,7 +138,7 @@ def test_tabulated_law_is_exact_where_calibrated_and_extrapolated_beyond(tmp_pat
         np.testing.assert_allclose(got.numpy(), np.broadcast_to(want, got.shape), rtol=1e-14)
     res = CliRunner().invoke(app, ["inspect", str(opts.out)], terminal_width=200)
     assert res.exit_code == 0, res.output
-    for text in ("tabulated", "alpha at the knots", "calibration", EXTRAPOLATION, f"{len(t.n)} knots"):
+    for text in ("tabulated", "alpha at the knots", "calibration", FIXED_SLOPE, f"{len(t.n)} knots"):
         assert text in res.output
 
 

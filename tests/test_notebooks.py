@@ -1,6 +1,6 @@
 """The notebooks: committed with the outputs of a full run of exactly their code, and runnable in CI.
 
-CI executes both at the small setting (``SHARPDRAFT_NB_SMALL=1``) and fails on any cell error. The
+CI executes each at the small setting (``SHARPDRAFT_NB_SMALL=1``) and fails on any cell error. The
 committed copies must carry the stamp ``notebooks/execute.py`` writes after a full run, with the
 digest of the code they show: edit a code cell and this fails until the notebook is run again.
 """
