@@ -173,7 +173,8 @@ def _table(result: dict) -> None:
     console.print(table)
     if speculative:
         s = result["speculative"]
-        console.print(f"Speculative decoding: {s['new_tokens']} tokens per prompt, chain of {s['num_draft']}; "
+        console.print(f"Speculative decoding ({s['loop']}): {s['new_tokens']} tokens per prompt, "
+                      f"chain of {s['num_draft']}; "
                       "outputs identical to target-only greedy decoding: "
                       + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
 

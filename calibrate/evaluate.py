@@ -29,10 +29,15 @@ Per bucket and variant:
     at position ``t`` predicts token ``t + 2`` from the target feature at ``t`` and token ``t + 1``;
     ``hf`` / ``pard``: the drafter's and the target's next token at ``t``).
 ``acceptance_length``, ``speedup`` (with ``speculative=True``)
-    greedy chain speculative decoding (``calibrate.speculative``) after a prompt of ``n`` tokens,
-    one prompt per sequence: tokens committed per target forward, and target-only decode time
-    over speculative decode time (prefill excluded from both). The output is checked against
-    target-only greedy decoding.
+    greedy speculative decoding with chains of ``num_draft`` after a prompt of ``n - new_tokens``
+    tokens, one prompt per sequence: tokens committed per target forward that verifies drafts,
+    and target-only decode time per token over speculative decode time per token (prefill
+    excluded from both; ``calibrate.speculative``). The loop (``speculative.loop``) is the
+    kind's: ``transformers-assisted`` for whole causal LMs (``hf``, ``pard``: transformers'
+    ``generate(assistant_model=...)``, the variant's spec enabled on the assistant),
+    ``sharpdraft-chain`` for the others (``calibrate.speculative.speculative_generate``).
+    ``speculative.outputs_identical``: every run's output equals target-only greedy decoding by
+    the same loop's target (``generate`` without an assistant; ``greedy_generate``), token for token.
 ``delta_vs_none``
     ``{"agreement": [mean, lo, hi], "acceptance_length": [mean, lo, hi]}``: the paired difference
     from ``none`` over the same rows (agreement: pooled over the bucket's rows; acceptance: mean
@@ -48,7 +53,8 @@ at ``n <= n_ref`` every variant but ``reference`` is the plain drafter (alpha = 
 yet reached): the table must show no change in those buckets.
 
 Every kind whose registry entry ``evaluates`` (``calibrate.drafters.KINDS``) runs the same way:
-the drafter adapter provides the teacher-forced runs and the chain drafter.
+the drafter adapter provides the teacher-forced runs and the chain drafter (or, ``assisted``, the
+assistant model).
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ from sharpdraft_theory.stats import DEFAULT_SINKS
 from .corpus import pack
 from .drafters import drafter_kind
 from .errors import UserError
+from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, Prefill, SpeculativeResult, greedy_generate, prefill,
+                          speculative_generate, transformers_generate)
 
 __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_SINKS", "default_spec", "variant_specs", "check_variants",
            "bucket_edges", "paired_bootstrap", "MassMeter", "evaluate"]
@@ -229,7 +237,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     reference : drafter adapter, optional
         Another head of the same kind, run unscaled as the variant ``reference``.
     """
-    drafter_kind(drafter.kind, evaluates=True)
+    kind = drafter_kind(drafter.kind, evaluates=True)
     edges = bucket_edges(lengths)
     n_ref = drafter.default_n_ref
     variants = check_variants(list(variants), window=window, sinks=sinks, has_reference=reference is not None)
@@ -268,9 +276,10 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
             if variant != "none":
                 row[variant]["delta_vs_none"] = {
                     "agreement": _triple(paired_bootstrap(hits[variant][:, b] - hits["none"][:, b], rows[:, b]))}
+    loop = ASSISTED_LOOP if kind.assisted else CHAIN_LOOP
     all_identical = None
     if speculative:
-        all_identical = _speculative(drafter, reference, texts, edges, specs, buckets, new_tokens, num_draft,
+        all_identical = _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft,
                                      progress)
     if reference is not None:
         _recovered(buckets, names)
@@ -282,51 +291,69 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         "variants": {v: (None if s is None else {"law": s.law, "n_ref": s.n_ref, "slope": _slope(s),
                                                  "window": s.window, "sinks": s.sinks})
                      for v, s in specs.items()} | ({"reference": None} if reference is not None else {}),
-        "speculative": None if not speculative else {"new_tokens": new_tokens, "num_draft": num_draft,
+        "speculative": None if not speculative else {"loop": loop, "new_tokens": new_tokens, "num_draft": num_draft,
                                                      "outputs_identical": all_identical},
         "buckets": buckets,
     }
 
 
-def _speculative(drafter, reference, texts, edges, specs, buckets, new_tokens, num_draft, progress) -> bool:
+def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft, progress) -> bool:
     """Fill acceptance_length, speedup and their deltas per bucket: one prompt of ``n`` tokens per sequence."""
-    from .speculative import greedy_generate, prefill, speculative_generate
-
     target = drafter.target
-    chains = [(v, drafter, s) for v, s in specs.items()] + ([("reference", reference, None)] if reference else [])
+    runs = [(v, drafter, s) for v, s in specs.items()] + ([("reference", reference, None)] if reference else [])
     identical = True
     for b, n in enumerate(edges):
-        lengths = {v: np.zeros(len(texts)) for v, _, _ in chains}  # per sequence: tokens per target forward
-        seconds = defaultdict(float)
-        base_seconds = 0.0
+        lengths = {v: np.zeros(len(texts)) for v, _, _ in runs}  # per sequence: tokens per target forward
+        seconds, decoded = defaultdict(float), defaultdict(int)  # per variant: decode time and tokens
+        base_seconds, base_decoded = 0.0, 0
         for i, text in enumerate(texts):
             # decoding runs over positions n - new_tokens .. n, inside the bucket
             prompt = torch.tensor([text[:max(int(n) - new_tokens, 2)]], device=drafter.device)
             if progress:
-                progress(f"speculative decoding: n = {n}, prompt {i + 1}/{len(texts)}")
-            # one target prefill per prompt, shared by the baseline and every variant (each decodes from a copy)
-            shared = prefill(target, prompt, drafter.chain_drafter(None).feature_ids)
-            reference_out = greedy_generate(target, prompt, new_tokens, shared)
-            base_seconds += reference_out.decode_seconds
-            for variant, source, s in chains:
-                chain = source.chain_drafter(s)
-                try:
-                    out = speculative_generate(target, chain, prompt, new_tokens, num_draft, shared)
-                finally:
-                    chain.close()
-                identical &= out.tokens == reference_out.tokens
+                progress(f"speculative decoding ({loop}): n = {n}, prompt {i + 1}/{len(texts)}")
+            # chain loop: one target prefill per prompt, shared by the baseline and every variant (each decodes
+            # from a copy); transformers' generate prefills in each run
+            shared = None if loop == ASSISTED_LOOP else prefill(target, prompt, drafter.chain_drafter(None).feature_ids)
+            baseline = _decode(loop, target, None, None, prompt, new_tokens, num_draft, shared)
+            base_seconds += baseline.decode_seconds
+            base_decoded += baseline.decode_tokens
+            for variant, source, s in runs:
+                out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared)
+                identical &= out.tokens == baseline.tokens
                 lengths[variant][i] = out.acceptance_length
                 seconds[variant] += out.decode_seconds
+                decoded[variant] += out.decode_tokens
         buckets[b]["acceptance_prompts"] = len(texts)
-        for variant, _, _ in chains:
+        base_rate = base_seconds / base_decoded if base_decoded else None  # seconds per decoded token
+        for variant, _, _ in runs:
             cell = buckets[b][variant]
             cell["acceptance_length"] = _round(float(lengths[variant].mean()))
             cell["acceptance_length_interval"] = _interval(paired_bootstrap(lengths[variant]))
-            cell["speedup"] = _round(base_seconds / seconds[variant] if seconds[variant] else None)
+            rate = seconds[variant] / decoded[variant] if decoded[variant] else None
+            cell["speedup"] = _round(base_rate / rate if base_rate and rate else None)
             if variant != "none":
                 cell["delta_vs_none"]["acceptance_length"] = _triple(paired_bootstrap(lengths[variant]
                                                                                       - lengths["none"]))
     return identical
+
+
+def _decode(loop: str, target, source, spec: ScaleSpec | None, prompt: torch.Tensor, new_tokens: int,
+            num_draft: int, shared: Prefill | None) -> SpeculativeResult:
+    """One greedy decode by ``loop``: target-only when ``source`` is None, else speculative with the
+    drafter adapter ``source`` under ``spec`` (its assistant model, or its chain drafter, from the
+    ``shared`` prefill)."""
+    if loop == ASSISTED_LOOP:
+        if source is None:
+            return transformers_generate(target, prompt, new_tokens)
+        with source.assistant(spec) as assistant:
+            return transformers_generate(target, prompt, new_tokens, assistant, num_draft)
+    if source is None:
+        return greedy_generate(target, prompt, new_tokens, shared)
+    chain = source.chain_drafter(spec)
+    try:
+        return speculative_generate(target, chain, prompt, new_tokens, num_draft, shared)
+    finally:
+        chain.close()
 
 
 def _recovered(buckets: list[dict], names: list[str]) -> None:

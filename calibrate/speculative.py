@@ -5,18 +5,53 @@ arXiv:2302.01318), greedy variant: each step the drafter proposes ``K`` tokens o
 (a chain, no tree), the target scores the pending token plus the ``K`` drafts in **one** forward
 with its KV cache, the longest prefix of drafts that equals the target's own greedy choices is
 accepted, and the target's next choice after it (the correction, or the bonus token when all ``K``
-match) is appended. The output is therefore the target's greedy output, token for token; the
-tests check it against :func:`greedy_generate`.
+match) is appended. The output is therefore the target's greedy output, token for token.
 
-State at the start of a step: committed tokens ``x_0 .. x_N``; the target's cache holds
-``x_0 .. x_{N-1}``; ``x_N`` (the last correction) is pending. The drafter is any
-``ChainDrafter`` (``calibrate.drafters.base``), made by a drafter adapter's ``chain_drafter(spec)``:
-the EAGLE-3 head (``calibrate.drafters.eagle3.Eagle3ChainDrafter``) or a causal LM with its own
-KV cache (``calibrate.drafters.hf.CausalLMChainDrafter``), with or without a scale spec.
+Two loops run it (``sharpdraft eval --speculative`` records which one ran):
+
+``sharpdraft-chain``
+    :func:`speculative_generate`, this module's own loop, checked against :func:`greedy_generate`.
+    State at the start of a step: committed tokens ``x_0 .. x_N``; the target's cache holds
+    ``x_0 .. x_{N-1}``; ``x_N`` (the last correction) is pending. The drafter is any
+    ``ChainDrafter`` (``calibrate.drafters.base``) made by a drafter adapter's
+    ``chain_drafter(spec)``, e.g. the EAGLE-3 head (``calibrate.drafters.eagle3.Eagle3ChainDrafter``),
+    which reads the target's features and so cannot be a transformers assistant.
+``transformers-assisted``
+    :func:`transformers_generate`: transformers' own assisted generation,
+    ``target.generate(prompt, assistant_model=drafter, do_sample=False)``, for drafters that are
+    whole causal LMs (``hf``, ``pard``), checked against the same call without an assistant. This
+    is the loop users already run; the scale spec rides along on the assistant
+    (``sharpdraft_runtime.enable``), and nothing of transformers' loop is copied here: acceptance
+    is read from the outside (a forward hook counts the target's forwards, a streamer receives
+    what each of them committed).
+
+    Drafts are a fixed chain of ``K``: for the call the assistant's ``generation_config`` says
+    ``num_assistant_tokens=K``, ``num_assistant_tokens_schedule="constant"`` (the ``heuristic``
+    schedules, which a model's generation config may name, move K between rounds) and
+    ``assistant_confidence_threshold=0`` (transformers' default, 0.4, stops a chain as soon as the
+    assistant's probability for its token falls below it); its own config is restored after.
+    transformers drafts ``min(K, max_new_tokens - generated - 1)`` tokens a round, so the last
+    round may verify fewer. Its first target forward prefills the prompt and verifies the first
+    chain at once: every run prefills inside ``generate``, none starts from a shared
+    :func:`prefill` (handed a pre-filled cache, assisted generation in transformers 5.24 returned
+    other tokens than greedy decoding). Generation stops at ``max_new_tokens`` only (no end-of-sequence stop), as the
+    chain loop does.
+
+Measures, the same in both loops (:class:`SpeculativeResult`):
+
+* acceptance length: tokens committed per target forward that verifies drafts. The chain loop's
+  prefill forward verifies nothing (it commits the first token), so it is ``(N - 1) / steps``
+  there and ``N / forwards`` in transformers' loop, ``N`` the tokens generated;
+* decode time: wall-clock time after the prompt's prefill in the target and the drafter (chain
+  loop: after both; transformers: after the target's first forward, which comes after the
+  assistant's prefill and first chain), with ``decode_tokens``, the tokens committed in that
+  time, so that loops whose first forward commits different numbers of tokens compare per token
+  (``sharpdraft eval``'s speedup).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import time
@@ -24,17 +59,21 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SpeculativeResult", "Prefill", "prefill", "greedy_generate", "speculative_generate", "target_step",
-           "new_cache", "crop_cache", "cached_forward"]
+__all__ = ["CHAIN_LOOP", "ASSISTED_LOOP", "SpeculativeResult", "Prefill", "prefill", "greedy_generate",
+           "speculative_generate", "transformers_generate", "target_step", "new_cache", "crop_cache", "cached_forward"]
+
+CHAIN_LOOP = "sharpdraft-chain"  # speculative_generate with a ChainDrafter
+ASSISTED_LOOP = "transformers-assisted"  # transformers' generate(assistant_model=...), transformers_generate
 
 
 @dataclass(frozen=True)
 class SpeculativeResult:
     tokens: list[int]  # generated token ids (prompt excluded)
-    steps: int  # target verification forwards (the first prefill excluded)
+    steps: int  # target forwards that verify drafts (chain loop: after its prefill; transformers: all of them)
     accepted: list[int]  # drafts accepted per step (0 .. K); acceptance length = accepted + 1
     seconds: float  # wall-clock time, prefill included
-    decode_seconds: float  # wall-clock time after the prompt's prefill (the part drafting speeds up)
+    decode_seconds: float  # wall-clock time after the target's first forward, its prefill (what drafting speeds up)
+    decode_tokens: int  # tokens committed in decode_seconds (after the target's first forward)
 
     @property
     def acceptance_length(self) -> float:
@@ -121,7 +160,7 @@ def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, shared: P
         logits, _ = target_step(target, torch.tensor([[tokens[-1]]], device=prompt.device), cache)
         tokens.append(int(logits[-1].argmax()))
     t2 = time.perf_counter()
-    return SpeculativeResult(tokens, len(tokens) - 1, [0] * (len(tokens) - 1), t2 - t0, t2 - t1)
+    return SpeculativeResult(tokens, len(tokens) - 1, [0] * (len(tokens) - 1), t2 - t0, t2 - t1, len(tokens) - 1)
 
 
 @torch.no_grad()
@@ -158,4 +197,96 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
         tokens.extend(new)
         accepted_counts.append(accepted)
     t2 = time.perf_counter()
-    return SpeculativeResult(tokens[:max_new_tokens], len(accepted_counts), accepted_counts, t2 - t0, t2 - t1)
+    tokens = tokens[:max_new_tokens]  # the last step may commit one past the end
+    return SpeculativeResult(tokens, len(accepted_counts), accepted_counts, t2 - t0, t2 - t1, len(tokens) - 1)
+
+
+@torch.no_grad()
+def transformers_generate(target, prompt: torch.Tensor, max_new_tokens: int, assistant=None,
+                          num_draft: int = 4) -> SpeculativeResult:
+    """Greedy decoding of ``max_new_tokens`` after ``prompt`` (1, T) by transformers' own ``generate``.
+
+    Without ``assistant``: ``target.generate(prompt, do_sample=False)``, target-only greedy decoding
+    (the reference output and the speed baseline). With one: assisted generation,
+    ``target.generate(prompt, assistant_model=assistant, do_sample=False)``, drafting fixed chains
+    of ``num_draft`` (see the module docstring). ``assistant`` is a causal LM of the target's
+    vocabulary, a different module from ``target`` (its forwards would be counted as the target's);
+    any scale spec is enabled on it by the caller.
+
+    Returns
+    -------
+    SpeculativeResult
+        ``steps``: the target's forward calls during ``generate`` (a forward hook), each committing
+        ``accepted + 1`` tokens (what ``generate`` hands its streamer once per forward, after the
+        prompt); decode time after the end of the first forward.
+    """
+    if num_draft < 1:
+        raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    if assistant is target:
+        raise ValueError("the assistant must be a module other than the target (its forwards would be counted "
+                         "as the target's)")
+    forwards, streamer = _ForwardClock(), _Committed()
+    handle = target.register_forward_hook(forwards)
+    try:
+        with _fixed_chain(assistant, num_draft):
+            t0 = time.perf_counter()
+            out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=assistant,
+                                  do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
+                                  streamer=streamer)
+            tokens = out[0, prompt.shape[1]:].tolist()
+            t2 = time.perf_counter()
+    finally:
+        handle.remove()
+    committed = streamer.sizes[1:]  # generate's first put is the prompt
+    if len(committed) != forwards.count or sum(committed) != len(tokens):
+        raise RuntimeError(f"transformers' generate ran {forwards.count} target forwards and committed {committed} "
+                           f"tokens, {len(tokens)} in all: not one commit per forward as assisted generation does")
+    return SpeculativeResult(tokens, forwards.count, [c - 1 for c in committed], t2 - t0, t2 - forwards.first_end,
+                             len(tokens) - committed[0])
+
+
+class _ForwardClock:
+    """A forward hook: counts the module's forward calls and notes when the first one ended."""
+
+    def __init__(self):
+        self.count = 0
+        self.first_end = None
+
+    def __call__(self, module, args, output) -> None:
+        self.count += 1
+        if self.count == 1:
+            if output.logits.is_cuda:
+                torch.cuda.synchronize(output.logits.device)  # kernels run ahead of the host: wait for them
+            self.first_end = time.perf_counter()
+
+
+class _Committed:
+    """A transformers streamer (``put`` / ``end``) that keeps the number of tokens of each ``put``."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.sizes.append(value.numel())  # batch 1: (T,) or (1, T)
+
+    def end(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _fixed_chain(assistant, num_draft: int):
+    """Inside the block, ``assistant`` (None: nothing to do) drafts fixed chains of ``num_draft``
+    tokens in transformers' assisted generation; its own generation config is restored after."""
+    if assistant is None:
+        yield
+        return
+    own = assistant.generation_config
+    fixed = copy.deepcopy(own)
+    fixed.num_assistant_tokens = num_draft
+    fixed.num_assistant_tokens_schedule = "constant"
+    fixed.assistant_confidence_threshold = 0.0
+    assistant.generation_config = fixed
+    try:
+        yield
+    finally:
+        assistant.generation_config = own

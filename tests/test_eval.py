@@ -67,7 +67,7 @@ def eagle3_result(eagle3, corpus):
 def test_eagle3_result_shape(eagle3_result):
     r = eagle3_result
     assert [b["n"] for b in r["buckets"]] == LENGTHS
-    assert r["speculative"]["outputs_identical"] is True
+    assert r["speculative"]["outputs_identical"] is True and r["speculative"]["loop"] == "sharpdraft-chain"
     assert r["drafter"]["n_ref"] == 64
     assert list(r["variants"]) == list(DEFAULT_VARIANTS)
     assert r["variants"]["window"]["window"] == 64 and r["variants"]["sinks"] == {
@@ -126,7 +126,7 @@ def test_causal_lm_drafter(corpus):
                               target=target)
     r = evaluate(drafter, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
                  speculative=True, new_tokens=6, num_draft=2)
-    assert r["speculative"]["outputs_identical"] is True
+    assert r["speculative"]["outputs_identical"] is True and r["speculative"]["loop"] == "transformers-assisted"
     first, last = r["buckets"][0], r["buckets"][-1]
     for variant in ("spec", "qwen-logn", "window", "sinks"):
         for key in ("mass", "agreement", "acceptance_length"):  # speedup is a timing

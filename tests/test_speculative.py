@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
-from calibrate.drafters.hf import CausalLMChainDrafter
-from calibrate.speculative import greedy_generate, speculative_generate
+from calibrate.speculative import cached_forward, crop_cache, greedy_generate, new_cache, speculative_generate
+from sharpdraft_runtime import disable, enable
 from sharpdraft_theory import ScaleSpec
 
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
@@ -16,6 +16,43 @@ SPEC = ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=2)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
+
+
+class CausalLMChainDrafter:
+    """A ``ChainDrafter`` over a causal LM of the target's vocabulary, with its own KV cache: the
+    chain loop's test drafter (``sharpdraft eval`` runs causal LMs through transformers' assisted
+    generation instead, tests/test_assisted.py). ``spec`` is enabled until :meth:`close`."""
+
+    feature_ids = None
+
+    def __init__(self, model, spec: ScaleSpec | None = None):
+        self.model, self.spec = model, spec
+        if spec is not None:
+            enable(model, spec)
+
+    def close(self) -> None:
+        if self.spec is not None:
+            disable(self.model)
+
+    def _feed(self, ids: list[int]) -> int:
+        return int(cached_forward(self.model, torch.tensor([ids]), self.cache).logits[0, -1].argmax())
+
+    def start(self, prompt: torch.Tensor, features, pending: int) -> None:
+        self.cache = new_cache()
+        cached_forward(self.model, prompt, self.cache)
+        self.committed = prompt.shape[1]  # tokens in the cache
+        self.todo = [pending]  # committed tokens not yet in the cache
+
+    def draft(self, k: int) -> list[int]:
+        drafts = [self._feed(self.todo)]
+        while len(drafts) < k:
+            drafts.append(self._feed([drafts[-1]]))
+        return drafts
+
+    def commit(self, new: list[int], features) -> None:
+        self.committed += len(self.todo)
+        crop_cache(self.cache, self.committed)  # drop the drafts' rows; accepted ones are fed again
+        self.todo = new
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,14 @@ class DrafterKind:
 
     module: str  # adapter module in this package; it defines load(kind, drafter_path, target_path, device, dtype)
     runs: str  # what runs, in a few words (CLI help and docs)
-    evaluates: bool  # has teacher_forced and chain_drafter, so sharpdraft eval supports it
+    evaluates: bool  # has teacher_forced and chain_drafter (assisted: assistant), so sharpdraft eval supports it
     reads_aux_layers: bool = False  # its load takes aux_layer_reading (--aux-layer-reading)
+    assisted: bool = False  # a whole causal LM: eval --speculative runs it as transformers' assistant_model
 
 
 KINDS: dict[str, DrafterKind] = {
-    "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True),
-    "pard": DrafterKind("hf", "a PARD drafter, run as the causal LM it is", evaluates=True),
+    "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True, assisted=True),
+    "pard": DrafterKind("hf", "a PARD drafter, run as the causal LM it is", evaluates=True, assisted=True),
     "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head)",
                           evaluates=True, reads_aux_layers=True),
     "dflash": DrafterKind("dflash", "target features, then DFlash blocks", evaluates=False),

@@ -8,7 +8,9 @@ a token sequence in the ways the commands need:
   (``calibrate.collect``), so no adapter ever holds an n x n attention matrix;
 * ``teacher_forced`` and ``chain_drafter`` (``sharpdraft eval``, for the kinds whose registry entry
   says ``evaluates``): the drafter's greedy guesses over a text the target wrote, with and without
-  query scaling, and chain drafting for greedy speculative decoding (``calibrate.speculative``).
+  query scaling, and chain drafting for greedy speculative decoding (``calibrate.speculative``);
+  kinds whose entry says ``assisted`` (whole causal LMs) provide ``assistant`` in place of
+  ``chain_drafter``: the model itself, run by transformers' assisted generation.
 
 Documents are packed for every command by one rule (``calibrate.corpus.pack``): joined with the
 adapter's ``eos_token_id``.
@@ -17,6 +19,7 @@ adapter's ``eos_token_id``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -120,3 +123,9 @@ class Drafter(Protocol):
 
     def chain_drafter(self, spec: ScaleSpec | None) -> ChainDrafter:
         """A chain drafter with ``spec`` applied (None: unscaled); call its ``close`` when done."""
+
+    # ... and those whose registry entry is ``assisted``, instead of chain_drafter:
+
+    def assistant(self, spec: ScaleSpec | None) -> AbstractContextManager[torch.nn.Module]:
+        """A context manager giving the drafter model with ``spec`` enabled (None: unscaled), for
+        ``target.generate(..., assistant_model=...)``; the spec is disabled on leaving."""

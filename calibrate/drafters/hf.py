@@ -13,10 +13,12 @@ neither, a ``UserError`` says so. The target (``sharpdraft eval`` compares the d
 the ``--target-path`` model, else SmolLM2, loaded when first needed.
 
 Evaluation: teacher-forced runs are one causal pass each, its queries scaled through the
-attention tap (``calibrate.taps.ScalingTap``, the runtime's own scaling); chain drafting runs the
-drafter with its own KV cache, greedily one token at a time (PARD's parallel mask-token drafting
-is not used: chain drafting keeps the comparison between variants about the attention alone),
-with the spec applied by ``sharpdraft_runtime.enable``.
+attention tap (``calibrate.taps.ScalingTap``, the runtime's own scaling). Speculative decoding is
+transformers' own assisted generation with the drafter as ``assistant_model``
+(``calibrate.speculative.transformers_generate``), the spec enabled on it by
+``sharpdraft_runtime.enable`` for the call (:meth:`CausalLMDrafter.assistant`). The assistant drafts
+greedy chains one token at a time (PARD's parallel mask-token drafting is not used: chain
+drafting keeps the comparison between variants about the attention alone).
 
 Default ``n_ref`` (the reference length; ``--n-ref`` overrides it):
 
@@ -29,6 +31,7 @@ Default ``n_ref`` (the reference length; ``--n-ref`` overrides it):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,12 +43,11 @@ from sharpdraft_theory.spec import DrafterInfo
 
 from ..errors import UserError
 from ..smollm2 import SMOLLM2_N_REF, load_smollm2
-from ..speculative import cached_forward, crop_cache, new_cache
 from ..taps import ScalingTap, attention_tap
 from .base import AttentionTap, TeacherForced
 from .target import eos_token_id, load_causal_lm, load_target, load_tokenizer
 
-__all__ = ["CausalLMDrafter", "CausalLMChainDrafter", "load", "PARD_N_REF"]
+__all__ = ["CausalLMDrafter", "load", "PARD_N_REF"]
 
 PARD_N_REF = 512  # PARD's example recipes train at max_seq_length 512
 
@@ -98,55 +100,20 @@ class CausalLMDrafter:
                 drafted.append(self.model(input_ids=input_ids, use_cache=False).logits[0].argmax(-1))  # (T,)
         return TeacherForced(n_visible=scaled.n_visible[0], target_next=target_next, drafted=torch.stack(drafted))
 
-    def chain_drafter(self, spec: ScaleSpec | None) -> "CausalLMChainDrafter":
+    @contextlib.contextmanager
+    def assistant(self, spec: ScaleSpec | None):
+        """The drafter model, ``spec`` enabled on it inside the block (None: unscaled), to pass to
+        ``target.generate(..., assistant_model=...)``; the spec is disabled again on leaving."""
         if self.model is self.target:
             raise UserError("--speculative needs a drafter different from the target: pass --drafter-path "
                             "(and --target-path for the target)")
-        return CausalLMChainDrafter(self.model, spec)
-
-
-class CausalLMChainDrafter:
-    """Chain drafting with a causal LM that shares the target's vocabulary (``hf``, ``pard``).
-
-    ``spec`` is applied with ``sharpdraft_runtime.enable`` (and removed by :meth:`close`).
-    """
-
-    feature_ids = None
-
-    def __init__(self, model, spec: ScaleSpec | None = None):
-        self.model = model
-        self.enabled = spec is not None
-        if self.enabled:
-            enable(model, spec)
-
-    def close(self) -> None:
-        if self.enabled:
-            disable(self.model)
-            self.enabled = False
-
-    def _feed(self, ids: list[int]) -> None:
-        device = self.model.get_input_embeddings().weight.device
-        out = cached_forward(self.model, torch.tensor([ids], device=device), self.cache)
-        self.next = int(out.logits[0, -1].argmax())
-
-    def start(self, prompt: torch.Tensor, features, pending: int) -> None:
-        self.cache = new_cache()
-        self.committed = prompt.shape[1]  # tokens in the drafter's cache
-        cached_forward(self.model, prompt.to(self.model.get_input_embeddings().weight.device), self.cache)
-        self.todo = [pending]  # committed tokens not yet in the cache
-
-    def draft(self, k: int) -> list[int]:
-        self._feed(self.todo)
-        drafts = [self.next]
-        while len(drafts) < k:
-            self._feed([drafts[-1]])
-            drafts.append(self.next)
-        return drafts
-
-    def commit(self, new: list[int], features) -> None:
-        self.committed += len(self.todo)
-        crop_cache(self.cache, self.committed)  # drop the drafts' rows; accepted ones are fed again
-        self.todo = new
+        if spec is not None:
+            enable(self.model, spec)
+        try:
+            yield self.model
+        finally:
+            if spec is not None:
+                disable(self.model)
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device: torch.device,
