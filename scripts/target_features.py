@@ -71,12 +71,11 @@ def main() -> None:
     target, tokenizer = load_smollm2()
     sources = args.sources.split(",")
     planned = plan_sequences(tokenizer, sources, args.seq_len, args.tokens)
+    num_layers = len(target.get_decoder().layers)
+    ids = (*feature_layer_ids(num_layers), num_layers)  # the EAGLE-3 features, then the final normed state
     manifest = {"sources": sources, "seq_len": args.seq_len, "sequences": len(planned),
                 "per_source": {s: sum(src == s for src, _ in planned) for s in sources},
-                "layers": None, "dtype": "float16", "target": "SmolLM2-135M-Instruct (fp32)"}
-    num_layers = len(target.get_decoder().layers)
-    ids = (*feature_layer_ids(num_layers), num_layers)
-    manifest["layers"] = list(ids)
+                "layers": list(ids), "dtype": "float16", "target": "SmolLM2-135M-Instruct (fp32)"}
     args.out.mkdir(parents=True, exist_ok=True)
     manifest_path = args.out / "manifest.json"
     if manifest_path.is_file() and json.loads(manifest_path.read_text()) != manifest:
