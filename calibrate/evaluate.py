@@ -44,8 +44,9 @@ Per bucket and variant:
     over prompts), with a 95% percentile bootstrap interval that resamples **sequences** (rows of
     one sequence are not independent), :func:`paired_bootstrap`.
 ``recovered``
-    where the reference's own ``delta_vs_none`` interval excludes 0: the variant's mean delta over
-    the reference's, the share of the long-trained head's gain the variant recovers (else None).
+    where the reference gains (its own ``delta_vs_none`` interval lies above 0): the variant's mean
+    delta over the reference's, the share of the long-trained head's gain the variant recovers
+    (else None: a loss has no share to recover).
 
 A bucket ``n`` holds the rows with ``n_prev < n <= n_edge`` where ``n`` is the number of keys
 the full drafter sees at that row (a window lowers what the row really sees, not its bucket), so
@@ -357,7 +358,9 @@ def _decode(loop: str, target, source, spec: ScaleSpec | None, prompt: torch.Ten
 
 
 def _recovered(buckets: list[dict], names: list[str]) -> None:
-    """Each variant's share of the reference's gain, where the reference's delta interval excludes 0."""
+    """Each variant's share of the reference's gain, where the reference gains (its delta interval lies above 0).
+
+    Where the reference loses or its interval holds 0 there is no gain to share: None."""
     for row in buckets:
         gains = row["reference"]["delta_vs_none"]
         for variant in names:
@@ -366,8 +369,8 @@ def _recovered(buckets: list[dict], names: list[str]) -> None:
             share = {}
             for metric, (mean, lo, hi) in ((m, t) for m, t in gains.items() if t is not None):
                 mine = row[variant]["delta_vs_none"].get(metric)
-                excludes_zero = lo is not None and (lo > 0 or hi < 0)
-                share[metric] = _round(mine[0] / mean) if excludes_zero and mine is not None else None
+                gains_significantly = lo is not None and lo > 0
+                share[metric] = _round(mine[0] / mean) if gains_significantly and mine is not None else None
             row[variant]["recovered"] = share
 
 

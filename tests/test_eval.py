@@ -222,13 +222,25 @@ def test_reference_head_and_the_share_it_recovers(eagle3, corpus, tmp_path):
         mean, lo, hi = row["reference"]["delta_vs_none"]["agreement"]
         for variant in ("spec", "window"):
             share = row[variant]["recovered"]["agreement"]
-            if lo > 0 or hi < 0:
+            if lo > 0:
                 assert share == pytest.approx(row[variant]["delta_vs_none"]["agreement"][0] / mean, abs=1e-3)
             else:
                 assert share is None
     assert any(row["reference"]["agreement"] != row["none"]["agreement"] for row in r["buckets"])  # another head
     with pytest.raises(UserError, match="pass --reference-drafter-path"):
         evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, variants=("reference",))
+
+
+def test_recovered_is_a_share_of_a_significant_gain_only():
+    from calibrate.evaluate import _recovered
+
+    def bucket(reference):
+        return {"reference": {"delta_vs_none": {"agreement": reference}},
+                "spec": {"delta_vs_none": {"agreement": [0.01, 0.0, 0.02]}}}
+
+    rows = [bucket([0.04, 0.02, 0.06]), bucket([-0.04, -0.06, -0.02]), bucket([0.04, -0.01, 0.09])]
+    _recovered(rows, ["none", "spec", "reference"])
+    assert [row["spec"]["recovered"]["agreement"] for row in rows] == [0.25, None, None]
 
 
 def test_every_sequence_by_default(eagle3, corpus):
