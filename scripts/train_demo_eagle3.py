@@ -181,6 +181,11 @@ def unrolled_loss(head: Eagle3Head, teacher_w: torch.Tensor, batch, ttt: int, ch
     return loss / sum(STEP_DECAY ** s for s in range(ttt)), agreement
 
 
+def _steps_of(record: dict) -> int:
+    """Optimiser steps of a training record written before ``steps_total`` was recorded."""
+    return int(record["command"].split("--steps ")[1].split()[0])
+
+
 def atomic_save(obj, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
@@ -208,7 +213,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--save-every", type=int, default=10)
+    ap.add_argument("--init", type=Path, default=None,
+                    help="continue from a head this script wrote (its folder): its weights, a fresh optimiser and "
+                         "schedule of --steps more steps; its record is kept under 'init' in training_log.json")
     args = ap.parse_args()
+    if args.init is not None:
+        if not (args.init / "model.safetensors").is_file() or not (args.init / "training_log.json").is_file():
+            raise SystemExit(f"--init {args.init}: not a head this script wrote (model.safetensors and "
+                             "training_log.json expected); give such a folder")
+        if args.init.resolve() == args.out.resolve():
+            raise SystemExit(f"--init {args.init} is also --out: write the continued head to another folder")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
@@ -247,6 +261,22 @@ def main() -> None:
         head.t2d.zero_()
         head.t2d[draft_ids] = True
     head.embed_tokens.weight.requires_grad_(False)
+    previous = None
+    if args.init is not None:
+        previous = json.loads((args.init / "training_log.json").read_text())
+        old = json.loads((args.init / "config.json").read_text())
+        if old != json.loads(json.dumps(config.to_dict())):
+            raise SystemExit(f"--init {args.init} has another shape or n_ref than these options "
+                             f"({old} against {config.to_dict()})")
+        from safetensors.torch import load_file
+        missing, unexpected = head.load_state_dict(
+            {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(args.init / "model.safetensors")).items()},
+            strict=False)
+        if unexpected or [k for k in missing if not k.startswith("embed_tokens")]:
+            raise SystemExit(f"--init {args.init}: weights do not match (missing {missing}, unexpected {unexpected})")
+        if not torch.equal(head.d2t, draft_ids - torch.arange(args.draft_vocab)):
+            raise SystemExit(f"--init {args.init} has another draft vocabulary than these features")
+        log(f"continuing from {args.init} ({previous.get('steps_total', _steps_of(previous))} steps)")
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, args.steps // 20)
@@ -303,8 +333,14 @@ def main() -> None:
                   if k not in ("out", "features", "work", "save_every")) + f" --out {args.out.name}",
               "n_ref": args.span, "seq_len": seq_len, "corpus": manifest["per_source"],
               "train_tokens": data["tokens"].numel(), "draft_vocab_coverage": round(coverage, 4),
-              "train_seconds": round(time.time() - t0, 1), "torch": torch.__version__, "threads": args.threads,
+              "train_seconds": round(time.time() - t0, 1),
+              "steps_total": args.steps + (previous.get("steps_total", _steps_of(previous)) if previous else 0),
+              "train_seconds_total": round(time.time() - t0 + (
+                  previous.get("train_seconds_total", previous["train_seconds"]) if previous else 0), 1),
+              "torch": torch.__version__, "threads": args.threads,
               "history": history[::10] + ([history[-1]] if len(history) % 10 != 1 else [])}
+    if previous is not None:
+        record["init"] = {"from": args.init.name, **previous}
     (args.out / "training_log.json").write_text(json.dumps(record, indent=1) + "\n")
     log(f"saved {args.out} ({(args.out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")
 

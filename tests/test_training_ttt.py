@@ -87,3 +87,27 @@ def test_windows_with_context_see_their_sequence_from_its_start():
         assert pos[0, 0] == 0 and pos.shape[1] == context + 6  # every earlier row is context
         assert tokens[0, 0] % 20 == 1 and tokens.shape[1] == context + 6 + 2
         assert int(pos[0, -1]) + 3 <= 19  # the last step's teacher exists
+
+
+@pytest.mark.parametrize("case", ["missing", "same-as-out"])
+def test_init_refuses_a_folder_it_cannot_continue(tmp_path, case):
+    """``--init`` is checked before features or the target load: one line, exit 1, nothing written."""
+    import subprocess
+
+    head = tmp_path / "head"
+    if case == "same-as-out":
+        head.mkdir()
+        (head / "model.safetensors").write_bytes(b"")
+        (head / "training_log.json").write_text("{}")
+    out = head if case == "same-as-out" else tmp_path / "out"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_demo_eagle3.py"), "--init", str(head),
+                          "--out", str(out), "--work", str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "--init" in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
+def test_steps_of_an_older_record():
+    assert _script()._steps_of({"command": "python x.py --span 256 --steps 360 --lr 0.002"}) == 360
