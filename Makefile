@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/sharpdraft calibrate --drafter eagle3 --corpus stdlib --out out/slope.json
 	$(VENV)/bin/sharpdraft eval --drafter eagle3 --spec out/slope.json --corpus stdlib:heldout --sequences 4 \
-		--speculative --threads 1 --plot out/eval.png
+		--speculative --threads 1 --out out/eval.json --plot out/eval.png
 
 test: $(STAMP)
 	$(PY) -m pytest
