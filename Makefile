@@ -29,7 +29,7 @@ test: $(STAMP)
 
 # The README's result table: the demo head against window, sinks, qwen-logn and the long-trained
 # reference, with greedy speculative decoding, on 12 held-out sequences of 8,192 tokens of the
-# Python standard library (about 35 minutes on 2 CPU cores). Writes out/table/.
+# Python standard library (about 45 minutes on 2 CPU cores). Writes out/table/.
 table: $(STAMP)
 	$(VENV)/bin/sharpdraft calibrate --drafter eagle3 --corpus stdlib --max-length 2048 --sequences 16 \
 		--stats out/table/stats.npz --out out/table/spec.json
