@@ -37,13 +37,20 @@ Recipe, seeded and deterministic given the same torch build and thread count:
    training length, read as n_ref), ``model.safetensors`` in fp16 without ``embed_tokens`` (the
    target's is shared), and ``training_log.json``.
 
-Usage (features first, then each head)::
+6. ``--init HEAD`` continues a head this script wrote: its weights, a fresh optimiser and schedule
+   of ``--steps`` more steps (use another ``--seed`` so it draws other windows); the new record
+   keeps the old one under ``init``. The packaged heads are two stages: 360 steps with the
+   defaults, then 720 more at lr 1e-3 (their ``TRAINING.md`` files give the commands).
+
+Usage (features first, then each head, in two stages)::
 
     python scripts/target_features.py
-    python scripts/train_demo_eagle3.py --span 256  --out calibrate/assets/eagle3-smollm2
-    python scripts/train_demo_eagle3.py --span 8192 --out calibrate/assets/eagle3-smollm2-long
+    python scripts/train_demo_eagle3.py --span 256 --out .cache/heads/eagle3-smollm2-v2
+    python scripts/train_demo_eagle3.py --span 256 --steps 720 --lr 1e-3 --seed 1 \
+        --init .cache/heads/eagle3-smollm2-v2 --out calibrate/assets/eagle3-smollm2
+    (the same with --span 8192 and -long for the reference)
 
-(the two can run at once, one thread each).
+(the two heads can train at once, one thread each).
 """
 
 from __future__ import annotations
