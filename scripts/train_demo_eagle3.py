@@ -189,7 +189,9 @@ def unrolled_loss(head: Eagle3Head, teacher_w: torch.Tensor, batch, ttt: int, ch
 
 
 def _steps_of(record: dict) -> int:
-    """Optimiser steps of a training record written before ``steps_total`` was recorded."""
+    """Optimiser steps behind a training record (records before ``steps_total``: from its command)."""
+    if "steps_total" in record:
+        return int(record["steps_total"])
     return int(record["command"].split("--steps ")[1].split()[0])
 
 
@@ -230,6 +232,12 @@ def main() -> None:
                              "training_log.json expected); give such a folder")
         if args.init.resolve() == args.out.resolve():
             raise SystemExit(f"--init {args.init} is also --out: write the continued head to another folder")
+        old = json.loads((args.init / "config.json").read_text()) if (args.init / "config.json").is_file() else {}
+        asked = {"max_position_embeddings": args.span, "draft_vocab_size": args.draft_vocab,
+                 "intermediate_size": args.intermediate}
+        if any(old.get(k) != v for k, v in asked.items()):
+            raise SystemExit(f"--init {args.init}: its config.json has {({k: old.get(k) for k in asked})}, these "
+                             f"options ask for {asked}; give matching --span / --draft-vocab / --intermediate")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
@@ -283,7 +291,7 @@ def main() -> None:
             raise SystemExit(f"--init {args.init}: weights do not match (missing {missing}, unexpected {unexpected})")
         if not torch.equal(head.d2t, draft_ids - torch.arange(args.draft_vocab)):
             raise SystemExit(f"--init {args.init} has another draft vocabulary than these features")
-        log(f"continuing from {args.init} ({previous.get('steps_total', _steps_of(previous))} steps)")
+        log(f"continuing from {args.init} ({_steps_of(previous)} steps)")
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, args.steps // 20)
@@ -341,7 +349,7 @@ def main() -> None:
               "n_ref": args.span, "seq_len": seq_len, "corpus": manifest["per_source"],
               "train_tokens": data["tokens"].numel(), "draft_vocab_coverage": round(coverage, 4),
               "train_seconds": round(time.time() - t0, 1),
-              "steps_total": args.steps + (previous.get("steps_total", _steps_of(previous)) if previous else 0),
+              "steps_total": args.steps + (_steps_of(previous) if previous else 0),
               "train_seconds_total": round(time.time() - t0 + (
                   previous.get("train_seconds_total", previous["train_seconds"]) if previous else 0), 1),
               "torch": torch.__version__, "threads": args.threads,

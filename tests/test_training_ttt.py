@@ -89,16 +89,18 @@ def test_windows_with_context_see_their_sequence_from_its_start():
         assert int(pos[0, -1]) + 3 <= 19  # the last step's teacher exists
 
 
-@pytest.mark.parametrize("case", ["missing", "same-as-out"])
+@pytest.mark.parametrize("case", ["missing", "same-as-out", "other-span"])
 def test_init_refuses_a_folder_it_cannot_continue(tmp_path, case):
     """``--init`` is checked before features or the target load: one line, exit 1, nothing written."""
     import subprocess
 
     head = tmp_path / "head"
-    if case == "same-as-out":
+    if case != "missing":
         head.mkdir()
         (head / "model.safetensors").write_bytes(b"")
         (head / "training_log.json").write_text("{}")
+        (head / "config.json").write_text('{"max_position_embeddings": 8192, "draft_vocab_size": 4096, '
+                                          '"intermediate_size": 1536}')
     out = head if case == "same-as-out" else tmp_path / "out"
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_demo_eagle3.py"), "--init", str(head),
                           "--out", str(out), "--work", str(tmp_path / "work")],
@@ -109,5 +111,7 @@ def test_init_refuses_a_folder_it_cannot_continue(tmp_path, case):
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
 
 
-def test_steps_of_an_older_record():
-    assert _script()._steps_of({"command": "python x.py --span 256 --steps 360 --lr 0.002"}) == 360
+def test_steps_behind_a_record():
+    steps_of = _script()._steps_of
+    assert steps_of({"command": "python x.py --span 256 --steps 360 --lr 0.002"}) == 360
+    assert steps_of({"command": "python x.py --steps 720", "steps_total": 1080}) == 1080
