@@ -61,6 +61,11 @@ def eval_command(
     window: Annotated[Optional[int], typer.Option(help="The window variant's W: the drafter attends to its last W "
                                                   "keys (default: its n_ref).")] = None,
     sinks: Annotated[int, typer.Option(help="The sinks variant's S: the first S keys plus the last W - S.")] = 4,
+    n_ref: Annotated[Optional[int], typer.Option(
+        "--n-ref", help="The drafter's training length: where qwen-logn starts, the window's default W and the "
+                        "default spec's n_ref (default: the drafter's, from its training record or config; a "
+                        "checkpoint's max_position_embeddings can be its target's context, not its training "
+                        "length).")] = None,
     reference_drafter_path: Annotated[Optional[str], typer.Option(
         "--reference-drafter-path", help="Another head of the same kind (e.g. long-trained), run unscaled as the "
                                          "variant 'reference'.")] = None,
@@ -100,6 +105,9 @@ def eval_command(
             raise UserError(f"{option} {value}: need at least {least}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k {top_k}: need at least 1 (or leave it out for the spec's)")
+    if n_ref is not None and not 2 <= n_ref < edges[-1]:
+        raise UserError(f"--n-ref {n_ref}: expected at least 2 and below the largest of --lengths ({edges[-1]}), "
+                        "so that some bucket lies beyond it")
     if plot is not None and plot.suffix.lower() != ".png":
         raise UserError(f"--plot {plot}: give a .png file name")
     check_outputs({"--out": out, "--plot": plot},
@@ -122,7 +130,7 @@ def eval_command(
         ref = None if reference_drafter_path is None else load_drafter(drafter, reference_drafter_path, target_path,
                                                                        dev, dt)
         if loaded_spec is None:
-            loaded_spec = default_spec(d.default_n_ref, k)
+            loaded_spec = default_spec(n_ref or d.default_n_ref, k)
         try:
             loaded_spec.check_fits(d.info.num_layers, d.info.num_heads, what=f"the {drafter} drafter")
         except SpecError as err:
@@ -130,7 +138,7 @@ def eval_command(
         progress = None if as_json else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
         result = evaluate(d, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,
-                          window=window, sinks=sinks, reference=ref, progress=progress)
+                          window=window, sinks=sinks, reference=ref, progress=progress, n_ref=n_ref)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)
     try:

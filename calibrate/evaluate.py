@@ -215,7 +215,7 @@ def _per_bucket(edges: np.ndarray, n: np.ndarray, values: np.ndarray) -> np.ndar
 def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pydoc:heldout",
              sequences: int | None = None, skip: int = 0, rows_per_bucket: int = 96, speculative: bool = False,
              new_tokens: int = 32, num_draft: int = 4, variants=DEFAULT_VARIANTS, window: int | None = None,
-             sinks: int = DEFAULT_SINKS, reference=None, progress=None) -> dict:
+             sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
     Parameters
@@ -237,10 +237,13 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         The ``window`` variant's W (default ``n_ref``) and the ``sinks`` variant's S (window W - S).
     reference : drafter adapter, optional
         Another head of the same kind, run unscaled as the variant ``reference``.
+    n_ref : int, optional
+        The drafter's training length (default ``drafter.default_n_ref``): where qwen-logn starts and
+        the window's default W.
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     edges = bucket_edges(lengths)
-    n_ref = drafter.default_n_ref
+    n_ref = drafter.default_n_ref if n_ref is None else int(n_ref)
     variants = check_variants(list(variants), window=window, sinks=sinks, has_reference=reference is not None)
     if reference is not None and reference.kind != drafter.kind:
         raise UserError(f"--reference-drafter-path: the reference is a {reference.kind} drafter, "

@@ -164,6 +164,10 @@ def test_plot(eagle3_result, tmp_path):
     (["--window", "8", "--sinks", "8"], "--sinks 8: must be below --window 8"),
     (["--sequences", "0"], "--sequences 0: expected at least 1"),
     (["--reference-drafter-path", "/no/such/head"], "--reference-drafter-path /no/such/head: no such folder"),
+    (["--n-ref", "0"], "--n-ref 0: expected at least 2"),
+    (["--n-ref", "-64"], "--n-ref -64: expected at least 2"),
+    (["--n-ref", "2048"], "--n-ref 2048: expected at least 2 and below the largest of --lengths (2048)"),
+    (["--n-ref", "99999999999"], "--n-ref 99999999999"),
 ])
 def test_cli_user_errors(args, message):
     result = CliRunner().invoke(app, ["eval", *args])
@@ -246,3 +250,15 @@ def test_recovered_is_a_share_of_a_significant_gain_only():
 def test_every_sequence_by_default(eagle3, corpus):
     r = evaluate(eagle3, spec=SPEC, lengths=[64], corpus=corpus, rows_per_bucket=4, variants=("none",))
     assert r["sequences"] == 1109 // 64  # the corpus's 1109 byte tokens hold 17 sequences of 64
+
+
+def test_n_ref_moves_qwen_logn_and_the_window(eagle3, corpus):
+    """``--n-ref`` replaces the drafter's own training length: qwen-logn starts there and the window is W = n_ref,
+    so the bucket at 64 (<= the head's n_ref 64, > the given 32) is no longer the plain drafter's."""
+    r = evaluate(eagle3, spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2, rows_per_bucket=8,
+                 variants=("none", "qwen-logn", "window"), n_ref=32)
+    assert r["drafter"]["n_ref"] == 32
+    assert r["variants"]["qwen-logn"]["n_ref"] == 32 and r["variants"]["window"]["window"] == 32
+    at_32, at_64 = r["buckets"]
+    assert at_32["window"]["mass"] == at_32["none"]["mass"] and at_32["qwen-logn"]["mass"] == at_32["none"]["mass"]
+    assert at_64["window"]["mass"] != at_64["none"]["mass"] and at_64["qwen-logn"]["mass"] != at_64["none"]["mass"]

@@ -169,6 +169,8 @@ EVAL_CASES = [
     Case("eval-skip-negative", EVAL + " --skip -1", "--skip -1"),
     Case("eval-top-k-zero", EVAL + " --top-k 0", "--top-k 0"),
     Case("eval-top-k-negative", EVAL + " --top-k -1", "--top-k -1"),
+    Case("eval-n-ref-zero", EVAL + " --n-ref 0", "--n-ref 0"),
+    Case("eval-n-ref-past-lengths", EVAL + " --n-ref 100000", "--n-ref 100000"),
     Case("eval-sequences-zero", EVAL + " --sequences 0", "--sequences 0"),
     Case("eval-sequences-negative", EVAL + " --sequences -2", "--sequences -2"),
     Case("eval-threads-negative", EVAL + " --threads -1", "--threads -1"),
