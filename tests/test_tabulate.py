@@ -103,7 +103,7 @@ def test_knots_keep_the_alpha_contract(stats):
 def test_without_a_profile_the_table_is_todays_byte_for_byte():
     """Statistics without a distance profile: the fixed-slope table, as written before the distance
     model could extrapolate (``tests/data/tabulated_fixed_slope.json``, from the committed demo rows)."""
-    stats, _ = RowStats.load(ROOT / "notebooks" / "data" / "eagle3_demo_pydoc.npz")
+    stats, _ = RowStats.load(ROOT / "notebooks" / "data" / "eagle3_demo_v1_pydoc.npz")
     assert stats.distance is None
     made = {}
     for granularity in ("global", "head"):
