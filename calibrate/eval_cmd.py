@@ -129,8 +129,9 @@ def eval_command(
         d = load_drafter(drafter, drafter_path, target_path, dev, dt)
         ref = None if reference_drafter_path is None else load_drafter(drafter, reference_drafter_path, target_path,
                                                                        dev, dt)
+        n_ref = d.default_n_ref if n_ref is None else n_ref
         if loaded_spec is None:
-            loaded_spec = default_spec(n_ref or d.default_n_ref, k)
+            loaded_spec = default_spec(n_ref, k)
         try:
             loaded_spec.check_fits(d.info.num_layers, d.info.num_heads, what=f"the {drafter} drafter")
         except SpecError as err:

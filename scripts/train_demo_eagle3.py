@@ -226,18 +226,20 @@ def main() -> None:
                     help="continue from a head this script wrote (its folder): its weights, a fresh optimiser and "
                          "schedule of --steps more steps; its record is kept under 'init' in training_log.json")
     args = ap.parse_args()
+    init_config = None
     if args.init is not None:
         if not (args.init / "model.safetensors").is_file() or not (args.init / "training_log.json").is_file():
             raise SystemExit(f"--init {args.init}: not a head this script wrote (model.safetensors and "
                              "training_log.json expected); give such a folder")
         if args.init.resolve() == args.out.resolve():
             raise SystemExit(f"--init {args.init} is also --out: write the continued head to another folder")
-        old = json.loads((args.init / "config.json").read_text()) if (args.init / "config.json").is_file() else {}
+        config_file = args.init / "config.json"
+        init_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         asked = {"max_position_embeddings": args.span, "draft_vocab_size": args.draft_vocab,
                  "intermediate_size": args.intermediate}
-        if any(old.get(k) != v for k, v in asked.items()):
-            raise SystemExit(f"--init {args.init}: its config.json has {({k: old.get(k) for k in asked})}, these "
-                             f"options ask for {asked}; give matching --span / --draft-vocab / --intermediate")
+        if any(init_config.get(k) != v for k, v in asked.items()):
+            raise SystemExit(f"--init {args.init}: its config.json has {({k: init_config.get(k) for k in asked})}, "
+                             f"these options ask for {asked}; give matching --span / --draft-vocab / --intermediate")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
@@ -279,10 +281,9 @@ def main() -> None:
     previous = None
     if args.init is not None:
         previous = json.loads((args.init / "training_log.json").read_text())
-        old = json.loads((args.init / "config.json").read_text())
-        if old != json.loads(json.dumps(config.to_dict())):
+        if init_config != json.loads(json.dumps(config.to_dict())):
             raise SystemExit(f"--init {args.init} has another shape or n_ref than these options "
-                             f"({old} against {config.to_dict()})")
+                             f"({init_config} against {config.to_dict()})")
         from safetensors.torch import load_file
         missing, unexpected = head.load_state_dict(
             {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(args.init / "model.safetensors")).items()},
