@@ -4,9 +4,13 @@ The heads are real EAGLE-3 drafters (Li et al., 2025, arXiv:2503.01840; one deco
 target's low / middle / high hidden states, official checkpoint layout), trained on a CPU:
 
 * the **demo head** (``--span 256``, ``calibrate/assets/eagle3-smollm2``): no query sees more than
-  ``n_ref = 256`` keys in training, while RoPE positions span the whole 8,192-token sequences, so at
-  long context it differs from training only in how many keys a query sees (the dilution SharpDraft
-  corrects), not in rotation angles never seen;
+  ``n_ref = 256`` keys in training, each within a window of 253 consecutive rows. RoPE logits depend
+  on the query-key distance only, so this head has never seen a distance above 256: at long context
+  it meets more keys (dilution) *and* distances it was never trained on (drift);
+* the **every-distance head** (``--span 256 --far 128``, ``calibrate/assets/eagle3-smollm2-far``):
+  no query sees more than 256 keys either, but 128 of them are drawn at random from the whole
+  earlier sequence (up to 8,191 back), so every distance is seen and at long context it differs
+  from training only in how many keys a query sees: the regime the query scale corrects;
 * the **long-trained reference** (``--span 8192``, ``calibrate/assets/eagle3-smollm2-long``): the
   same recipe, data and steps, with spans up to 8,192 keys: the upper bound a training-free length
   correction can hope to reach.
@@ -31,7 +35,10 @@ Recipe, seeded and deterministic given the same torch build and thread count:
    ``span - ttt + 1 = 253`` rows, so that no query, the last drafting step's included, sees more
    than 256 keys. The reference takes one window of 2,048 rows at a random offset, and its queries
    also see the step-0 keys of every earlier row of the sequence (computed in the same pass, with
-   gradients), up to 8,191 keys. Sequences and offsets are random, positions true.
+   gradients), up to 8,191 keys. With ``--far F`` a window has ``span - ttt + 1 - F`` rows (125 for
+   the every-distance head, 16 windows a step) and its queries also see the step-0 keys of ``F``
+   positions drawn uniformly, without replacement, from the earlier sequence up to ``--reach`` before
+   its last row. Sequences and offsets are random, positions true.
 5. Progress is saved every ``--save-every`` steps under ``--work`` (atomically); a stopped run
    resumes from there. At the end: ``config.json`` (``max_position_embeddings = --span``: the
    training length, read as n_ref), ``model.safetensors`` in fp16 without ``embed_tokens`` (the
@@ -89,25 +96,40 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.
     return torch.sort(torch.topk(counts, size).indices).values
 
 
-def sample_windows(gen: torch.Generator, data: dict, windows: int, rows: int, ttt: int, context: int):
+def sample_windows(gen: torch.Generator, data: dict, windows: int, rows: int, ttt: int, context: int,
+                   far: int = 0, reach: int | None = None):
     """``windows`` random windows of ``rows`` base rows with their true positions.
 
     Base row ``r`` at position ``p``: step 0 pairs feature ``p`` with token ``p + 1``; step ``s``
     reads token ``p + 1 + s`` at position ``p + s`` and guesses token ``p + 2 + s``, whose target
-    distribution is the final state at ``p + 1 + s``. A window is preceded by up to ``context``
-    earlier rows of its sequence (one window only), whose step-0 keys its queries also see.
+    distribution is the final state at ``p + 1 + s``. In front of the window's rows come ``C``
+    key-only rows, whose step-0 keys every query of the window also sees:
 
-    Returns features (W, C + rows, 3H), tokens and teacher states (W, C + rows + ttt - 1, ...),
-    positions (W, C + rows), and C, the context rows in front (the same for every window).
+    * ``context`` (one window only): the up to ``context`` rows just before the window;
+    * ``far`` (any number of windows): ``far`` positions drawn uniformly without replacement from
+      every earlier position of the sequence at most ``reach`` before the window's last row, sorted
+      (windows start at position ``far`` or later, so each has ``far`` to draw from).
+
+    Returns features (W, C + rows, 3H), tokens (W, C + rows + ttt - 1), teacher states
+    (W, rows + ttt - 1 after C leading rows, as tokens), positions (W, C + rows), and C.
     """
     S, T = data["tokens"].shape
     seq = torch.randint(0, S, (windows,), generator=gen)
-    start = torch.randint(0, T - rows - ttt + 1, (windows,), generator=gen)
-    c = min(int(start[0]), context) if context else 0
-    pos = start[:, None] - c + torch.arange(c + rows)
-    ahead = pos[:, :1] + 1 + torch.arange(c + rows + ttt - 1)
+    start = torch.randint(far, T - rows - ttt + 1, (windows,), generator=gen)
+    window = start[:, None] + torch.arange(rows)  # (W, rows)
+    if far:
+        reach = T - 1 if reach is None else reach
+        lowest = (start + rows - 1 - reach).clamp(min=0)  # (W,) the farthest key a window's last row may see
+        front = torch.stack([lo + torch.randperm(int(s - lo), generator=gen)[:far].sort().values
+                             for s, lo in zip(start, lowest)])  # (W, far)
+    else:
+        c = min(int(start[0]), context) if context else 0
+        front = start[:, None] - c + torch.arange(c)  # (W, c): the rows just before the window
+    pos = torch.cat((front, window), dim=1)  # (W, C + rows)
+    ahead = torch.cat((front + 1, start[:, None] + 1 + torch.arange(rows + ttt - 1)), dim=1)  # the token after each
     s = seq[:, None]
-    return data["features"][s, pos].float(), data["tokens"][s, ahead], data["final"][s, ahead].float(), pos, c
+    return (data["features"][s, pos].float(), data["tokens"][s, ahead], data["final"][s, ahead].float(), pos,
+            front.shape[1])
 
 
 def chain_attention(query, keys, values, chunk: int, context: int = 0) -> torch.Tensor:
@@ -209,6 +231,13 @@ def main() -> None:
     ap.add_argument("--span", type=int, default=256,
                     help="keys a query sees at most in training (n_ref): windows of span - ttt + 1 base rows, "
                          "whose last drafting step sees span keys")
+    ap.add_argument("--far", type=int, default=0,
+                    help="keys drawn per window from the whole earlier sequence (at most --reach back), seen by "
+                         "every query of the window besides the window's own rows: windows of span - ttt + 1 - far "
+                         "base rows, so no query sees more than span keys but every distance is seen")
+    ap.add_argument("--reach", type=int, default=None,
+                    help="with --far: the farthest distance a drawn key may lie from its window's last row "
+                         "(default: the sequence length - 1)")
     ap.add_argument("--rows", type=int, default=2048, help="head rows per optimiser step")
     ap.add_argument("--ttt", type=int, default=4, help="drafting steps unrolled (training-time test)")
     ap.add_argument("--steps", type=int, default=360)
@@ -240,6 +269,11 @@ def main() -> None:
         if any(init_config.get(k) != v for k, v in asked.items()):
             raise SystemExit(f"--init {args.init}: its config.json has {({k: init_config.get(k) for k in asked})}, "
                              f"these options ask for {asked}; give matching --span / --draft-vocab / --intermediate")
+    if not 0 <= args.far <= args.span - 2 * args.ttt:
+        raise SystemExit(f"--far {args.far}: give 0 (no drawn keys) up to --span - 2 * --ttt = "
+                         f"{args.span - 2 * args.ttt}, so windows keep at least --ttt rows of their own")
+    if args.reach is not None and (not args.far or args.reach < args.span):
+        raise SystemExit(f"--reach {args.reach}: give it with --far, at least --span {args.span}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
@@ -253,10 +287,13 @@ def main() -> None:
     if not args.ttt <= args.span <= seq_len:
         raise SystemExit(f"--span {args.span} must lie between --ttt {args.ttt} and the sequence length {seq_len}")
     # windows of `base` rows; their last drafting step sees `base + ttt - 1` keys, and `context` more rows in
-    # front of a window (every earlier row of its sequence, up to the span) when the span exceeds a window
-    base = min(args.span - args.ttt + 1, args.rows, seq_len - args.ttt)
+    # front of a window (every earlier row of its sequence, up to the span) when the span exceeds a window,
+    # or `far` keys drawn from the whole earlier sequence
+    base = min(args.span - args.ttt + 1 - args.far, args.rows, seq_len - args.ttt)
     windows = args.rows // base
-    context = args.span - args.ttt + 1 - base
+    context = args.span - args.ttt + 1 - args.far - base
+    if args.reach is not None and args.reach >= seq_len:
+        raise SystemExit(f"--reach {args.reach}: give at most the sequence length - 1 = {seq_len - 1}")
     if context and windows != 1:
         raise SystemExit(f"--span {args.span} exceeds one window of --rows {args.rows}: give --rows <= --span")
     draft_ids = draft_vocabulary(data["tokens"], tc.vocab_size, args.draft_vocab)
@@ -318,7 +355,7 @@ def main() -> None:
     ema = None
     for step in range(done + 1, args.steps + 1):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            batch = sample_windows(gen, data, windows, base, args.ttt, context)
+            batch = sample_windows(gen, data, windows, base, args.ttt, context, args.far, args.reach)
             loss, agreement = unrolled_loss(head, teacher_w, batch,
                                             args.ttt, args.chunk)
         opt.zero_grad(set_to_none=True)

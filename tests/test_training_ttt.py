@@ -115,3 +115,50 @@ def test_steps_behind_a_record():
     steps_of = _script()._steps_of
     assert steps_of({"command": "python x.py --span 256 --steps 360 --lr 0.002"}) == 360
     assert steps_of({"command": "python x.py --steps 720", "steps_total": 1080}) == 1080
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_drawn_far_keys_are_the_chain_drafters_whole_context(chunk):
+    """With ``--far``, row ``r`` at step ``s`` is the chain drafter over exactly the drawn keys and the
+    window's rows ``<= r``, each at its true position (positions with gaps: the head's RoPE reads them)."""
+    train = _script()
+    head = _head(seed=5)
+    gen = torch.Generator().manual_seed(6)
+    data = {"tokens": torch.randint(0, 50, (2, 60), generator=gen),
+            "features": torch.randn(2, 60, 96, generator=gen, dtype=torch.float64),
+            "final": torch.randn(2, 60, 32, generator=gen, dtype=torch.float64)}
+    ttt, rows, far = 3, 5, 4
+    features, tokens, _, pos, context = train.sample_windows(gen, data, 2, rows, ttt, 0, far=far, reach=30)
+    assert context == far
+    assert bool((pos[:, 1:far] > pos[:, :far - 1]).all())  # drawn keys sorted, distinct
+    assert bool((pos[:, far - 1] < pos[:, far]).all())  # all before the window
+    assert bool((pos[:, -1] - pos[:, 0] <= 30).all())  # within reach of the window's last row
+    assert bool((pos[:, far + 1:] - pos[:, far:-1] == 1).all())  # the window is contiguous
+    assert pos[0, :far].diff().max() > 1  # not vacuous: the drawn keys leave gaps
+    features, tokens = features.double(), tokens
+    with torch.no_grad():
+        unrolled = list(train.unrolled_logits(head, features, tokens, pos, ttt, chunk, context))
+        for w in range(2):
+            for r in range(context, context + rows):
+                out = head(tokens[w:w + 1, :r + 1], features[w:w + 1, :r + 1], position_ids=pos[w:w + 1, :r + 1])
+                torch.testing.assert_close(unrolled[0][w, r - context], out.logits[0, -1], rtol=0, atol=1e-10)
+                past, hidden = out.past_key_values, out.hidden_states[:, -1:]
+                for s in range(1, ttt):
+                    out = head(tokens[w:w + 1, r + s:r + s + 1], hidden, position_ids=pos[w:w + 1, r:r + 1] + s,
+                               past_key_values=past)
+                    torch.testing.assert_close(unrolled[s][w, r - context], out.logits[0, -1], rtol=0, atol=1e-10)
+                    past, hidden = out.past_key_values, out.hidden_states[:, -1:]
+
+
+def test_drawn_keys_are_the_true_tokens_and_features():
+    """The drawn rows carry their own position's feature and next token (a data check, not geometry)."""
+    train = _script()
+    data = {"tokens": torch.arange(200).view(2, 100), "features": torch.arange(200.).view(2, 100, 1),
+            "final": torch.zeros(2, 100, 1)}
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        features, tokens, _, pos, context = train.sample_windows(gen, data, 3, 6, 2, 0, far=5)
+        seq = (features[:, :1, 0] // 100).long()
+        assert torch.equal(features[..., 0].long(), seq * 100 + pos)
+        assert torch.equal(tokens[:, :context + 6], seq * 100 + pos + 1)
+        assert bool((pos[:, :context] >= 0).all()) and context == 5
