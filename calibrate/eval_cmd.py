@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -69,6 +70,17 @@ def eval_command(
     reference_drafter_path: Annotated[Optional[str], typer.Option(
         "--reference-drafter-path", help="Another head of the same kind (e.g. long-trained), run unscaled as the "
                                          "variant 'reference'.")] = None,
+    temperature: Annotated[float, typer.Option(
+        help="T of the expected acceptance sum_x min(p_T, q_T): the chance speculative sampling at T accepts a "
+             "drafted token (reported beside greedy agreement).")] = 1.0,
+    slopes: Annotated[Optional[str], typer.Option(
+        help="Oracle: log-linear slopes to try on the same rows, comma-separated (e.g. 0.05,0.1,0.2,0.4); "
+             "teacher-forced only, ranked by agreement gain past n_ref.")] = None,
+    alphas: Annotated[Optional[str], typer.Option(
+        help="Oracle: constant query scales past n_ref to try (e.g. 0.9,1.1,1.25), as --slopes.")] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue an interrupted run: finished sequences and prompts are kept in <out>.partial "
+                         "and read back (needs --out and the same options).")] = False,
     device: Annotated[str, typer.Option(help="auto (CUDA when present), cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="Weights: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16.")]
         = "auto",
@@ -86,6 +98,7 @@ def eval_command(
 
     from .drafters import load_drafter, resolve_device, resolve_dtype
     from .evaluate import bucket_edges, check_variants, default_spec, evaluate
+    from .measure import SavedUnits, parse_grid, partial_dir
     from .preflight import check_corpus, check_outputs, load_spec, local_inputs
 
     drafter_kind(drafter, evaluates=True)
@@ -108,6 +121,10 @@ def eval_command(
     if n_ref is not None and not 2 <= n_ref < edges[-1]:
         raise UserError(f"--n-ref {n_ref}: expected at least 2 and below the largest of --lengths ({edges[-1]}), "
                         "so that some bucket lies beyond it")
+    if not (math.isfinite(temperature) and 0.01 <= temperature <= 100):
+        raise UserError(f"--temperature {temperature}: expected a temperature from 0.01 to 100 (default 1.0; "
+                        "greedy agreement is reported besides)")
+    slope_grid, alpha_grid = parse_grid("--slopes", slopes), parse_grid("--alphas", alphas)
     if plot is not None and plot.suffix.lower() != ".png":
         raise UserError(f"--plot {plot}: give a .png file name")
     check_outputs({"--out": out, "--plot": plot},
@@ -121,6 +138,16 @@ def eval_command(
             loaded_spec = ScaleSpec.from_dict({**loaded_spec.to_dict(), "top_k": k})
         except SpecError as err:
             raise UserError(f"--top-k {k}: does not fit the spec {spec} ({err})") from None
+    if n_ref is not None:  # the grid's specs are checked before loading when n_ref is known
+        from .measure import scale_grid
+        scale_grid(slope_grid, alpha_grid, n_ref, k)
+    params = {"drafter": drafter, "drafter_path": drafter_path, "target_path": target_path,
+              "spec": loaded_spec.to_dict() if loaded_spec else None, "lengths": sorted(set(edges)), "corpus": corpus,
+              "sequences": sequences, "skip": skip, "top_k": k, "speculative": speculative, "new_tokens": new_tokens,
+              "num_draft": num_draft, "variants": list(chosen), "window": window, "sinks": sinks, "n_ref": n_ref,
+              "reference_drafter_path": reference_drafter_path, "temperature": temperature, "slopes": slope_grid,
+              "alphas": alpha_grid, "dtype": dtype}
+    saved = SavedUnits(None if out is None else partial_dir(out), params, resume)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if threads:
@@ -139,7 +166,8 @@ def eval_command(
         progress = None if as_json else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
         result = evaluate(d, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,
-                          window=window, sinks=sinks, reference=ref, progress=progress, n_ref=n_ref)
+                          window=window, sinks=sinks, reference=ref, progress=progress, n_ref=n_ref,
+                          temperature=temperature, slopes=slope_grid, alphas=alpha_grid, saved=saved)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)
     try:
@@ -148,7 +176,9 @@ def eval_command(
         if plot is not None:
             plot_result(result, plot)
     except OSError as err:
-        raise UserError(f"cannot write {err.filename or out}: {err.strerror}; the evaluation was not saved") from None
+        raise UserError(f"cannot write {err.filename or out}: {err.strerror}; the evaluation was not saved"
+                        + ("; --resume reads back what was measured" if out is not None else "")) from None
+    saved.finish()
     if as_json:
         print(text)
         return

@@ -28,6 +28,11 @@ Per bucket and variant:
     next token, over the same positions (the adapter's ``teacher_forced``; EAGLE-3: the head row
     at position ``t`` predicts token ``t + 2`` from the target feature at ``t`` and token ``t + 1``;
     ``hf`` / ``pard``: the drafter's and the target's next token at ``t``).
+``expected_acceptance``
+    teacher-forced, over the same rows: the probability that speculative sampling at temperature
+    ``T`` accepts the drafter's token, ``sum_x min(p_T(x), q_T(x))`` for the target's and the
+    drafter's next-token laws (``calibrate.measure.metrics``); greedy agreement is its ``T -> 0``
+    limit.
 ``acceptance_length``, ``speedup`` (with ``speculative=True``)
     greedy speculative decoding with chains of ``num_draft`` after a prompt of ``n - new_tokens``
     tokens, one prompt per sequence: tokens committed per target forward that verifies drafts,
@@ -39,7 +44,7 @@ Per bucket and variant:
     ``speculative.outputs_identical``: every run's output equals target-only greedy decoding by
     the same loop's target (``generate`` without an assistant; ``greedy_generate``), token for token.
 ``delta_vs_none``
-    ``{"agreement": [mean, lo, hi], "acceptance_length": [mean, lo, hi]}``: the paired difference
+    ``{"agreement", "expected_acceptance", "acceptance_length": [mean, lo, hi]}``: the paired difference
     from ``none`` over the same rows (agreement: pooled over the bucket's rows; acceptance: mean
     over prompts), with a 95% percentile bootstrap interval that resamples **sequences** (rows of
     one sequence are not independent), :func:`paired_bootstrap`.
@@ -47,6 +52,15 @@ Per bucket and variant:
     where the reference gains (its own ``delta_vs_none`` interval lies above 0): the variant's mean
     delta over the reference's, the share of the long-trained head's gain the variant recovers
     (else None: a loss has no share to recover).
+
+``oracle`` (with ``slopes`` or ``alphas``)
+    more arms on the same rows, teacher-forced only (``calibrate.measure.arms``: ``slope s`` and
+    ``alpha c``), ranked by their agreement gain over ``none`` averaged with equal weights over the
+    buckets past ``n_ref``, each with its paired interval: the best query scale the drafter admits.
+
+Every teacher-forced arm shares one target pass per sequence (``calibrate.measure.forced``); each
+finished sequence and speculative prompt is kept (``calibrate.measure.saved``), so an interrupted
+run resumed gives the same result.
 
 A bucket ``n`` holds the rows with ``n_prev < n <= n_edge`` where ``n`` is the number of keys
 the full drafter sees at that row (a window lowers what the row really sees, not its bucket), so
@@ -66,20 +80,19 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from sharpdraft_runtime import causal_mask
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.bootstrap import RESAMPLES, paired_bootstrap
-from sharpdraft_theory.mass import topk_mass
 from sharpdraft_theory.stats import DEFAULT_SINKS
 
 from .corpus import pack
 from .drafters import drafter_kind
 from .errors import UserError
+from .measure import METRICS, Arm, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
 from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, Prefill, SpeculativeResult, greedy_generate, prefill,
                           speculative_generate, transformers_generate)
 
 __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_SINKS", "default_spec", "variant_specs", "check_variants",
-           "bucket_edges", "paired_bootstrap", "MassMeter", "evaluate"]
+           "bucket_edges", "paired_bootstrap", "evaluate"]
 
 VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", "reference")  # every variant eval knows
 DEFAULT_VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks")  # reference joins when a reference head is given
@@ -147,67 +160,6 @@ def bucket_edges(lengths: list[int]) -> np.ndarray:
     return np.asarray(edges)
 
 
-class MassMeter:
-    """Mean top-k mass per bucket from attention calls (an ``AttentionTap``).
-
-    Up to ``rows_per_bucket`` query rows per bucket, evenly spaced, are measured (all heads of
-    each), so the cost does not grow with n^2. The meter reads the query as it comes: show it the
-    scaled query (``calibrate.taps.ScalingTap``) to measure a spec. Calls are eval's layout: one
-    unpadded causal sequence whose query ``i`` sits at position ``k_len - q_len + i``, so it is
-    bucketed by ``n = position + 1`` and sees the keys ``restrict``'s window and sinks keep
-    (:func:`sharpdraft_runtime.causal_mask`'s rule; none: keys ``0 .. position``).
-    """
-
-    def __init__(self, edges: np.ndarray, top_k: int, rows_per_bucket: int = 96, restrict: ScaleSpec | None = None):
-        self.edges, self.top_k, self.rows_per_bucket = edges, top_k, rows_per_bucket
-        self.window, self.sinks = (None, None) if restrict is None else (restrict.window, restrict.sinks)
-        self.sums = defaultdict(float)
-        self.counts = defaultdict(int)
-
-    def _rows(self, n: np.ndarray) -> np.ndarray:
-        """Indices of the query rows to measure: evenly spaced within each bucket."""
-        bucket = np.searchsorted(self.edges, n)
-        chosen = []
-        for b in range(len(self.edges)):
-            idx = np.flatnonzero((bucket == b) & (n > self.top_k))
-            if len(idx) > self.rows_per_bucket:
-                idx = idx[np.linspace(0, len(idx) - 1, self.rows_per_bucket).round().astype(int)]
-            chosen.append(idx)
-        return np.concatenate(chosen)
-
-    @torch.no_grad()
-    def __call__(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
-                 n_visible: torch.Tensor) -> None:
-        q_len, k_len = query.shape[2], key.shape[2]
-        n = np.arange(k_len - q_len, k_len) + 1  # (q,) keys the full drafter's row sees: its position + 1
-        rows = self._rows(n)
-        if len(rows) == 0:
-            return
-        groups = query.shape[1] // key.shape[1]
-        k = key[0].float().repeat_interleave(groups, dim=0)  # (heads, k_len, D)
-        for start in range(0, len(rows), 32):
-            sel = rows[start:start + 32]
-            q = query[0, :, torch.as_tensor(sel, device=query.device)].float()  # (heads, r, D)
-            logits = (q @ k.transpose(-1, -2) * scaling).double().cpu().numpy()  # (heads, r, k_len)
-            visible = causal_mask(k_len, sliding_window=self.window, sinks=self.sinks,
-                                  positions=torch.as_tensor(n[sel] - 1)).numpy()  # (r, k_len)
-            logits = np.where(visible[None], logits, -np.inf)
-            mass = topk_mass(logits, self.top_k)  # (heads, r)
-            for b, m in zip(np.searchsorted(self.edges, n[sel]), mass.mean(axis=0)):
-                self.sums[b] += float(m)
-                self.counts[b] += 1
-
-    def result(self) -> dict[int, float | None]:
-        return {b: (self.sums[b] / self.counts[b] if self.counts[b] else None) for b in range(len(self.edges))}
-
-
-def _per_bucket(edges: np.ndarray, n: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Sums of ``values`` (rows,) per bucket of ``n`` (rows,): shape (buckets,); rows past the last edge dropped."""
-    b = np.searchsorted(edges, n)
-    keep = b < len(edges)
-    return np.bincount(b[keep], weights=values[keep].astype(float), minlength=len(edges))
-
-
 # ----------------------------------------------------------------------------------------------
 # The evaluation
 # ----------------------------------------------------------------------------------------------
@@ -215,7 +167,8 @@ def _per_bucket(edges: np.ndarray, n: np.ndarray, values: np.ndarray) -> np.ndar
 def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pydoc:heldout",
              sequences: int | None = None, skip: int = 0, rows_per_bucket: int = 96, speculative: bool = False,
              new_tokens: int = 32, num_draft: int = 4, variants=DEFAULT_VARIANTS, window: int | None = None,
-             sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None) -> dict:
+             sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None,
+             temperature: float = 1.0, slopes=(), alphas=(), saved: SavedUnits | None = None) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
     Parameters
@@ -240,70 +193,87 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     n_ref : int, optional
         The drafter's training length (default ``drafter.default_n_ref``): where qwen-logn starts and
         the window's default W.
+    temperature : float
+        ``T`` of the expected acceptance ``sum_x min(p_T, q_T)`` (``calibrate.measure.metrics``).
+    slopes, alphas : sequence of float
+        The oracle's grid (``calibrate.measure.arms``): more arms on the same rows, teacher-forced only.
+    saved : SavedUnits, optional
+        Where finished sequences and prompts are kept and, resuming, read back.
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     edges = bucket_edges(lengths)
     n_ref = drafter.default_n_ref if n_ref is None else int(n_ref)
+    saved = saved or SavedUnits(None, {}, resume=False)
     variants = check_variants(list(variants), window=window, sinks=sinks, has_reference=reference is not None)
     if reference is not None and reference.kind != drafter.kind:
         raise UserError(f"--reference-drafter-path: the reference is a {reference.kind} drafter, "
                         f"expected {drafter.kind} like the drafter")
     specs = variant_specs(spec, n_ref, variants, window=window, sinks=sinks)
+    grid = scale_grid(list(slopes), list(alphas), n_ref, spec.top_k)
+    arms = ([Arm(v, s) for v, s in specs.items()] + grid
+            + ([Arm("reference", None, other=True)] if reference is not None else []))
     texts = list(pack(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]),
                       None if sequences is None else skip + sequences))[skip:]
     if not texts:
         raise UserError(f"--skip {skip}: {corpus} holds no more than {skip} sequences of {edges[-1]} tokens; "
                         "lower --skip or the largest length")
-    names = list(specs) + (["reference"] if reference is not None else [])
-    meters = {v: MassMeter(edges, spec.top_k, rows_per_bucket, specs.get(v)) for v in names}
-    hits = {v: np.zeros((len(texts), len(edges))) for v in names}  # (sequences, buckets) rows agreeing
-    rows = np.zeros((len(texts), len(edges)))  # (sequences, buckets) rows per bucket, the same for every variant
+    tallies = []
     for i, text in enumerate(texts):
-        if progress:
-            progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {', '.join(names)}")
-        ids = torch.tensor([text])
-        forced = drafter.teacher_forced(ids, [(s, meters[v]) for v, s in specs.items()])
-        n = np.arange(1, forced.drafted.shape[1] + 1)  # row t: the full drafter sees t + 1 keys (adapters' layout)
-        rows[i] = _per_bucket(edges, n, np.ones(len(n)))
-        for variant, drafted in zip(specs, forced.drafted):
-            hits[variant][i] = _per_bucket(edges, n, (drafted == forced.target_next).cpu().numpy())
-        if reference is not None:
-            ref = reference.teacher_forced(ids, [(None, meters["reference"])])
-            hits["reference"][i] = _per_bucket(edges, n, (ref.drafted[0] == ref.target_next).cpu().numpy())
-    buckets = [{"n": int(n), "rows": int(rows[:, b].sum())} for b, n in enumerate(edges)]
-    for variant in names:
-        mass = meters[variant].result()
-        for b, row in enumerate(buckets):
-            row[variant] = {"mass": _round(mass[b]),
-                            "agreement": _round(hits[variant][:, b].sum() / rows[:, b].sum() if row["rows"] else None),
-                            "agreement_interval": _interval(paired_bootstrap(hits[variant][:, b], rows[:, b]))}
-            if variant != "none":
-                row[variant]["delta_vs_none"] = {
-                    "agreement": _triple(paired_bootstrap(hits[variant][:, b] - hits["none"][:, b], rows[:, b]))}
+        kept = saved.get(f"forced-{i:05d}")
+        if kept is None:
+            if progress:
+                progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {len(arms)} arms")
+            tally = tally_sequence(drafter, torch.tensor([text]), arms, edges, top_k=spec.top_k,
+                                   temperature=temperature, rows_per_bucket=rows_per_bucket, other=reference)
+            saved.put(f"forced-{i:05d}", tally.to_dict())
+        else:
+            tally = Tally.from_dict(kept)
+        tallies.append(tally)
+    buckets = summarize(tallies, arms, edges)
+    names = [a.name for a in arms if a not in grid]
     loop = ASSISTED_LOOP if kind.assisted else CHAIN_LOOP
     all_identical = None
     if speculative:
         all_identical = _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft,
-                                     progress)
+                                     progress, saved)
     if reference is not None:
         _recovered(buckets, names)
     return {
         "drafter": {"kind": drafter.kind, "path": drafter.info.path, "n_ref": n_ref},
         "reference": None if reference is None else {"kind": reference.kind, "path": reference.info.path},
         "corpus": corpus, "skip": skip, "sequences": len(texts), "sequence_length": int(edges[-1]),
-        "top_k": spec.top_k, "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
-        "variants": {v: (None if s is None else {"law": s.law, "n_ref": s.n_ref, "slope": _slope(s),
-                                                 "window": s.window, "sinks": s.sinks})
-                     for v, s in specs.items()} | ({"reference": None} if reference is not None else {}),
+        "top_k": spec.top_k, "temperature": temperature,
+        "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
+        "variants": {a.name: _described(a.spec) for a in arms},
         "speculative": None if not speculative else {"loop": loop, "new_tokens": new_tokens, "num_draft": num_draft,
                                                      "outputs_identical": all_identical},
+        "oracle": _oracle(tallies, grid, edges, n_ref) if grid else None,
         "buckets": buckets,
     }
 
 
-def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft, progress) -> bool:
+def _described(spec: ScaleSpec | None) -> dict | None:
+    """A variant's deployment in the result: its spec's law, n_ref, (mean) slope, window and sinks."""
+    if spec is None:
+        return None
+    return {"law": spec.law, "n_ref": spec.n_ref, "slope": _slope(spec), "window": spec.window, "sinks": spec.sinks,
+            **({"alpha": spec.table.alpha[-1]} if spec.table is not None and spec.granularity == "global" else {})}
+
+
+def _oracle(tallies, grid, edges: np.ndarray, n_ref: int) -> dict | None:
+    """The grid's arms ranked by their agreement gain over none averaged (equal weights) over the
+    buckets past n_ref, each with its paired 95% interval over sequences."""
+    past = np.flatnonzero(edges > n_ref)
+    if not len(past):
+        return None
+    gains = {a.name: {m: gain(tallies, a.name, past, metric=m) for m in METRICS} for a in grid}
+    best = max(gains, key=lambda name: gains[name]["agreement"][0])
+    return {"buckets": [int(edges[b]) for b in past], "weights": "equal", "gains": gains, "best": best}
+
+
+def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft, progress,
+                 saved: SavedUnits) -> bool:
     """Fill acceptance_length, speedup and their deltas per bucket: one prompt of ``n`` tokens per sequence."""
-    target = drafter.target
     runs = [(v, drafter, s) for v, s in specs.items()] + ([("reference", reference, None)] if reference else [])
     identical = True
     for b, n in enumerate(edges):
@@ -311,22 +281,19 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
         seconds, decoded = defaultdict(float), defaultdict(int)  # per variant: decode time and tokens
         base_seconds, base_decoded = 0.0, 0
         for i, text in enumerate(texts):
-            # decoding runs over positions n - new_tokens .. n, inside the bucket
-            prompt = torch.tensor([text[:max(int(n) - new_tokens, 2)]], device=drafter.device)
-            if progress:
-                progress(f"speculative decoding ({loop}): n = {n}, prompt {i + 1}/{len(texts)}")
-            # chain loop: one target prefill per prompt, shared by the baseline and every variant (each decodes
-            # from a copy); transformers' generate prefills in each run
-            shared = None if loop == ASSISTED_LOOP else prefill(target, prompt, drafter.chain_drafter(None).feature_ids)
-            baseline = _decode(loop, target, None, None, prompt, new_tokens, num_draft, shared)
-            base_seconds += baseline.decode_seconds
-            base_decoded += baseline.decode_tokens
-            for variant, source, s in runs:
-                out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared)
-                identical &= out.tokens == baseline.tokens
-                lengths[variant][i] = out.acceptance_length
-                seconds[variant] += out.decode_seconds
-                decoded[variant] += out.decode_tokens
+            unit = saved.get(f"speculative-{int(n)}-{i:05d}")
+            if unit is None:
+                if progress:
+                    progress(f"speculative decoding ({loop}): n = {n}, prompt {i + 1}/{len(texts)}")
+                unit = _prompt(loop, drafter, runs, text[:max(int(n) - new_tokens, 2)], new_tokens, num_draft)
+                saved.put(f"speculative-{int(n)}-{i:05d}", unit)
+            identical &= unit["identical"]
+            base_seconds += unit["base"][0]
+            base_decoded += unit["base"][1]
+            for variant, (length, secs, tokens) in unit["runs"].items():
+                lengths[variant][i] = length
+                seconds[variant] += secs
+                decoded[variant] += tokens
         buckets[b]["acceptance_prompts"] = len(texts)
         base_rate = base_seconds / base_decoded if base_decoded else None  # seconds per decoded token
         for variant, _, _ in runs:
@@ -339,6 +306,23 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
                 cell["delta_vs_none"]["acceptance_length"] = _triple(paired_bootstrap(lengths[variant]
                                                                                       - lengths["none"]))
     return identical
+
+
+def _prompt(loop: str, drafter, runs, prompt: list[int], new_tokens: int, num_draft: int) -> dict:
+    """One prompt decoded target-only and by every run: ``{"identical", "base": [seconds, tokens],
+    "runs": {variant: [acceptance length, decode seconds, decoded tokens]}}`` (what a resumed run keeps)."""
+    target = drafter.target
+    prompt = torch.tensor([prompt], device=drafter.device)
+    # chain loop: one target prefill per prompt, shared by the baseline and every variant (each decodes
+    # from a copy); transformers' generate prefills in each run
+    shared = None if loop == ASSISTED_LOOP else prefill(target, prompt, drafter.chain_drafter(None).feature_ids)
+    baseline = _decode(loop, target, None, None, prompt, new_tokens, num_draft, shared)
+    unit = {"identical": True, "base": [baseline.decode_seconds, baseline.decode_tokens], "runs": {}}
+    for variant, source, s in runs:
+        out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared)
+        unit["identical"] &= out.tokens == baseline.tokens
+        unit["runs"][variant] = [out.acceptance_length, out.decode_seconds, out.decode_tokens]
+    return unit
 
 
 def _decode(loop: str, target, source, spec: ScaleSpec | None, prompt: torch.Tensor, new_tokens: int,

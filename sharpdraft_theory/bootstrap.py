@@ -14,16 +14,20 @@ RESAMPLES = 2000  # bootstrap resamples of the sequences
 
 
 def paired_bootstrap(numerator: np.ndarray, denominator: np.ndarray | None = None, *, resamples: int = RESAMPLES,
-                     seed: int = 0) -> list[float] | None:
+                     seed: int = 0, weights: np.ndarray | None = None) -> list[float] | None:
     """``[mean, lo, hi]`` of ``sum(numerator) / sum(denominator)`` with a 95% bootstrap over sequences.
 
     Parameters
     ----------
-    numerator : array of shape (sequences,)
+    numerator : array of shape (sequences,) or (sequences, buckets)
         Per sequence: a paired difference (hits of a variant minus hits of ``none`` on the same
-        rows), or a value.
-    denominator : array of shape (sequences,), optional
+        rows), or a value. With a buckets axis the statistic is the ``weights``-average over
+        buckets of each bucket's ``sum(numerator) / sum(denominator)`` (every resample draws whole
+        sequences, all their buckets together).
+    denominator : array of the shape of ``numerator``, optional
         Per sequence: rows (default: 1 each, so the statistic is the mean over sequences).
+    weights : array of shape (buckets,), optional
+        Bucket weights (normalised here; default equal).
     resamples : int
         Resamples of the sequences (0: no interval).
 
@@ -46,12 +50,16 @@ def paired_bootstrap(numerator: np.ndarray, denominator: np.ndarray | None = Non
     """
     numerator = np.asarray(numerator, dtype=np.float64)
     denominator = np.ones_like(numerator) if denominator is None else np.asarray(denominator, dtype=np.float64)
-    if denominator.sum() == 0:
+    numerator, denominator = numerator.reshape(len(numerator), -1), denominator.reshape(len(numerator), -1)  # (S, B)
+    w = np.ones(numerator.shape[1]) if weights is None else np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    if (denominator.sum(0) == 0).any():
         return None
+    mean = float((numerator.sum(0) / denominator.sum(0)) @ w)
     if len(numerator) < 2 or resamples < 1:
-        return [float(numerator.sum() / denominator.sum()), None, None]
+        return [mean, None, None]
     picks = np.random.default_rng(seed).integers(0, len(numerator), size=(resamples, len(numerator)))  # (R, S)
     with np.errstate(invalid="ignore", divide="ignore"):
-        stats = numerator[picks].sum(1) / denominator[picks].sum(1)  # (R,), nan where a resample has no rows
+        stats = (numerator[picks].sum(1) / denominator[picks].sum(1)) @ w  # (R,), nan where a resample has no rows
     lo, hi = np.nanpercentile(stats, [2.5, 97.5])
-    return [float(numerator.sum() / denominator.sum()), float(lo), float(hi)]
+    return [mean, float(lo), float(hi)]

@@ -15,7 +15,8 @@ from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
 from calibrate.drafters.hf import CausalLMDrafter
 from calibrate.errors import UserError
 from calibrate.eval_cmd import plot_result
-from calibrate.evaluate import DEFAULT_VARIANTS, MassMeter, bucket_edges, default_spec, evaluate, paired_bootstrap
+from calibrate.evaluate import DEFAULT_VARIANTS, bucket_edges, default_spec, evaluate, paired_bootstrap
+from calibrate.measure import MassMeter
 from calibrate.taps import ScalingTap
 from sharpdraft_theory import ScaleSpec
 

@@ -63,11 +63,12 @@ class AttentionTap(Protocol):
 
 @dataclass(frozen=True)
 class TeacherForced:
-    """The drafter's greedy guesses over a text, next to the target's, one row per query row."""
+    """The drafter's guesses over a text, next to the target's, one row per query row."""
 
     n_visible: torch.Tensor  # (rows,) keys the row's query sees in the drafter's attention
     target_next: torch.Tensor  # (rows,) the target's greedy token at the row's place in the text
     drafted: torch.Tensor  # (runs, rows) the drafter's greedy token (target vocabulary), one row per run
+    accept: torch.Tensor  # (runs, rows) sum_x min(p_T, q_T): the row's acceptance probability under sampling at T
 
 
 class ChainDrafter(Protocol):
@@ -116,10 +117,11 @@ class Drafter(Protocol):
 
     target: torch.nn.Module  # the target model the drafter drafts for
 
-    def teacher_forced(self, input_ids: torch.Tensor,
-                       runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]]) -> TeacherForced:
+    def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
+                       temperature: float = 1.0) -> TeacherForced:
         """The target once over ``input_ids`` (1, T), then the drafter once per ``(spec, tap)``, its
-        queries scaled by ``spec`` (None: unscaled) and shown, scaled, to ``tap``."""
+        queries scaled by ``spec`` (None: unscaled) and shown, scaled, to ``tap``; expected acceptance
+        at ``temperature`` (``calibrate.measure.metrics.NextTokenLaw``)."""
 
     def chain_drafter(self, spec: ScaleSpec | None) -> ChainDrafter:
         """A chain drafter with ``spec`` applied (None: unscaled); call its ``close`` when done."""

@@ -601,23 +601,28 @@ class Eagle3Drafter:
         self.head(input_ids[:, 1:], features[:, :-1], attention_hook=tap, return_logits=False)
 
     @torch.no_grad()
-    def teacher_forced(self, input_ids: torch.Tensor,
-                       runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]]) -> TeacherForced:
-        """Head row ``t`` (the collect layout) guesses token ``t + 2``; the target's guess for it is its
-        greedy token after position ``t + 1``. The target runs once, for features and its guesses."""
+    def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
+                       temperature: float = 1.0) -> TeacherForced:
+        """Head row ``t`` (the collect layout) guesses token ``t + 2``; the target's law for it is its
+        next-token law after position ``t + 1``. The target runs once, for features and its law."""
+        from ..measure.metrics import NextTokenLaw
+
         input_ids = self._input(input_ids)
         num_layers = len(self.target.get_decoder().layers)
         out = hidden_state_features(self.target, input_ids, (*self.feature_ids, num_layers))  # (1, T, (n + 1) * width)
         width = out.shape[-1] // (len(self.feature_ids) + 1)
-        features, final = out[:, :, :-width], out[0, :, -width:]
-        target_next = self.target.get_output_embeddings()(final).argmax(-1)  # (T,) the target's token after t
-        drafted = []
+        features, final = out[:, :, :-width], out[0, 1:, -width:]
+        columns = self.head.draft_to_target(torch.arange(self.head.config.draft_vocab_size, device=final.device))
+        law = NextTokenLaw(self.target.get_output_embeddings()(final), temperature, columns)  # rows t + 1 >= 1
+        drafted, accept = [], []
         for spec, tap in runs:
             scaled = ScalingTap(spec, tap)
             logits = self.head(input_ids[:, 1:], features[:, :-1], attention_hook=scaled,
                                **_restriction(spec)).logits[0]  # (T-1, draft)
             drafted.append(self.head.draft_to_target(logits.argmax(-1)))
-        return TeacherForced(n_visible=scaled.n_visible[0], target_next=target_next[1:], drafted=torch.stack(drafted))
+            accept.append(law.acceptance(logits))
+        return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
+                             accept=torch.stack(accept))
 
     def chain_drafter(self, spec: ScaleSpec | None) -> "Eagle3ChainDrafter":
         return Eagle3ChainDrafter(self.head, self.feature_ids, spec)

@@ -88,17 +88,22 @@ class CausalLMDrafter:
             self.model.base_model(input_ids=input_ids.to(self.device), use_cache=False)
 
     @torch.no_grad()
-    def teacher_forced(self, input_ids: torch.Tensor,
-                       runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]]) -> TeacherForced:
-        """Row ``t`` of (1, T): the drafter's and the target's greedy token after token ``t``."""
+    def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
+                       temperature: float = 1.0) -> TeacherForced:
+        """Row ``t`` of (1, T): the drafter's and the target's next-token laws after token ``t``."""
+        from ..measure.metrics import NextTokenLaw
+
         input_ids = input_ids.to(self.device)
-        target_next = self.target(input_ids=input_ids).logits[0].argmax(-1)  # (T,)
-        drafted = []
+        law = NextTokenLaw(self.target(input_ids=input_ids).logits[0], temperature)  # (T, vocab)
+        drafted, accept = [], []
         for spec, tap in runs:
             scaled = ScalingTap(spec, tap)
             with attention_tap(self.model, scaled, restrict=spec):
-                drafted.append(self.model(input_ids=input_ids, use_cache=False).logits[0].argmax(-1))  # (T,)
-        return TeacherForced(n_visible=scaled.n_visible[0], target_next=target_next, drafted=torch.stack(drafted))
+                logits = self.model(input_ids=input_ids, use_cache=False).logits[0]  # (T, vocab)
+            drafted.append(logits.argmax(-1))
+            accept.append(law.acceptance(logits))
+        return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
+                             accept=torch.stack(accept))
 
     @contextlib.contextmanager
     def assistant(self, spec: ScaleSpec | None):
