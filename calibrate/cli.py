@@ -161,6 +161,8 @@ def inspect(spec: Annotated[Path, typer.Argument(help="Scale spec JSON file to v
                                f"min {slopes.min():.4f}, max {slopes.max():.4f}")
     table.add_row("top_k", str(s.top_k))
     table.add_row("alpha_max", _fmt(s.alpha_max))
+    if s.positions is not None:
+        table.add_row("positions", s.positions.describe())
     if s.drafter is not None:
         d = s.drafter
         table.add_row("drafter", f"{d.kind} {d.path or '(built-in)'}: {d.num_layers} layers, {d.num_heads} heads "

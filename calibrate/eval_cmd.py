@@ -57,11 +57,18 @@ def eval_command(
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per speculative prompt.")] = 32,
     num_draft: Annotated[int, typer.Option("--num-draft", help="Draft chain length K.")] = 4,
     variants: Annotated[str, typer.Option(help="Variants to compare, comma-separated: none, spec, qwen-logn, window, "
-                                          "sinks, reference (none is always run).")]
+                                          "sinks, clamp, group, pi, clamp+spec, group+spec, pi+spec, reference "
+                                          "(none is always run).")]
         = "none,spec,qwen-logn,window,sinks",
     window: Annotated[Optional[int], typer.Option(help="The window variant's W: the drafter attends to its last W "
                                                   "keys (default: its n_ref).")] = None,
     sinks: Annotated[int, typer.Option(help="The sinks variant's S: the first S keys plus the last W - S.")] = 4,
+    neighbour_window: Annotated[Optional[int], typer.Option(
+        "--neighbour-window", help="W of the clamp and group variants: the last W keys keep their positions "
+                                   "(default: n_ref - 1 for clamp, n_ref // 2 for group; below n_ref).")] = None,
+    group: Annotated[Optional[int], typer.Option(
+        "--group", help="G of the group variants (Self-Extend's group size; default: the least G >= 2 that keeps "
+                        "every grouped distance below n_ref up to the longest length).")] = None,
     n_ref: Annotated[Optional[int], typer.Option(
         "--n-ref", help="The drafter's training length: where qwen-logn starts, the window's default W and the "
                         "default spec's n_ref (default: the drafter's, from its training record or config; a "
@@ -107,7 +114,8 @@ def eval_command(
     names = _variants(variants)
     if reference_drafter_path is not None and "reference" not in names:
         names.append("reference")  # the reference head is a variant once given
-    chosen = check_variants(names, window=window, sinks=sinks, has_reference=reference_drafter_path is not None)
+    chosen = check_variants(names, window=window, sinks=sinks, has_reference=reference_drafter_path is not None,
+                            neighbour_window=neighbour_window, group=group, n_ref=n_ref, longest=max(edges))
     if reference_drafter_path is not None and not Path(reference_drafter_path).exists() and drafter == "eagle3":
         raise UserError(f"--reference-drafter-path {reference_drafter_path}: no such folder")
     if sequences is not None and sequences < 1:
@@ -146,7 +154,7 @@ def eval_command(
               "sequences": sequences, "skip": skip, "top_k": k, "speculative": speculative, "new_tokens": new_tokens,
               "num_draft": num_draft, "variants": list(chosen), "window": window, "sinks": sinks, "n_ref": n_ref,
               "reference_drafter_path": reference_drafter_path, "temperature": temperature, "slopes": slope_grid,
-              "alphas": alpha_grid, "dtype": dtype}
+              "alphas": alpha_grid, "dtype": dtype, "neighbour_window": neighbour_window, "group": group}
     saved = SavedUnits(None if out is None else partial_dir(out), params, resume)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -167,7 +175,8 @@ def eval_command(
         result = evaluate(d, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,
                           window=window, sinks=sinks, reference=ref, progress=progress, n_ref=n_ref,
-                          temperature=temperature, slopes=slope_grid, alphas=alpha_grid, saved=saved)
+                          temperature=temperature, slopes=slope_grid, alphas=alpha_grid, saved=saved,
+                          neighbour_window=neighbour_window, group=group)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)
     try:

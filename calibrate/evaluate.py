@@ -14,6 +14,16 @@ For each context-length bucket and each variant it reports, on the same held-out
 ``sinks``
     the first S keys plus the last W - S (StreamingLLM; S = 4), so it too is the plain drafter at
     n <= W;
+``clamp``, ``group``, ``pi``
+    distance fixes (``sharpdraft_theory.positions``): the logits past the drafter's trained
+    distances computed at remapped RoPE positions, a spec with law ``constant``, slope 0 and
+    ``positions``: ``clamp`` (ReRoPE: distances >= W computed as W; W = n_ref - 1 by default, the
+    identity up to n_ref keys), ``group`` (Self-Extend: the last W keys exact, farther ones at grouped
+    positions; W = n_ref // 2 and the least G that keeps every grouped distance below n_ref up to the
+    longest length, by default), ``pi`` (position interpolation: a row's positions divided by the
+    least power of two that brings it within n_ref);
+``clamp+spec``, ``group+spec``, ``pi+spec``
+    the spec under test with that distance fix: alpha(n), n the visible keys, times the remapped logits;
 ``reference``
     another head of the same kind, unscaled (a long-trained head), when one is given.
 
@@ -22,7 +32,8 @@ Per bucket and variant:
 ``mass``
     mean top-k attention mass of the drafter's query rows in the bucket, measured on the queries
     the variant's run attends with (scaled by its spec, over the keys its window keeps), in every
-    attention layer (``sharpdraft_theory.mass.topk_mass``, float64).
+    attention layer (``sharpdraft_theory.mass.topk_mass``, float64). None for the distance fixes:
+    the meter reads the logits at the true positions, not the remapped ones.
 ``agreement``
     teacher-forced top-1 agreement: the drafter's greedy next token equals the target's greedy
     next token, over the same positions (the adapter's ``teacher_forced``; EAGLE-3: the head row
@@ -81,6 +92,7 @@ import numpy as np
 import torch
 
 from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory.positions import FIXES, PositionFix, default_group, default_neighbour_window
 from sharpdraft_theory.bootstrap import RESAMPLES, paired_bootstrap
 from sharpdraft_theory.stats import DEFAULT_SINKS
 
@@ -91,10 +103,11 @@ from .measure import METRICS, Arm, SavedUnits, Tally, gain, scale_grid, summariz
 from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, Prefill, SpeculativeResult, greedy_generate, prefill,
                           speculative_generate, transformers_generate)
 
-__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_SINKS", "default_spec", "variant_specs", "check_variants",
-           "bucket_edges", "paired_bootstrap", "evaluate"]
+__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "POSITION_VARIANTS", "position_fix", "DEFAULT_SINKS", "default_spec",
+           "variant_specs", "check_variants", "bucket_edges", "paired_bootstrap", "evaluate"]
 
-VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", "reference")  # every variant eval knows
+POSITION_VARIANTS = FIXES + tuple(f"{fix}+spec" for fix in FIXES)  # distance fixes, alone and with the spec
+VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", *POSITION_VARIANTS, "reference")  # every variant eval knows
 DEFAULT_VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks")  # reference joins when a reference head is given
 MAX_LENGTH = 8192  # the longest bucket edge eval accepts
 
@@ -109,8 +122,11 @@ def default_spec(n_ref: int, top_k: int) -> ScaleSpec:
     return ScaleSpec(law="log-linear", n_ref=n_ref, slope=round(float(slope), 6), top_k=top_k)
 
 
-def check_variants(names: list[str], *, window: int | None, sinks: int, has_reference: bool) -> tuple[str, ...]:
-    """Validate ``--variants``, ``--window`` and ``--sinks`` (before any model loads); the variants in order."""
+def check_variants(names: list[str], *, window: int | None, sinks: int, has_reference: bool,
+                   neighbour_window: int | None = None, group: int | None = None, n_ref: int | None = None,
+                   longest: int | None = None) -> tuple[str, ...]:
+    """Validate ``--variants``, ``--window``, ``--sinks``, ``--neighbour-window`` and ``--group`` (before any
+    model loads; ``n_ref`` and ``longest`` when known then); the variants in order."""
     if not names:
         raise UserError(f"--variants: give at least one of {', '.join(VARIANTS)}")
     for name in names:
@@ -127,16 +143,50 @@ def check_variants(names: list[str], *, window: int | None, sinks: int, has_refe
     if window is not None and sinks >= window:
         raise UserError(f"--sinks {sinks}: must be below --window {window} (the sinks variant keeps S sinks "
                         f"plus the last W - S keys)")
+    _check_fix_options(neighbour_window, group, n_ref, longest)
     names = tuple(names)
     return names if "none" in names else ("none", *names)  # every delta is against none
 
 
+def _check_fix_options(neighbour_window: int | None, group: int | None, n_ref: int | None, longest: int | None):
+    """``--neighbour-window`` W in 1 .. n_ref - 1 (past it a far distance is itself untrained) and below the
+    longest length; ``--group`` G in 2 .. the longest length (G = 1 groups nothing; a larger G holds every
+    far key in one group)."""
+    for option, value, least in (("--neighbour-window", neighbour_window, 1), ("--group", group, 2)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise UserError(f"{option} {value}: expected an integer >= {least}")
+        if longest is not None and value > longest:
+            raise UserError(f"{option} {value}: expected at most the longest of --lengths ({longest})")
+    if neighbour_window is not None and n_ref is not None and neighbour_window >= n_ref:
+        raise UserError(f"--neighbour-window {neighbour_window}: must be below the drafter's n_ref ({n_ref}); the "
+                        f"far keys' distances start at W, and the drafter was trained on distances below n_ref")
+
+
+def position_fix(fix: str, n_ref: int, longest: int, *, neighbour_window: int | None = None,
+                 group: int | None = None) -> PositionFix:
+    """The ``fix`` variants' distance fix: W and G as given, else derived from ``n_ref`` and the longest
+    length (``sharpdraft_theory.positions.default_neighbour_window``, ``default_group``)."""
+    _check_fix_options(neighbour_window, group, n_ref, longest)
+    if fix == "pi":
+        return PositionFix("pi", n_ref=n_ref)
+    window = default_neighbour_window(fix, n_ref) if neighbour_window is None else neighbour_window
+    if fix == "clamp":
+        return PositionFix("clamp", window=window)
+    return PositionFix("group", window=window,
+                       group=default_group(n_ref, longest, window) if group is None else group)
+
+
 def variant_specs(spec: ScaleSpec, n_ref: int, variants=DEFAULT_VARIANTS, *, window: int | None = None,
-                  sinks: int = DEFAULT_SINKS) -> dict[str, ScaleSpec | None]:
+                  sinks: int = DEFAULT_SINKS, neighbour_window: int | None = None, group: int | None = None,
+                  longest: int | None = None) -> dict[str, ScaleSpec | None]:
     """The spec of each drafter variant (``reference`` is another drafter and has none here).
 
     ``window`` W defaults to ``n_ref``; ``sinks`` keeps S sinks and the last W - S keys, so both
-    restrictions leave the drafter unchanged at n <= W.
+    restrictions leave the drafter unchanged at n <= W. The distance fixes take ``neighbour_window``
+    and ``group`` (:func:`position_fix`, defaults from ``n_ref`` and ``longest``, the longest length);
+    ``fix+spec`` is ``spec`` with that fix, its spec file the one to deploy.
     """
     window = n_ref if window is None else window
     if sinks >= window:
@@ -148,6 +198,17 @@ def variant_specs(spec: ScaleSpec, n_ref: int, variants=DEFAULT_VARIANTS, *, win
     made = {"none": None, "spec": spec, "qwen-logn": ScaleSpec(law="qwen-logn", n_ref=n_ref, slope=None,
                                                                top_k=spec.top_k),
             "window": baseline(window=window), "sinks": baseline(window=window - sinks, sinks=sinks)}
+    for name in variants:
+        if name in POSITION_VARIANTS:
+            fix = position_fix(name.removesuffix("+spec"), n_ref, n_ref if longest is None else longest,
+                               neighbour_window=neighbour_window, group=group)
+            if name in FIXES:
+                made[name] = baseline(positions=fix)
+            elif spec.restricts():
+                raise UserError(f"--variants {name}: the spec has a window, which drops the far keys a distance fix "
+                                "remaps; give a spec without one")
+            else:
+                made[name] = ScaleSpec.from_dict({**spec.to_dict(), "positions": fix.to_dict()})
     return {v: made[v] for v in variants if v != "reference"}
 
 
@@ -168,7 +229,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
              sequences: int | None = None, skip: int = 0, rows_per_bucket: int = 96, speculative: bool = False,
              new_tokens: int = 32, num_draft: int = 4, variants=DEFAULT_VARIANTS, window: int | None = None,
              sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None,
-             temperature: float = 1.0, slopes=(), alphas=(), saved: SavedUnits | None = None) -> dict:
+             temperature: float = 1.0, slopes=(), alphas=(), saved: SavedUnits | None = None,
+             neighbour_window: int | None = None, group: int | None = None) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
     Parameters
@@ -199,16 +261,20 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         The oracle's grid (``calibrate.measure.arms``): more arms on the same rows, teacher-forced only.
     saved : SavedUnits, optional
         Where finished sequences and prompts are kept and, resuming, read back.
+    neighbour_window, group : int, optional
+        W and G of the distance fixes (default: from ``n_ref`` and the longest length, :func:`position_fix`).
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     edges = bucket_edges(lengths)
     n_ref = drafter.default_n_ref if n_ref is None else int(n_ref)
     saved = saved or SavedUnits(None, {}, resume=False)
-    variants = check_variants(list(variants), window=window, sinks=sinks, has_reference=reference is not None)
+    variants = check_variants(list(variants), window=window, sinks=sinks, has_reference=reference is not None,
+                              neighbour_window=neighbour_window, group=group, n_ref=n_ref, longest=int(edges[-1]))
     if reference is not None and reference.kind != drafter.kind:
         raise UserError(f"--reference-drafter-path: the reference is a {reference.kind} drafter, "
                         f"expected {drafter.kind} like the drafter")
-    specs = variant_specs(spec, n_ref, variants, window=window, sinks=sinks)
+    specs = variant_specs(spec, n_ref, variants, window=window, sinks=sinks, neighbour_window=neighbour_window,
+                          group=group, longest=int(edges[-1]))
     grid = scale_grid(list(slopes), list(alphas), n_ref, spec.top_k)
     arms = ([Arm(v, s) for v, s in specs.items()] + grid
             + ([Arm("reference", None, other=True)] if reference is not None else []))
@@ -257,7 +323,7 @@ def _described(spec: ScaleSpec | None) -> dict | None:
     if spec is None:
         return None
     return {"law": spec.law, "n_ref": spec.n_ref, "slope": _slope(spec), "window": spec.window, "sinks": spec.sinks,
-            **({"alpha": spec.table.alpha[-1]} if spec.table is not None and spec.granularity == "global" else {})}
+            "positions": None if spec.positions is None else spec.positions.to_dict(), **({"alpha": spec.table.alpha[-1]} if spec.table is not None and spec.granularity == "global" else {})}
 
 
 def _oracle(tallies, grid, edges: np.ndarray, n_ref: int) -> dict | None:

@@ -14,7 +14,9 @@ https://huggingface.co/docs/transformers/attention_interface.
 
 ``attention_tap(model, tap, restrict=spec)`` switches a model to the tap for the duration of a
 ``with`` block and restores its previous implementation afterwards; a spec with a ``window`` (and
-``sinks``) restricts the mask as the runtime does (``sharpdraft_runtime.hf.restrict_mask_kwargs``). hf, pard and DFlash drafters use it; the
+``sinks``) restricts the mask as the runtime does (``sharpdraft_runtime.hf.restrict_mask_kwargs``), and one
+with ``positions`` attends at the remapped positions as the runtime does
+(``sharpdraft_runtime.hf.positions_attention``). hf, pard and DFlash drafters use it; the
 EAGLE-3 head calls the same kind of tap from its own attention.
 """
 
@@ -29,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from sharpdraft_runtime import query_hook, visible_keys
-from sharpdraft_runtime.hf import restrict_mask_kwargs
+from sharpdraft_runtime.hf import model_inv_freq, positions_attention, restrict_mask_kwargs
 from sharpdraft_theory import ScaleSpec
 
 from .drafters.base import AttentionTap
@@ -39,6 +41,7 @@ __all__ = ["TAP_IMPLEMENTATION", "attention_tap", "ScalingTap"]
 TAP_IMPLEMENTATION = "sharpdraft-tap"
 _ACTIVE: contextvars.ContextVar[AttentionTap | None] = contextvars.ContextVar("sharpdraft_tap", default=None)
 _RESTRICT: contextvars.ContextVar[ScaleSpec | None] = contextvars.ContextVar("sharpdraft_tap_restrict", default=None)
+_INV_FREQ: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("sharpdraft_tap_rope", default=None)
 
 
 def _rows(n: int | torch.Tensor, batch: int, q_len: int, device: torch.device) -> torch.LongTensor:
@@ -61,6 +64,11 @@ def _tap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         replaced = tap(module.layer_idx, query, key, query.shape[-1] ** -0.5 if scaling is None else scaling,
                        _rows(n, batch, q_len, query.device))
         query = query if replaced is None else replaced
+    restrict, inv_freq = _RESTRICT.get(), _INV_FREQ.get()
+    if inv_freq is not None:
+        out = positions_attention(module, query, key, value, attention_mask, scaling, restrict, inv_freq, **kwargs)
+        if out is not None:
+            return out, None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 
@@ -78,11 +86,14 @@ def attention_tap(model, tap: AttentionTap, restrict: ScaleSpec | None = None):
     """Route ``model``'s attention through ``tap`` inside the block; restore it on exit.
 
     Works for any model that dispatches through ``AttentionInterface`` (``set_attn_implementation``).
-    ``restrict``: a spec whose ``window`` and ``sinks`` restrict the attention (None: none).
+    ``restrict``: a spec whose ``window`` and ``sinks`` restrict the attention, or whose ``positions``
+    remap it (None: neither).
     """
     previous = model.config._attn_implementation
+    inv_freq = None if restrict is None or restrict.positions is None else model_inv_freq(model)
     token = _ACTIVE.set(tap)
     restrict_token = _RESTRICT.set(restrict)
+    rope_token = _INV_FREQ.set(inv_freq)
     model.set_attn_implementation(TAP_IMPLEMENTATION)
     try:
         yield model
@@ -90,6 +101,7 @@ def attention_tap(model, tap: AttentionTap, restrict: ScaleSpec | None = None):
         model.set_attn_implementation(previous)
         _ACTIVE.reset(token)
         _RESTRICT.reset(restrict_token)
+        _INV_FREQ.reset(rope_token)
 
 
 class ScalingTap:

@@ -11,7 +11,9 @@ as the number of visible keys ``n`` grows; SharpDraft multiplies each query by `
   :func:`causal_n_visible`, :func:`mask_n_visible` - the same from positions or from a mask;
 * :func:`flex_score_mod` - the same scaling as a FlexAttention ``score_mod``; :func:`flex_mask_mod` - the
   spec's window and sinks as a FlexAttention ``mask_mod``;
-* :func:`enable` / :func:`disable` - transformers models, through the attention interface.
+* :func:`enable` / :func:`disable` - transformers models, through the attention interface;
+* :mod:`sharpdraft_runtime.positions` - a spec's distance fix (clamp, group, pi): attention at remapped
+  RoPE positions, applied by :func:`enable` and calibrate's EAGLE-3 head.
 """
 
 from .core import (QueryScaler, alpha_for, causal_n_visible, flex_mask_mod, flex_score_mod, mask_n_visible,

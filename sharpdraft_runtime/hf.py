@@ -24,6 +24,13 @@ ands the window rule into the mask transformers builds once per forward
 When every row sees one number of keys and the spec has no per-head slopes, ``alpha`` is folded
 into ``scaling`` instead (no tensor op at all); when ``k_len`` is within the spec's identity limit
 the wrapped implementation is called untouched.
+
+A spec with ``positions`` (a distance fix: clamp, group or pi) computes the call's logits at
+remapped RoPE positions (:func:`positions_attention`, :mod:`sharpdraft_runtime.positions`) with the
+rotation frequencies of the model's own rotary embedding (:func:`model_inv_freq`, read once by
+:func:`enable`; RoPE types whose frequencies change with the length, such as ``dynamic`` and
+``longrope``, are refused by name). Keys must sit at their cache slots (unpadded causal sequences,
+``position_ids`` = slots); calls within the fix's identity limit run the wrapped kernel untouched.
 """
 
 from __future__ import annotations
@@ -40,13 +47,17 @@ from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .core import QueryScaler
+from .positions import remapped_attention, slot_positions
 from .visible import IMPLEMENTATIONS, first_key, visible_keys, window_overlay
 
-__all__ = ["NAME", "WRAPPABLE", "enable", "disable", "is_enabled", "sharpdraft_attention", "sharpdraft_mask",
-           "restrict_mask_kwargs"]
+__all__ = ["NAME", "WRAPPABLE", "REMAPPABLE_ROPE", "enable", "disable", "is_enabled", "sharpdraft_attention",
+           "sharpdraft_mask", "restrict_mask_kwargs", "model_inv_freq", "positions_attention"]
 
 NAME = "sharpdraft"
 WRAPPABLE = IMPLEMENTATIONS  # the implementations whose visible keys visible_keys counts
+# RoPE types whose inv_freq is fixed, so a post-RoPE tensor can be re-rotated exactly (yarn's attention
+# factor multiplies cos and sin alike and survives a rotation)
+REMAPPABLE_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
@@ -58,6 +69,7 @@ class _Binding:
     scalers: dict = field(default_factory=dict)  # device -> QueryScaler
     host_n: int = -1  # the n of host_alpha
     host_alpha: dict = field(default_factory=dict)  # layer (None for a global spec) -> alpha(host_n)
+    inv_freq: torch.Tensor | None = None  # the model's RoPE frequencies, for a spec with positions; else None
 
     def scaler(self, device: torch.device) -> QueryScaler:
         if device not in self.scalers:
@@ -141,7 +153,73 @@ def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
             scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * binding.scalar_alpha(n, layer)
         else:
             query = scaler.scale_query_(query, n, layer)
+    if binding.inv_freq is not None:
+        out = positions_attention(module, query, key, value, attention_mask, scaling, spec, binding.inv_freq, **kwargs)
+        if out is not None:
+            return out, None
     return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def model_inv_freq(model) -> torch.Tensor:
+    """The RoPE frequencies (head_dim / 2,) of ``model``'s rotary embedding, for re-rotating its queries and keys.
+
+    A ``ValueError`` naming the reason when the model has none, several that differ (per layer type),
+    a RoPE type outside :data:`REMAPPABLE_ROPE` (``dynamic``, ``longrope``, ... change the frequencies
+    with the length), or partial rotary dimensions. The rotation is rotate-half (Llama's layout).
+    """
+    found = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding (a module with inv_freq): position fixes "
+                         "re-rotate RoPE queries and keys")
+    for module in found:
+        rope_type = getattr(module, "rope_type", "default")
+        if rope_type not in REMAPPABLE_ROPE:
+            raise ValueError(f"rope type {rope_type!r} is not supported for position fixes (its frequencies change "
+                             f"with the length); supported: {', '.join(REMAPPABLE_ROPE)}")
+    inv_freq = found[0].inv_freq.detach().float()
+    if any(m.inv_freq.shape != inv_freq.shape or not torch.equal(m.inv_freq.detach().float(), inv_freq)
+           for m in found[1:]):
+        raise ValueError(f"{type(model).__name__} has several RoPE frequencies (per layer type); position fixes "
+                         "support one RoPE for all layers")
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if 2 * inv_freq.numel() != head_dim:
+        raise ValueError(f"the rotary embedding covers {2 * inv_freq.numel()} of {head_dim} head dimensions "
+                         "(partial rotary): not supported for position fixes")
+    return inv_freq.clone()
+
+
+def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float | None, spec: ScaleSpec,
+                        inv_freq: torch.Tensor, **kwargs) -> torch.Tensor | None:
+    """Attention of one transformers call at the spec's remapped positions, shape (batch, q_len, heads, head_dim);
+    None when the call is within the fix's identity limit (the caller's kernel runs instead).
+
+    Queries sit at positions ``k_len - q_len ..`` and keys at their cache slots; ``position_ids``, when
+    the model passes them, must say so (a ``ValueError`` otherwise: left padding or packed sequences).
+    The mask the call received selects the keys (none: causal by position); a call without a mask
+    that is not causal (a draft block) is refused.
+    """
+    q_len, k_len = query.shape[2], key.shape[2]
+    fix = spec.positions
+    if k_len <= fix.identity_limit:
+        return None
+    if attention_mask is None and not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise ValueError(f"the spec's positions ({fix.fix}) remap causal attention; this call is a non-causal block "
+                         "without a mask")
+    q_pos, k_pos = slot_positions(q_len, k_len, query.device)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and not torch.equal(position_ids.to(q_pos.device),
+                                                    q_pos.expand(position_ids.shape[0], q_len)):
+        raise ValueError(f"the spec's positions ({fix.fix}) need each key at its cache slot (unpadded sequences); "
+                         "this call's position_ids differ")
+    visible = None
+    if attention_mask is not None:
+        mask = attention_mask[..., :k_len]
+        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = remapped_attention(query, key, value, scaling, fix, inv_freq.to(query.device), q_pos, k_pos, visible)
+    return out.transpose(1, 2).contiguous()  # (B, q_len, H, D), as transformers' kernels return
 
 
 def restrict_mask_kwargs(spec: ScaleSpec | None, kwargs: dict) -> dict:
@@ -197,7 +275,8 @@ def enable(model, spec: ScaleSpec):
         ``sdpa`` or ``eager`` attention.
     spec : ScaleSpec
         The scale spec; per-layer and per-head slopes, and the drafter it records being made for,
-        must match the model's layers and heads (a ``ValueError`` naming both otherwise).
+        must match the model's layers and heads (a ``ValueError`` naming both otherwise). With
+        ``positions``, the model's RoPE must be one :func:`model_inv_freq` can re-rotate.
 
     Returns
     -------
@@ -214,9 +293,10 @@ def enable(model, spec: ScaleSpec):
         raise ValueError(f"{NAME} wraps {' or '.join(WRAPPABLE)} attention, the model uses {previous!r}: "
                          f"load it with attn_implementation='sdpa'")
     _check_shape(spec, config)
+    inv_freq = None if spec.positions is None else model_inv_freq(model)
     AttentionInterface.register(NAME, sharpdraft_attention)
     AttentionMaskInterface.register(NAME, sharpdraft_mask)
-    binding = _Binding(spec=spec, wrapped=previous)
+    binding = _Binding(spec=spec, wrapped=previous, inv_freq=inv_freq)
     for key, bound in _configs(model).items():
         if key not in _BINDINGS:
             weakref.finalize(bound, _BINDINGS.pop, key, None)

@@ -6,7 +6,9 @@ slope was obtained. The tabulated law takes a table instead of a slope: alpha at
 past ``n_ref`` (shared by every layer and head), one row of values per layer or head as the
 granularity says (:class:`AlphaTable`). It may also restrict the keys each query sees, as serving
 engines do for long contexts: a sliding ``window`` of the last W visible keys, plus ``sinks``, the first S keys
-(StreamingLLM); then ``n`` is the number of keys the query really sees. A spec with law
+(StreamingLLM); then ``n`` is the number of keys the query really sees. Or it may remap the RoPE
+positions of the logits past the drafter's trained distances (``positions``: clamp, group or pi,
+:class:`~sharpdraft_theory.positions.PositionFix`), keeping ``n``. A spec with law
 ``constant``, slope 0 and a window is a pure baseline (no scaling). It is versioned
 (``"schema": "sharpdraft.scale-spec/v1"``), validated on load with errors (:class:`SpecError`, a
 ``ValueError``) that name the field, the bad value and, for a file, the file; and written atomically.
@@ -38,9 +40,10 @@ from .atomic import atomic_write_text
 from .checks import SpecError, check_int, check_num, check_record, check_str, field_error
 from .estimators import ESTIMATORS, Bucket, EstimatorResult
 from .laws import LAWS, MAX_N, alpha_law, get_law
+from .positions import PositionFix
 
 __all__ = ["SCHEMA", "GRANULARITIES", "DRAFTER_KIND_PATTERN", "DrafterInfo", "Bucket", "EstimatorResult",
-           "Calibration", "AlphaTable", "ScaleSpec", "SpecError", "schema_path"]
+           "Calibration", "AlphaTable", "PositionFix", "ScaleSpec", "SpecError", "schema_path"]
 
 SCHEMA = "sharpdraft.scale-spec/v1"
 GRANULARITIES = ("global", "layer", "head")
@@ -209,6 +212,9 @@ class ScaleSpec:
     table: AlphaTable | None = None  # the tabulated law's knots and values; None for every other law
     window: int | None = None  # W: each query sees only its last W visible keys (drafter sliding window); None: all
     sinks: int | None = None  # S: the first S keys of the sequence stay visible besides the window (needs window)
+    # Distance fix (positions.PositionFix): clamp, group or pi remap the RoPE positions of the logits past the
+    # trained distances, the neighbour window's exact; alpha(n) still counts the n visible keys. None: true positions
+    positions: PositionFix | None = None
     drafter: DrafterInfo | None = None  # what the spec was made for
     calibration: Calibration | None = None  # how the slope was obtained (None for hand-written specs)
     schema: str = SCHEMA  # format version
@@ -218,6 +224,7 @@ class ScaleSpec:
         checked = ScaleSpec._validated(self.to_dict())
         object.__setattr__(self, "slope", checked["slope"])
         object.__setattr__(self, "table", checked["table"])
+        object.__setattr__(self, "positions", checked["positions"])
 
     # -- validation --------------------------------------------------------------------------
     @staticmethod
@@ -263,6 +270,14 @@ class ScaleSpec:
         sinks = check_int("sinks", d.get("sinks"), 1, nullable=True)
         if sinks is not None and window is None:
             raise field_error("sinks", "sinks keep the first keys besides a window: set window too", sinks)
+        positions = d.get("positions")
+        if isinstance(positions, PositionFix):
+            positions = positions.to_dict()
+        if positions is not None:
+            positions = PositionFix.from_dict(positions)
+            if window is not None:
+                raise field_error("positions", "a window drops the far keys whose positions a distance fix remaps; "
+                                               "use one or the other", positions.to_dict())
         # A table's values were checked one by one (> 0, finite in float32): they are its extremes, with 1.
         low, high = (1.0, 1.0) if law.has_table else law.bounds(
             n_ref=n_ref, values=None if slope is None else np.asarray(slope, dtype=np.float64))
@@ -291,13 +306,14 @@ class ScaleSpec:
                 raise field_error(f"{name}[0]", f"needs one entry per head ({drafter.num_heads})",
                                   f"{len(per_layer[0])} entries")
         return dict(law=law.name, n_ref=n_ref, slope=slope, top_k=top_k, granularity=granularity, alpha_max=alpha_max,
-                    table=table, window=window, sinks=sinks, drafter=drafter, calibration=calibration, schema=schema)
+                    table=table, window=window, sinks=sinks, positions=positions, drafter=drafter,
+                    calibration=calibration, schema=schema)
 
     # -- I/O ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["slope"] = _as_lists(self.slope)
-        for name in ("table", "drafter", "calibration"):
+        for name in ("table", "positions", "drafter", "calibration"):
             if d[name] is not None and not isinstance(d[name], dict):
                 d[name] = _as_lists(asdict(d[name]))
         return {"schema": d.pop("schema"), **d}

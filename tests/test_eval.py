@@ -15,7 +15,7 @@ from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
 from calibrate.drafters.hf import CausalLMDrafter
 from calibrate.errors import UserError
 from calibrate.eval_cmd import plot_result
-from calibrate.evaluate import DEFAULT_VARIANTS, bucket_edges, default_spec, evaluate, paired_bootstrap
+from calibrate.evaluate import DEFAULT_VARIANTS, POSITION_VARIANTS, bucket_edges, default_spec, evaluate, paired_bootstrap
 from calibrate.measure import MassMeter
 from calibrate.taps import ScalingTap
 from sharpdraft_theory import ScaleSpec
@@ -72,7 +72,7 @@ def test_eagle3_result_shape(eagle3_result):
     assert r["drafter"]["n_ref"] == 64
     assert list(r["variants"]) == list(DEFAULT_VARIANTS)
     assert r["variants"]["window"]["window"] == 64 and r["variants"]["sinks"] == {
-        "law": "constant", "n_ref": None, "slope": 0.0, "window": 60, "sinks": 4}
+        "law": "constant", "n_ref": None, "slope": 0.0, "window": 60, "sinks": 4, "positions": None}
     for row in r["buckets"]:
         for variant in DEFAULT_VARIANTS:
             cell = row[variant]
@@ -137,6 +137,22 @@ def test_causal_lm_drafter(corpus):
     window = ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=2, window=16, sinks=2)
     forced = drafter.teacher_forced(torch.arange(1, 41)[None], [(None, None), (window, None)])
     assert torch.equal(forced.n_visible, torch.arange(1, 41).clamp(max=18))
+
+
+def test_distance_fix_variants(eagle3, corpus):
+    """clamp, group, pi and their +spec variants run end to end: speculative outputs stay the target's,
+    clamp and pi (the identity up to n_ref by default) equal none at n <= n_ref, mass is not read."""
+    r = evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
+                 speculative=True, new_tokens=6, num_draft=2, variants=POSITION_VARIANTS)
+    assert r["speculative"]["outputs_identical"] is True
+    assert r["variants"]["group"]["positions"] == {"fix": "group", "window": 32, "group": 4, "n_ref": None}
+    assert r["variants"]["clamp+spec"]["slope"] == 0.5 and r["variants"]["pi"]["positions"]["n_ref"] == 64
+    first, second = r["buckets"][0], r["buckets"][1]
+    for variant in ("clamp", "pi"):
+        for bucket in (first, second):
+            assert bucket[variant]["agreement"] == bucket["none"]["agreement"]
+            assert bucket[variant]["acceptance_length"] == bucket["none"]["acceptance_length"]
+    assert all(row[v]["mass"] is None for row in r["buckets"] for v in POSITION_VARIANTS)
 
 
 def test_default_spec():

@@ -11,6 +11,7 @@ import pytest
 from sharpdraft_theory import SCHEMA, Bucket, Calibration, DrafterInfo, EstimatorResult, ScaleSpec, SpecError
 from sharpdraft_theory.estimators import ESTIMATORS
 from sharpdraft_theory.laws import LAWS, REGISTRY
+from sharpdraft_theory.positions import FIXES, PositionFix
 from sharpdraft_theory.spec import DRAFTER_KIND_PATTERN, AlphaTable, schema_path
 
 
@@ -88,6 +89,9 @@ def test_valid_specs_pass_the_schema(schema):
                  ScaleSpec(law="log-linear", n_ref=512, slope=[0.1, 0.2], top_k=4, granularity="layer"),
                  ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=4, window=256),
                  full_spec(window=252, sinks=4), tabulated_spec(),
+                 *(full_spec(positions=fix) for fix in (PositionFix("clamp", window=255),
+                                                        PositionFix("group", window=128, group=16),
+                                                        PositionFix("pi", n_ref=256))),
                  ScaleSpec(law="tabulated", n_ref=64, slope=None, top_k=4, table=AlphaTable(**TABLE_64)),
                  ScaleSpec(law="tabulated", n_ref=64, slope=None, top_k=4, granularity="layer",
                            table=AlphaTable(n=(128,), alpha=((1.2,), (1.3,))))):
@@ -103,6 +107,9 @@ def test_schema_names_every_dataclass_field(schema):
     assert set(calibration["properties"]) == {f.name for f in fields(Calibration)}
     assert set(calibration["properties"]["buckets"]["items"]["properties"]) == {f.name for f in fields(Bucket)}
     assert set(calibration["properties"]["results"]["items"]["properties"]) == {f.name for f in fields(EstimatorResult)}
+    positions = schema["properties"]["positions"]["anyOf"][1]
+    assert set(positions["properties"]) == {f.name for f in fields(PositionFix)}
+    assert set(positions["properties"]["fix"]["enum"]) == set(FIXES)
     table = schema["properties"]["table"]["anyOf"][1]
     assert set(table["properties"]) == {f.name for f in fields(AlphaTable)}
     assert set(table["required"]) == {f.name for f in fields(AlphaTable) if f.default is f.default_factory}
@@ -160,6 +167,17 @@ MALFORMED = [
     (("slope",), [[0.1, -0.2, 0.3], [0.0, 0.1, 0.2]], "slope", "alpha must stay > 0", True),
     (("slope",), [[0.1, 1e38, 0.3], [0.0, 0.1, 0.2]], "slope", "alpha must stay finite", False),
     (("n_ref",), 2**32 + 1, "n_ref", "expected an integer <= 4294967296", True),
+    (("positions",), {"fix": "rope"}, "positions.fix", "expected one of clamp, group, pi", True),
+    (("positions",), {"fix": "clamp"}, "positions.window", "clamp needs it", True),
+    (("positions",), {"fix": "clamp", "window": 0}, "positions.window", "expected an integer >= 1", True),
+    (("positions",), {"fix": "clamp", "window": 2.5}, "positions.window", "expected an integer", True),
+    (("positions",), {"fix": "clamp", "window": 8, "group": 2}, "positions.group", "clamp takes window only", True),
+    (("positions",), {"fix": "group", "window": 8}, "positions.group", "group needs it", True),
+    (("positions",), {"fix": "group", "window": 8, "group": 1}, "positions.group", "expected an integer >= 2", True),
+    (("positions",), {"fix": "pi", "n_ref": 1}, "positions.n_ref", "expected an integer >= 2", True),
+    (("positions",), {"fix": "pi", "n_ref": 64, "window": 8}, "positions.window", "pi takes n_ref only", True),
+    (("positions",), {"fix": "pi", "n_ref": 64, "scale": 2}, "positions.scale", "unknown field", True),
+    (("positions",), 3, "positions", "expected an object", True),
 ]
 
 

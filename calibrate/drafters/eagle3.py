@@ -26,7 +26,9 @@ runtime's query scaling, ``sharpdraft_runtime.query_hook``) or only read it (cal
 Query ``i`` of a call after ``past`` cached rows sees ``past + i + 1`` rows
 (``sharpdraft_runtime.causal_n_visible``), or, with a spec's ``window`` and ``sinks`` (the serving
 engines' drafter window), the rows that rule keeps (``sharpdraft_runtime.causal_mask``, the same
-count).
+count). A spec's ``positions`` (a distance fix) computes the logits at remapped RoPE positions
+(``sharpdraft_runtime.positions.remapped_attention``, with the head's own ``inv_freq``) once a call
+holds a key past the fix's identity limit.
 
 The adapter (``Eagle3Drafter``) runs the head over a text for calibration and teacher-forced
 evaluation, and drafts chains for speculative decoding (``Eagle3ChainDrafter``).
@@ -43,7 +45,9 @@ import torch
 from torch import nn
 
 from sharpdraft_runtime import causal_mask, causal_n_visible, query_hook
+from sharpdraft_runtime.positions import remapped_attention, slot_positions
 from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory.positions import PositionFix
 from sharpdraft_theory.spec import DrafterInfo
 
 from ..errors import UserError
@@ -52,7 +56,7 @@ from ..taps import ScalingTap
 from .base import AttentionTap, TeacherForced
 from .checkpoint import (TrainingLength, build, config_field, read_config, read_weights, rename_prefixes,
                          training_length)
-from .layers import GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_rope, rope_cos_sin
+from .layers import GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_rope, rope_cos_sin, rope_inv_freq
 from .target import eos_token_id, hidden_state_features, load_target
 
 __all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Output", "Eagle3Drafter", "Eagle3ChainDrafter", "load",
@@ -277,8 +281,8 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None,
-                hook: AttentionTap | None = None, window: int | None = None,
-                sinks: int | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                hook: AttentionTap | None = None, window: int | None = None, sinks: int | None = None,
+                positions: PositionFix | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         B, T, _ = x.shape
         query = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)
@@ -302,7 +306,16 @@ class Eagle3Attention(nn.Module):
             replaced = hook(self.layer_idx, query, key, self.scaling, n_visible)
             query = query if replaced is None else replaced
         visible = causal_mask(T, past_len, sliding_window=window, sinks=sinks, device=x.device)  # (T, k)
-        out = attention(query, key, value, self.scaling, visible, self.implementation)  # (B, h, T, D)
+        if positions is not None and key.shape[2] > positions.identity_limit:
+            q_pos, k_pos = slot_positions(T, key.shape[2], x.device)  # the cache holds row p at slot p
+            if not torch.equal(position_ids, q_pos.expand(B, T)):
+                raise ValueError(f"the spec's positions ({positions.fix}) need each row at its cache slot; "
+                                 "these position_ids differ")
+            inv_freq, _ = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, x.device)
+            out = remapped_attention(query, key, value, self.scaling, positions, inv_freq, q_pos, k_pos,
+                                     visible[None, None])
+        else:
+            out = attention(query, key, value, self.scaling, visible, self.implementation)  # (B, h, T, D)
         out = out.transpose(1, 2).reshape(B, T, c.num_attention_heads * c.head_dim)
         return self.o_proj(out), (key, value)
 
@@ -319,12 +332,12 @@ class Eagle3MidLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, embeds, hidden, position_ids, past=None, hook=None, window=None, sinks=None):
+    def forward(self, embeds, hidden, position_ids, past=None, hook=None, window=None, sinks=None, positions=None):
         normed = self.hidden_norm(hidden)
         # EAGLE keeps the un-normed fc output as residual; vLLM's norm_before_residual keeps the normed one.
         residual = normed if self.config.norm_before_residual else hidden
         x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # (B, T, 2H), embedding first
-        attn, cache = self.self_attn(x, position_ids, past, hook, window, sinks)
+        attn, cache = self.self_attn(x, position_ids, past, hook, window, sinks, positions)
         h = residual + attn
         return h + self.mlp(self.post_attention_layernorm(h)), cache
 
@@ -374,7 +387,8 @@ class Eagle3Head(nn.Module):
                 position_ids: torch.Tensor | None = None,
                 past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attention_hook: AttentionTap | None = None, return_logits: bool = True,
-                window: int | None = None, sinks: int | None = None) -> Eagle3Output:
+                window: int | None = None, sinks: int | None = None,
+                positions: PositionFix | None = None) -> Eagle3Output:
         """Run the head.
 
         Parameters
@@ -393,6 +407,8 @@ class Eagle3Head(nn.Module):
         window, sinks : int, optional
             Restrict each query to its last ``window`` rows plus the first ``sinks`` (a spec's
             ``window`` and ``sinks``); None: every earlier row.
+        positions : PositionFix, optional
+            A spec's distance fix: logits at remapped RoPE positions; None: the true ones.
         """
         c = self.config
         B, T = input_ids.shape
@@ -405,7 +421,8 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"hidden_states width {hidden_states.shape[-1]} is neither {c.num_aux} * "
                              f"target_hidden_size = {c.num_aux * c.target_hidden_size} nor hidden_size = {c.hidden_size}")
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
-        out, cache = self.midlayer(embeds, hidden_states, position_ids, past_key_values, attention_hook, window, sinks)
+        out, cache = self.midlayer(embeds, hidden_states, position_ids, past_key_values, attention_hook, window, sinks,
+                                   positions)
         normed = self.norm(out)
         logits = self.lm_head(normed) if return_logits else None
         return Eagle3Output(logits, normed if c.norm_output else out, cache)
@@ -690,8 +707,8 @@ class Eagle3ChainDrafter:
 
 
 def _restriction(spec: ScaleSpec | None) -> dict:
-    """The head's ``window`` / ``sinks`` arguments for ``spec`` (None: no restriction)."""
-    return {} if spec is None else {"window": spec.window, "sinks": spec.sinks}
+    """The head's ``window`` / ``sinks`` / ``positions`` arguments for ``spec`` (None: none)."""
+    return {} if spec is None else {"window": spec.window, "sinks": spec.sinks, "positions": spec.positions}
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype, *,

@@ -135,7 +135,9 @@ def tally_sequence(drafter, input_ids: torch.Tensor, arms: list[Arm], edges: np.
     for source, group in ((drafter, [a for a in arms if not a.other]), (other, [a for a in arms if a.other])):
         if not group:
             continue
-        meters = [MassMeter(edges, top_k, rows_per_bucket, a.spec) for a in group]
+        # a position fix remaps the logits a meter would read at the true positions: no mass for it
+        meters = [None if a.spec is not None and a.spec.positions is not None
+                  else MassMeter(edges, top_k, rows_per_bucket, a.spec) for a in group]
         forced = source.teacher_forced(input_ids, [(a.spec, m) for a, m in zip(group, meters)], temperature=temperature)
         n = np.arange(1, forced.drafted.shape[1] + 1)  # row t: the full drafter sees t + 1 keys (adapters' layout)
         rows = _per_bucket(edges, n, np.ones(len(n)))
@@ -144,7 +146,7 @@ def tally_sequence(drafter, input_ids: torch.Tensor, arms: list[Arm], edges: np.
         for j, (arm, meter) in enumerate(zip(group, meters)):
             sums[arm.name] = {"agreement": _per_bucket(edges, n, hits[j]),
                               "expected_acceptance": _per_bucket(edges, n, accept[j])}
-            mass[arm.name] = np.stack((meter.sums, meter.counts))
+            mass[arm.name] = np.zeros((2, len(edges))) if meter is None else np.stack((meter.sums, meter.counts))
     return Tally(rows=rows, sums=sums, mass=mass)
 
 

@@ -1,0 +1,259 @@
+"""Distance fixes (clamp, group, pi): the mapping, the runtime's remapped logits against a float64
+direct computation, identity where nothing is remapped, and eval's variants equal to what a user deploys."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import sharpdraft_runtime as sr
+from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
+from calibrate.drafters.hf import CausalLMDrafter
+from calibrate.drafters.layers import RopeScaling, rope_inv_freq
+from calibrate.drafters.target import hidden_state_features
+from calibrate.errors import UserError
+from calibrate.evaluate import POSITION_VARIANTS, check_variants, position_fix, variant_specs
+from sharpdraft_runtime.positions import remapped_attention, remapped_logits, rotate
+from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory.positions import PositionFix, default_group, max_distance, pi_exponent
+
+from tiny_checkpoints import tiny_target, write_tiny_eagle3
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
+
+# float64 runtime vs float64 direct computation: logits are O(10) sums of 16 products; re-rotation by
+# a shift adds a few ulps per angle (angles up to ~40 rad): 1e-11 leaves a wide margin over ~1e-14.
+ATOL_LOGITS64 = 1e-11
+# float32 models compared with each other on the same kernel path: identical math, different row chunks
+# or cache layouts, so only summation order differs (~1e-7 on the tiny model's O(0.2) logits).
+ATOL_SAME32 = 1e-5
+
+FIXES = [PositionFix("clamp", window=7), PositionFix("group", window=8, group=3), PositionFix("pi", n_ref=8)]
+ROPES = [None, RopeScaling("llama3", (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                                      ("original_max_position_embeddings", 16))),
+         RopeScaling("yarn", (("factor", 4.0), ("original_max_position_embeddings", 16)))]
+
+
+# -- the mapping -----------------------------------------------------------------------------------------------------
+
+def test_pi_exponent_is_the_least_power_of_two_that_fits():
+    i = np.arange(0, 5000)
+    k = pi_exponent(i, 256)
+    assert np.all(i + 1 <= 256 * 2.0 ** k)  # every distance of the row, i at most, scaled below n_ref
+    assert np.all((k == 0) | (i + 1 > 256 * 2.0 ** (k - 1)))  # and the least such k
+    assert torch.equal(pi_exponent(torch.arange(5000), 256, torch), torch.as_tensor(k))  # one definition, two namespaces
+
+
+@pytest.mark.parametrize("n_ref,longest", [(256, 8192), (256, 2048), (64, 1000), (16, 8192)])
+def test_default_group_keeps_every_distance_in_the_trained_range(n_ref, longest):
+    window = n_ref // 2
+    group = default_group(n_ref, longest, window)
+    assert max_distance(PositionFix("group", window=window, group=group), longest) <= n_ref - 1
+    if group > 2:  # the least such G: one less goes past n_ref (this test can fail)
+        assert max_distance(PositionFix("group", window=window, group=group - 1), longest) > n_ref - 1
+
+
+def test_pi_and_clamp_keep_every_distance_in_the_trained_range():
+    assert max_distance(PositionFix("pi", n_ref=64), 4096) < 64
+    assert max_distance(PositionFix("clamp", window=63), 4096) == 63
+
+
+def test_remap_is_the_identity_inside_the_neighbour_window_and_for_pi_up_to_n_ref():
+    i, j = np.arange(40)[:, None], np.arange(40)[None]
+    for fix in FIXES:
+        p_q, p_k = fix.remap(i, j)
+        causal = j <= i
+        inside = causal & (i + 1 <= fix.identity_limit)
+        assert np.array_equal((p_q - p_k)[inside], (i - j + 0 * j)[inside])
+        assert not np.array_equal((p_q - p_k)[causal], (i - j + 0 * j)[causal])  # this test can fail
+
+
+def test_position_fix_validation_names_the_field():
+    for bad, fragment in [(dict(fix="clamp"), "positions.window"), (dict(fix="group", window=4), "positions.group"),
+                          (dict(fix="group", window=4, group=1), "positions.group"),
+                          (dict(fix="pi", n_ref=8, window=3), "positions.window"),
+                          (dict(fix="rope"), "positions.fix"), (dict(fix="pi", n_ref=1), "positions.n_ref")]:
+        with pytest.raises(ValueError, match=fragment):
+            ScaleSpec.from_dict({"law": "constant", "n_ref": None, "slope": 0.0, "top_k": 2, "positions": bad})
+    with pytest.raises(ValueError, match="spec field 'positions': a window"):
+        ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=2, window=4, positions=PositionFix("pi", n_ref=8))
+
+
+# -- the runtime against a float64 direct computation ---------------------------------------------------------------
+
+def _rot64(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of x (..., D) at positions (...) in float64, straight from the definition."""
+    angles = positions[..., None] * inv_freq
+    angles = np.concatenate((angles, angles), axis=-1)
+    half = x.shape[-1] // 2
+    return x * np.cos(angles) + np.concatenate((-x[..., half:], x[..., :half]), axis=-1) * np.sin(angles)
+
+
+def _raw(T: int, heads: int = 4, kv_heads: int = 2, D: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, heads, T, D, generator=g, dtype=torch.float64),
+            torch.randn(1, kv_heads, T, D, generator=g, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["default", "llama3", "yarn"])
+@pytest.mark.parametrize("fix", FIXES, ids=[f.fix for f in FIXES])
+def test_remapped_logits_match_a_direct_float64_computation(fix, rope):
+    T, D = 40, 16
+    inv_freq, factor = rope_inv_freq(D, 10000.0, rope)
+    inv_freq = inv_freq.double()
+    q_raw, k_raw = _raw(T, D=D)
+    pos = torch.arange(T)
+    # what the model hands the attention call: rotated at the true positions, times the attention factor
+    query = factor * torch.as_tensor(_rot64(q_raw.numpy(), pos.numpy().astype(float), inv_freq.numpy()))
+    key = factor * torch.as_tensor(_rot64(k_raw.numpy(), pos.numpy().astype(float), inv_freq.numpy()))
+    got = remapped_logits(query, key, fix, inv_freq, pos, pos)[0].numpy()  # (H, T, T)
+    p_q, p_k = fix.remap(np.arange(T)[:, None].astype(float), np.arange(T)[None].astype(float))  # (T, T) each
+    q = _rot64(q_raw.numpy()[0][:, :, None, :], p_q, inv_freq.numpy())  # (H, T, T, D): query i rotated for key j
+    k = _rot64(np.repeat(k_raw.numpy()[0], 2, axis=0)[:, None, :, :], p_k, inv_freq.numpy())
+    want = factor ** 2 * (q * k).sum(-1)
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    np.testing.assert_allclose(got[:, causal], want[:, causal], rtol=0, atol=ATOL_LOGITS64)
+    plain = (query @ key.repeat_interleave(2, dim=1).transpose(-1, -2))[0].numpy()
+    inside = causal & (np.arange(T)[:, None] + 1 <= fix.identity_limit)
+    np.testing.assert_allclose(got[:, inside], plain[:, inside], rtol=0, atol=ATOL_LOGITS64)  # identity there
+    assert np.abs(got - plain)[:, causal].max() > 1e3 * ATOL_LOGITS64  # this test can fail
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=[f.fix for f in FIXES])
+def test_remapped_attention_is_softmax_of_the_remapped_logits(fix, monkeypatch):
+    T, D = 40, 16
+    inv_freq = rope_inv_freq(D, 10000.0)[0].double()
+    query, key = _raw(T, D=D, seed=1)
+    value = torch.randn(1, 2, T, D, dtype=torch.float64)
+    pos = torch.arange(T)
+    monkeypatch.setattr("sharpdraft_runtime.positions._CHUNK_ELEMENTS", 4 * T * 7)  # several chunks of rows
+    got = remapped_attention(query, key, value, 0.25, fix, inv_freq, pos, pos)
+    logits = remapped_logits(query, key, fix, inv_freq, pos, pos) * 0.25
+    logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf)
+    want = torch.softmax(logits, -1) @ value.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    plain = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(2, dim=1),
+                                                             value.repeat_interleave(2, dim=1), is_causal=True,
+                                                             scale=0.25)
+    rows = slice(0, fix.identity_limit)  # rows whose keys all lie within the identity limit: the plain kernel's
+    torch.testing.assert_close(got[:, :, rows], plain[:, :, rows], rtol=0, atol=1e-13)
+    assert (got - plain).abs().max() > 1e-3  # this test can fail
+
+
+def test_rotate_by_zero_is_exact():
+    x = torch.randn(1, 2, 5, 8)
+    assert torch.equal(rotate(x, torch.zeros(5), rope_inv_freq(8, 10000.0)[0]), x)
+
+
+# -- eval's variants and what a user deploys -------------------------------------------------------------------------
+
+SPEC = ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=2)
+
+
+def test_variant_specs_defaults_and_composition():
+    specs = variant_specs(SPEC, 16, POSITION_VARIANTS, longest=256)
+    assert specs["clamp"].positions == PositionFix("clamp", window=15)
+    assert specs["group"].positions == PositionFix("group", window=8, group=default_group(16, 256, 8))
+    assert specs["pi"].positions == PositionFix("pi", n_ref=16)
+    for fix in ("clamp", "group", "pi"):
+        assert (specs[fix].law, specs[fix].slope) == ("constant", 0.0)
+        assert specs[f"{fix}+spec"] == ScaleSpec.from_dict({**SPEC.to_dict(), "positions": specs[fix].positions})
+    assert variant_specs(SPEC, 16, ["group"], neighbour_window=4, group=5, longest=256)["group"].positions == \
+        PositionFix("group", window=4, group=5)
+
+
+@pytest.mark.parametrize("options,fragment", [
+    (dict(neighbour_window=0), "--neighbour-window 0"), (dict(neighbour_window=-3), "--neighbour-window -3"),
+    (dict(neighbour_window=16), "below the drafter's n_ref (16)"), (dict(neighbour_window=10**9), "longest"),
+    (dict(group=1), "--group 1"), (dict(group=0), "--group 0"), (dict(group=10**9), "longest"),
+    (dict(group=2.5), "--group 2.5")])
+def test_fix_options_are_refused_in_one_line(options, fragment):
+    with pytest.raises(UserError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        check_variants(["group"], window=None, sinks=4, has_reference=False, n_ref=16, longest=256, **options)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(0)
+
+
+@pytest.fixture(scope="module")
+def eagle3(target, tmp_path_factory):
+    head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target).eval()
+    return Eagle3Drafter(head, target, tokenizer=None)
+
+
+@pytest.mark.parametrize("variant", POSITION_VARIANTS)
+def test_eagle3_chain_drafter_drafts_what_eval_measured(eagle3, variant):
+    """The chain drafter of a variant's spec (what a user deploys) drafts, after each prompt, the token
+    eval's teacher-forced run of that variant drafted at the same row."""
+    spec = variant_specs(SPEC, 8, [variant], longest=48)[variant]
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        forced = eagle3.teacher_forced(ids, [(spec, None), (None, None)])
+        features = hidden_state_features(eagle3.target, ids, eagle3.feature_ids)
+        for rows in (4, 8, 20, 46):  # within the identity limit, at it, past it
+            chain = eagle3.chain_drafter(spec)
+            chain.start(ids[:, :rows], features[:, :rows], int(ids[0, rows]))
+            assert chain.draft(1) == [int(forced.drafted[0, rows - 1])]
+    assert not torch.equal(forced.drafted[0], forced.drafted[1])  # the fix changes drafts (this test can fail)
+
+
+def _tiny_llama(rope_parameters=None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+                         **({} if rope_parameters is None else {"rope_parameters": rope_parameters}))
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("variant", POSITION_VARIANTS)
+def test_enable_gives_what_eval_measured(variant):
+    """``enable(model, spec)`` on a transformers model: its logits equal eval's teacher-forced run of
+    the variant (the attention taps), a cached decode equals the full pass, and up to the identity
+    limit the model is the plain one bit for bit."""
+    model = _tiny_llama()
+    spec = variant_specs(SPEC, 8, [variant], longest=40)[variant]
+    drafter = CausalLMDrafter(model, SimpleNamespace(eos_token_id=None), kind="hf", path="tiny", default_n_ref=8,
+                              target=model)
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        short = model(ids[:, :spec.positions.identity_limit]).logits
+        forced = drafter.teacher_forced(ids, [(spec, None)])
+        measured = _tapped(model, spec, ids)  # the logits behind eval's drafts
+        unfixed = _tapped(model, ScaleSpec.from_dict({**spec.to_dict(), "positions": None}), ids)
+        sr.enable(model, spec)
+        try:
+            got = model(ids).logits
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :30], cache=cache)
+            step = model(ids[:, 30:32], cache=cache).logits
+            short_enabled = model(ids[:, :spec.positions.identity_limit]).logits
+        finally:
+            sr.disable(model)
+    assert torch.equal(got[0].argmax(-1), forced.drafted[0])
+    torch.testing.assert_close(got, measured, rtol=0, atol=ATOL_SAME32)
+    torch.testing.assert_close(step, got[:, 30:32], rtol=0, atol=ATOL_SAME32)
+    assert torch.equal(short_enabled, short)
+    assert (got - unfixed).abs().max() > 100 * ATOL_SAME32  # the fix changes the logits (this test can fail)
+
+
+def _tapped(model, spec: ScaleSpec, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of ``model`` under eval's attention tap with ``spec`` (scaled queries, restrictions, positions)."""
+    from calibrate.taps import ScalingTap, attention_tap
+
+    with attention_tap(model, ScalingTap(spec), restrict=spec):
+        return model(ids).logits
+
+
+def test_enable_refuses_a_rope_it_cannot_remap():
+    model = _tiny_llama({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported for position fixes"):
+        sr.enable(model, ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=2, positions=PositionFix("pi", n_ref=8)))
