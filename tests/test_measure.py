@@ -22,7 +22,7 @@ from calibrate.measure import Arm, NextTokenLaw, SavedUnits, expected_acceptance
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.bootstrap import paired_bootstrap
 
-from test_eval import ByteTokenizer, SPEC, corpus  # noqa: F401 (fixture)
+from test_eval import ByteTokenizer, SPEC, corpus  # noqa: F401 (corpus: a fixture)
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -124,7 +124,7 @@ def test_tally_is_the_adapters_rows(drafter):
 def test_an_oracle_grid_shares_one_target_pass(drafter, corpus):  # noqa: F811
     """Every arm of the grid runs on the rows of one target pass per sequence."""
     calls = []
-    handle = drafter.target.register_forward_hook(lambda *a: calls.append(1))
+    handle = drafter.target.get_decoder().register_forward_hook(lambda *a: calls.append(1))
     try:
         r = evaluate(drafter, spec=SPEC, lengths=[32, 64, 128], corpus=corpus, sequences=2, rows_per_bucket=8,
                      variants=("none", "spec"), slopes=(0.1, 0.3, 0.6), alphas=(0.9, 1.2))
