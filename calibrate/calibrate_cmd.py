@@ -54,8 +54,9 @@ def calibrate(
     stats: Annotated[Optional[Path], typer.Option(help="Also save the per-row statistics here (.npz).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run with the same options.")] = False,
     aux_layer_reading: Annotated[Optional[str], typer.Option(
-        "--aux-layer-reading", help="How a head's aux layer ids map to target hidden states: sglang (id + 1) or "
-                                    "vllm (id) (default: as the framework that trained it).")] = None,
+        "--aux-layer-reading", help="How a head's aux layer ids map to target hidden states: vllm (id), sglang "
+                                    "(id + 1 when the first id is 1) or sglang-legacy (id + 1) (default: as the "
+                                    "config's own layout states).")] = None,
 ):
     """Collect attention-logit statistics from a drafter over a corpus and fit the query-scaling slope.
 

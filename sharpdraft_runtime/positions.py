@@ -37,16 +37,20 @@ def rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torc
     """``x`` (B, heads, T, D), rotate-half RoPE, rotated further by ``shift`` (T,) positions.
 
     The angles ``shift * inv_freq`` are formed in float64 (a shift of thousands of positions keeps
-    full precision), then applied in ``x``'s precision (float32 at least). Returns a new tensor.
+    full precision), then applied in ``x``'s precision (float32 at least). ``inv_freq`` (R/2,) may
+    cover only the first ``R < D`` dimensions (partial rotary: the rest are not rotated, as RoPE left
+    them). Returns a new tensor.
     """
-    angles = shift.to(torch.float64)[:, None] * inv_freq.to(device=shift.device, dtype=torch.float64)  # (T, D/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (T, D)
+    angles = shift.to(torch.float64)[:, None] * inv_freq.to(device=shift.device, dtype=torch.float64)  # (T, R/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, R)
     dtype = torch.promote_types(x.dtype, torch.float32)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    half = x.shape[-1] // 2
+    width = angles.shape[-1]
+    half = width // 2
     y = x.to(dtype)
-    rotated = torch.cat((-y[..., half:], y[..., :half]), dim=-1)
-    return (y * cos + rotated * sin).to(x.dtype)
+    r = y[..., :width]  # (B, heads, T, R) the rotated part
+    rotated = torch.cat((-r[..., half:], r[..., :half]), dim=-1)
+    return torch.cat((r * cos + rotated * sin, y[..., width:]), dim=-1).to(x.dtype)
 
 
 def slot_positions(q_len: int, k_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:

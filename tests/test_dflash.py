@@ -149,7 +149,7 @@ def test_wrong_shape_names_key_and_shapes(ckpt, target, tmp_path):
     (lambda c: c.__setitem__("layer_types", ["sliding_attention"]), r"layer_types \['sliding_attention'\]: expected 2"),
     (lambda c: c.__setitem__("layer_types", ["sliding_attention", "full_attention"]), "no 'sliding_window'"),
     (lambda c: c.update(use_sliding_window=True, sliding_window=8), "without layer_types"),
-    (lambda c: c["dflash_config"].__setitem__("projector_type", "domino"), "only Domino's"),
+    (lambda c: c["dflash_config"].__setitem__("projector_type", "domino"), "SpecForge knows 'dspark'"),
     (lambda c: c["dflash_config"].__setitem__("attention_mode", "mla"), "attention_mode 'mla' is not supported"),
     (lambda c: c["dflash_config"].__setitem__("attention_mode", "mha"), "and equal it"),
     (lambda c: c.__setitem__("speculators_model_type", "dflash"), "speculators config has no 'transformer_layer_config'"),

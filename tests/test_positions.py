@@ -123,6 +123,30 @@ def test_remapped_logits_match_a_direct_float64_computation(fix, rope):
 
 
 @pytest.mark.parametrize("fix", FIXES, ids=[f.fix for f in FIXES])
+def test_partial_rotary_remaps_only_the_rotated_dimensions(fix):
+    """RoPE on the first R = 8 of D = 16 dimensions (partial_rotary_factor 0.5): the remap rotates those R
+    and leaves the other 8 as RoPE did (their logits do not depend on positions at all)."""
+    T, D, R = 40, 16, 8
+    inv_freq = rope_inv_freq(R, 10000.0)[0].double()
+    q_raw, k_raw = _raw(T, D=D, seed=3)
+    pos = torch.arange(T)
+
+    def rope(x, positions):  # rotate the first R dimensions only, float64
+        x = x.numpy()
+        rotated = _rot64(x[..., :R], positions, inv_freq.numpy())
+        return np.concatenate((rotated, np.broadcast_to(x[..., R:], rotated.shape[:-1] + (D - R,))), axis=-1)
+
+    query, key = (torch.as_tensor(rope(x, pos.numpy().astype(float))) for x in (q_raw, k_raw))
+    got = remapped_logits(query, key, fix, inv_freq, pos, pos)[0].numpy()  # (H, T, T)
+    p_q, p_k = fix.remap(np.arange(T)[:, None].astype(float), np.arange(T)[None].astype(float))  # (T, T)
+    q = rope(q_raw[0][:, :, None, :], p_q)  # (H, T, T, D)
+    k = rope(k_raw[0].repeat_interleave(2, dim=0)[:, None, :, :], p_k)
+    want = (q * k).sum(-1)
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    np.testing.assert_allclose(got[:, causal], want[:, causal], rtol=0, atol=ATOL_LOGITS64)
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=[f.fix for f in FIXES])
 def test_remapped_attention_is_softmax_of_the_remapped_logits(fix, monkeypatch):
     T, D = 40, 16
     inv_freq = rope_inv_freq(D, 10000.0)[0].double()

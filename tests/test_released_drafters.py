@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from calibrate.cli import app
 from calibrate.drafters import eagle3
 from calibrate.drafters.checkpoint import MPE_TRUST_LIMIT
+from calibrate.drafters.dflash import DFlashDrafter
 from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head
 from calibrate.drafters.layers import read_rope
 from calibrate.errors import UserError
@@ -141,7 +142,11 @@ def ref_inv_freq(rope: dict, theta: float, dim: int) -> tuple[torch.Tensor, floa
     low = max(math.floor(corr(rope.get("beta_fast", 32))), 0)
     high = min(math.ceil(corr(rope.get("beta_slow", 1))), dim - 1)
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    return (1 - ramp) * base + ramp * base / f, 0.1 * math.log(f) + 1
+    def mscale(m):  # yarn_get_mscale of SpecForge's LlamaYarnRotaryEmbedding (and DeepSeek's)
+        return 0.1 * m * math.log(f) + 1 if f > 1 else 1.0
+
+    a = rope.get("attention_factor") or mscale(rope.get("mscale", 1)) / mscale(rope.get("mscale_all_dim", 0))
+    return (1 - ramp) * base + ramp * base / f, a
 
 
 def rms(x, w, eps):
@@ -151,6 +156,33 @@ def rms(x, w, eps):
 def rope_of(d: dict) -> tuple[dict, float]:
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     return params, params.get("rope_theta", d.get("rope_theta", 10000.0))
+
+
+def rotate(x, pos, params: dict, theta: float, partial: float = 1.0):
+    """Float64 RoPE of x (n, heads, D) at positions pos (n,), as vLLM / SGLang apply it: rotate-half on the
+    first R = int(D * partial) dimensions, the rest passed through; mrope (SpecForge's
+    apply_multimodal_rotary_pos_emb) takes section i of cos / sin from position stream i % 3, and all three
+    streams are the token positions for text."""
+    D = x.shape[-1]
+    R = int(D * partial)
+    kind = params.get("rope_type", params.get("type", "default")) if params else "default"
+    inv, a = ref_inv_freq({} if kind == "mrope" else params, theta, R)
+    angle = pos.double()[:, None] * inv
+    cos, sin = torch.cat((angle.cos(), angle.cos()), -1), torch.cat((angle.sin(), angle.sin()), -1)  # (n, R)
+    if kind == "mrope":
+        cos3, sin3 = [cos] * 3, [sin] * 3  # streams (t, h, w): for text tokens each is the token's position
+        parts = params["mrope_section"] * 2
+        cos = torch.cat([cos3[i % 3].split(parts, -1)[i] for i in range(len(parts))], -1)
+        sin = torch.cat([sin3[i % 3].split(parts, -1)[i] for i in range(len(parts))], -1)
+    cos, sin = (a * cos)[:, None], (a * sin)[:, None]
+    xr, rest = x[..., :R], x[..., R:]
+    rotated = torch.cat((-xr[..., R // 2:], xr[..., :R // 2]), -1)
+    return torch.cat((xr * cos + rotated * sin, rest), -1)
+
+
+def partial_of(d: dict) -> float:
+    params = d.get("rope_parameters") or {}
+    return d.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
 
 
 def reference_qk(d: dict, state: dict, hs, tokens, h_ids):
@@ -173,15 +205,8 @@ def reference_qk(d: dict, state: dict, hs, tokens, h_ids):
     if inner.get("model_type") == "qwen3" and "transformer_layer_config" in d:
         q, k = rms(q, w["midlayer.self_attn.q_norm.weight"], eps), rms(k, w["midlayer.self_attn.k_norm.weight"], eps)
     params, theta = rope_of(inner)
-    inv, a = ref_inv_freq(params, theta, 16)
-    angle = torch.arange(n, dtype=torch.float64)[:, None] * inv
-    cos, sin = (a * angle.cos())[:, None], (a * angle.sin())[:, None]
-
-    def rot(x):
-        x1, x2 = x[..., :8], x[..., 8:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
-
-    return rot(q), rot(k)
+    pos = torch.arange(n)
+    return rotate(q, pos, params, theta, partial_of(inner)), rotate(k, pos, params, theta, partial_of(inner))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,13 +268,30 @@ def test_rope_parameters_yarn_factor_reaches_the_logits(tmp_path):
     assert torch.allclose(inv.double(), inv_ref, rtol=1e-6)
 
 
-def test_specforge_ids_are_read_as_sglang_and_can_be_overridden(target, tmp_path):
-    path = write_eagle(tmp_path / "sf", "specforge-qwen3-235b-a22b-eagle3")
+@pytest.mark.parametrize("where, written, expected, rule", [
+    ("eagle_config", [1, 3, 5], (2, 4, 6), "sglang"),  # SpecForge's Qwen3-235B head: first id 1, read + 1
+    ("eagle_config", [2, 3, 5], (2, 3, 5), "sglang"),  # Kimi-K2.5 ([2, 30, 58]) style: first id 2, read as is
+    ("eagle_config", [4, 5, 6], (4, 5, 6), "sglang"),  # step-3.5 ([4, 20, 40]) style: read as is
+    ("top level", [1, 3, 5], (1, 3, 5), "vllm"),  # a flat LlamaForCausalLMEagle3 config with vLLM's top-level ids
+])
+def test_aux_ids_are_read_as_the_engine_their_spelling_names(where, written, expected, rule, target, tmp_path):
+    """SGLang (since PR #25454) adds 1 only when the first id is 1; ids at the top level are vLLM's (as is)."""
+    def edit(d):
+        d.pop("eagle_config", None)
+        if where == "eagle_config":
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": written}
+        else:
+            d["eagle_aux_hidden_state_layer_ids"] = written
+    path = write_eagle(tmp_path / "sf", "specforge-qwen3-235b-a22b-eagle3", edit=edit)
     head = eagle3.load_eagle3_head(path, target)
+    assert head.config.source == "specforge"
     ids, note = eagle3.aux_hidden_states(head.config, 8)
-    assert ids == (2, 4, 6) and "[1, 3, 5] read as sglang does (id + 1" in note and "specforge" in note
+    assert ids == expected and f"{written} read as {rule} does" in note
+    assert ("under eagle_config" if where == "eagle_config" else "at the top level") in note
+    legacy, _ = eagle3.aux_hidden_states(head.config, 8, "sglang-legacy")  # SGLang before PR #25454
+    assert legacy == tuple(k + 1 for k in written)
     ids, note = eagle3.aux_hidden_states(head.config, 8, "vllm")
-    assert ids == (1, 3, 5) and "--aux-layer-reading" in note
+    assert ids == tuple(written) and "given by --aux-layer-reading" in note
     with pytest.raises(UserError, match="--aux-layer-reading bogus"):
         eagle3.aux_hidden_states(head.config, 8, "bogus")
 
@@ -261,7 +303,7 @@ def test_training_length_rule(target, tmp_path):
     from calibrate.drafters.checkpoint import training_length
     t = training_length(path, 131072, trust_mpe=True)
     drafter = eagle3.Eagle3Drafter(eagle3.load_eagle3_head(path, target), target, None, training=t)
-    with pytest.raises(UserError, match=rf"max_position_embeddings 131072 is above {MPE_TRUST_LIMIT}.*pass --n-ref"):
+    with pytest.raises(UserError, match=rf"max_position_embeddings 131072 is not below {MPE_TRUST_LIMIT}.*pass --n-ref"):
         drafter.default_n_ref
     # a SpecForge recipe beside it states the length
     (path / "recipe.yaml").write_text("data:\n  max_length: 4096\n")
@@ -273,8 +315,10 @@ def test_training_length_rule(target, tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.__setitem__("logit_softcap", 30.0), "field 'logit_softcap' is not understood"),
-    (lambda d: d.__setitem__("rope_scaling", {"rope_type": "mrope", "mrope_section": [2, 3, 3]}),
-     "'mrope' is not supported.*sections"),
+    (lambda d: d.__setitem__("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
+     "'dynamic' is not supported.*run time"),
+    (lambda d: d.__setitem__("rope_scaling", {"rope_type": "mrope", "mrope_section": [2, 3, 3], "mrope_interleaved": 1}),
+     "mrope needs mrope_section.*'mrope_interleaved'"),
     (lambda d: d["rope_scaling"].pop("original_max_position_embeddings"),
      "needs 'original_max_position_embeddings'; transformers would use max_position_embeddings"),
     (lambda d: d.__setitem__("architectures", ["Eagle3DeepseekV2ForCausalLM"]), "not an EAGLE-3 head this loader"),
@@ -310,12 +354,13 @@ def test_fc_norm_changes_the_queries(target, tokens, tmp_path):
 
 def visible_keys_of(d: dict, layer: int, p: int, j: int) -> list[int]:
     """Keys block row ``j`` at ``p`` sees (docs/drafters.md, the window rule): all ``p + b`` in a full layer; in a
-    sliding layer SpecForge's causal window over absolute positions, keys p + j - W + 1 .. p + j."""
+    sliding layer SpecForge's training mask (create_dflash_sdpa_mask): context keys c < p with
+    c >= p + j - (W - 1), and block keys p .. p + j, which the window does not cut."""
     inner = d.get("transformer_layer_config", d)
     b = d.get("block_size", 16)
     if (inner.get("layer_types") or ["full_attention"] * 99)[layer] == "full_attention":
         return list(range(p + b))
-    return [k for k in range(p + j + 1) if k > p + j - inner["sliding_window"]]
+    return [c for c in range(p) if c >= p + j - (inner["sliding_window"] - 1)] + list(range(p, p + j + 1))
 
 
 def reference_dflash(d: dict, state: dict, hs, tokens, p: int, embed, h_ids):
@@ -335,13 +380,9 @@ def reference_dflash(d: dict, state: dict, hs, tokens, p: int, embed, h_ids):
     block = torch.tensor([int(tokens[0, p])] + [mask_id] * (b - 1))
     h = embed[block].double()
     params, theta = rope_of(inner)
-    inv, a = ref_inv_freq(params, theta, hd)
 
     def rot(x, pos):
-        angle = pos.double()[:, None] * inv
-        cos, sin = (a * angle.cos())[:, None], (a * angle.sin())[:, None]
-        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+        return rotate(x, pos, params, theta)
 
     seen = []
     for i in range(inner["num_hidden_layers"]):
@@ -459,7 +500,7 @@ def test_sliding_window_dflash_matches_its_reference(p, target, tokens, tmp_path
     d = json.loads((path / "config.json").read_text())
     model = load_dflash(path, target)
     drafter = DFlashDrafter(model, target, tokenizer=None)
-    assert "sliding-window layers [0, 1, 2, 3] (W = 8) use SpecForge's and vLLM's rule" in " ".join(drafter.notes)
+    assert "sliding-window layers [0, 1, 2, 3] (W = 8) use SpecForge's training mask" in " ".join(drafter.notes)
     state = load_file(str(path / "model.safetensors"))
     with torch.no_grad():
         hs = target(tokens, output_hidden_states=True).hidden_states
@@ -487,8 +528,8 @@ def test_sliding_window_dflash_matches_its_reference(p, target, tokens, tmp_path
                 assert torch.allclose(k[0, :, :len(keys)].transpose(0, 1).double(), k_ref[keys], atol=1e-4)
                 j += 1
         assert j == 16
-        inside = max(0, WINDOW - p)  # rows whose window starts at key 0: one call; then one call per row
-        assert len(mine) == (1 if layer == 4 else min(1, inside) + 16 - inside)
+        starts = {visible_keys_of(d, layer, p, j)[0] for j in range(16)}  # one call per first visible key
+        assert len(mine) == len(starts) and (layer == 4 or len(starts) > 1)
 
 
 def test_sliding_window_statistics_use_the_visible_keys(target, tokens, tmp_path, p=15):
@@ -610,9 +651,112 @@ def test_cli_refuses_an_untrustworthy_default_n_ref(disk_target, tmp_path):
                        edit=lambda d: d.__setitem__("max_position_embeddings", 131072))
     res, _ = _calibrate(tmp_path, "eagle3", path, target_dir)  # CliRunner sees the UserError main() prints
     assert isinstance(res.exception, UserError)
-    assert "max_position_embeddings 131072 is above 16384" in str(res.exception) and "--n-ref" in str(res.exception)
+    assert "max_position_embeddings 131072 is not below 16384" in str(res.exception) and "--n-ref" in str(res.exception)
     res, _ = _calibrate(tmp_path, "eagle3", path, target_dir, "--aux-layer-reading", "nope", "--n-ref", "64")
     assert isinstance(res.exception, UserError) and "--aux-layer-reading nope" in str(res.exception)
     res, _ = _calibrate(tmp_path, "eagle3", path, target_dir, "--n-ref", "64")
     assert res.exit_code == 0, res.output
     assert "reads target hidden_states [2, 4, 6]: aux layer ids [1, 3, 5] read as sglang" in " ".join(res.output.split())
+
+
+# ---------------------------------------------------------------------------------------------
+# second pass: fields read where they were ignored or misread
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spelling", ["top", "rope_parameters"])
+def test_partial_rotary_factor_rotates_the_first_fraction(spelling, target, tokens, tmp_path):
+    """partial_rotary_factor 0.5 (either transformers spelling): RoPE on the first 8 of 16 dimensions, as vLLM and
+    SGLang compute it; full RoPE (the old reading) differs on the last 8."""
+    def edit(d):
+        if spelling == "top":
+            d["partial_rotary_factor"] = 0.5
+        else:
+            d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta", 10000.0),
+                                    "partial_rotary_factor": 0.5}
+            d.pop("rope_scaling", None)
+    name = "specforge-qwen3-30b-a3b-eagle3.1"
+    path = write_eagle(tmp_path / "h", name, edit=edit)
+    head = eagle3.load_eagle3_head(path, target)
+    assert head.config.rotary_dim == 8
+    calls = []
+    eagle3.Eagle3Drafter(head, target, None).collect(tokens, lambda *a: calls.append(a), torch.tensor([5]))
+    (_, q, k, _, _), = calls
+    d = json.loads((path / "config.json").read_text())
+    from safetensors.torch import load_file
+    state = {**load_file(str(path / "model.safetensors")), "embed_tokens.weight": target.get_input_embeddings().weight}
+    with torch.no_grad():
+        hs = target(tokens, output_hidden_states=True).hidden_states
+    q_ref, k_ref = reference_qk(d, state, hs, tokens, (2, 4, 5))
+    # fp32 head vs float64 reference, O(1) activations: ~1e-6 per op
+    assert torch.allclose(q[0].transpose(0, 1).double(), q_ref, atol=1e-4)
+    assert torch.allclose(k[0].transpose(0, 1).double(), k_ref, atol=1e-4)
+    full = {**d, "partial_rotary_factor": 1.0, "rope_parameters": None}
+    q_full, _ = reference_qk(full, state, hs, tokens, (2, 4, 5))
+    assert not torch.allclose(q_ref, q_full, atol=1e-2)  # this test can fail: the fraction changes q
+
+
+def test_partial_rotary_spellings_must_agree_and_dflash_refuses_it(tmp_path):
+    d = shrink_eagle("specforge-qwen3-30b-a3b-eagle3.1", 256)
+    d.update(partial_rotary_factor=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                         "partial_rotary_factor": 0.25})
+    with pytest.raises(UserError, match="partial_rotary_factor disagrees"):
+        Eagle3Config.from_dict(d)
+    from calibrate.drafters.dflash import DFlashConfig
+    d = json.loads(json.dumps(real_config("specforge-qwen3.6-27b-dflash-swa")))
+    d["partial_rotary_factor"] = 0.25
+    with pytest.raises(UserError, match="partial_rotary_factor 0.25 is not supported for DFlash"):
+        DFlashConfig.from_dict(d)
+
+
+def test_specforge_norm_output_false_drops_the_final_norm(target, tokens, tmp_path):
+    """SpecForge's compute_logits: lm_head(norm(o)) when norm_output (default), lm_head(o) when false."""
+    name = "specforge-qwen3-30b-a3b-eagle3.1"
+    path = write_eagle(tmp_path / "h", name, edit=lambda d: d.__setitem__("norm_output", False))
+    head = eagle3.load_eagle3_head(path, target)
+    with torch.no_grad():
+        out = head(tokens[:, 1:], eagle3.target_features(target, tokens)[:, :-1])
+        o, w = out.hidden_states.double(), head.lm_head.weight.double()  # o: the fed-back pre-norm state
+        normed = head.norm(out.hidden_states).double()
+    # fp32 lm_head vs float64 product over 64 O(1) terms: ~1e-6
+    assert torch.allclose(out.logits.double(), o @ w.T, atol=1e-4)
+    assert not torch.allclose(out.logits.double(), normed @ w.T, atol=1e-2)  # the old reading (norm applied)
+    assert head.config.final_norm is False and head.config.norm_output is False
+
+
+def test_n_ref_threshold_is_exclusive(tmp_path):
+    from calibrate.drafters.checkpoint import training_length
+    assert training_length(tmp_path, MPE_TRUST_LIMIT - 1, trust_mpe=True).value == MPE_TRUST_LIMIT - 1
+    t = training_length(tmp_path, MPE_TRUST_LIMIT, trust_mpe=True)  # SpecForge's Phi-4 head: Phi-4's context
+    assert t.value is None and f"is not below {MPE_TRUST_LIMIT}" in t.origin
+
+
+def test_dflash_reads_its_training_record(target, tmp_path):
+    from calibrate.drafters.checkpoint import training_length
+    from calibrate.drafters.dflash import DFLASH_DEFAULT_N_REF, load_dflash
+    path = write_dflash(tmp_path / "swa", "specforge-qwen3.6-27b-dflash-swa")
+    model = load_dflash(path, target)
+    plain = DFlashDrafter(model, target, None, training=training_length(path, 262144, trust_mpe=False))
+    assert plain.default_n_ref == DFLASH_DEFAULT_N_REF and "copies max_position_embeddings" in plain.notes[-1]
+    (path / "recipe.yaml").write_text("data:\n  max_length: 4096\n")
+    drafter = DFlashDrafter(model, target, None, training=training_length(path, 262144, trust_mpe=False))
+    assert drafter.default_n_ref == 4096 and "data.max_length 4096" in " ".join(drafter.notes)
+
+
+def test_pard2_is_refused_by_name(tmp_path):
+    from calibrate.drafters.hf import load
+    for config in ({"pard2": True, "pard_token": 3}, {"spd_type": "pard2"}):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", **config}))
+        with pytest.raises(UserError, match="field 'pard2' is not supported by the PARD loader: PARD-2 adds a "
+                                            "projection of the target's hidden states"):
+            load("pard", str(tmp_path), None, torch.device("cpu"), torch.float32)
+
+
+def test_cli_calibrates_a_speculators_head_with_older_serialisation_fields(disk_target, tmp_path):
+    """speculators < 0.8 wrote its config class variables (has_no_defaults_at_init, base_model_ep_plan): harmless."""
+    target_dir, _ = disk_target
+    def edit(d):
+        d.update(has_no_defaults_at_init=False, base_model_ep_plan=None, base_model_tp_plan=None)
+    path = write_eagle(tmp_path / "head", "speculators-eagle3-mistral123b-yarn", vocab=VOCAB, edit=edit)
+    res, out = _calibrate(tmp_path, "eagle3", path, target_dir, "--n-ref", "64")
+    assert res.exit_code == 0, res.output
+    assert out.is_file()

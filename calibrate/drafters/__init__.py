@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 
-__all__ = ["DrafterKind", "KINDS", "AUX_READINGS", "drafter_kind", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
+__all__ = ["DrafterKind", "KINDS", "AUX_READINGS", "aux_offset", "drafter_kind", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,27 @@ KINDS: dict[str, DrafterKind] = {
     "dflash": DrafterKind("dflash", "target features, then DFlash blocks", evaluates=False),
 }
 _DTYPES = ("float32", "bfloat16", "float16")
-# How engines read an auxiliary layer id k written in a drafter's config.json: hidden_states[k + offset]
-# (vLLM: k as is; SGLang, through which SpecForge trains: k + 1). docs/drafters.md has the sources.
-AUX_READINGS = {"vllm": 0, "sglang": 1}
+# How engines read the auxiliary layer ids k written in a drafter's config.json: hidden_states[k + aux_offset(...)].
+# vLLM: k as is. SGLang (through which SpecForge trains) since its PR #25454: k + 1 only when the first id is 1
+# (ids naming layer outputs; a first id of 2 names layer inputs, read as is); before it, k + 1 always.
+# docs/drafters.md has the sources.
+AUX_READINGS = {
+    "vllm": "id as is",
+    "sglang": "id + 1 when the first id is 1, else id as is (SGLang since PR #25454)",
+    "sglang-legacy": "id + 1 always (SGLang before PR #25454)",
+}
+
+
+def aux_offset(reading: str, ids) -> int:
+    """What ``reading`` (a key of ``AUX_READINGS``) adds to each of the aux layer ``ids`` to get a
+    ``hidden_states`` index."""
+    if reading == "vllm":
+        return 0
+    if reading == "sglang":
+        return int(ids[0] == 1)
+    if reading == "sglang-legacy":
+        return 1
+    raise UserError(f"--aux-layer-reading {reading}: expected one of {', '.join(AUX_READINGS)}")
 
 
 def kind_names(*, evaluates: bool = False) -> list[str]:

@@ -24,10 +24,11 @@ from ..errors import UserError
 __all__ = ["read_config", "config_field", "read_weights", "rename_prefixes", "check_and_fill", "build",
            "TrainingLength", "training_length", "MPE_TRUST_LIMIT"]
 
-# A max_position_embeddings above this is taken for the target's context copied into the drafter's
-# config, not for the length the drafter was trained at: released recipes train drafters at
-# 512-8192 tokens (SpecForge data.max_length 2048-8192, speculators --seq-length 8192, EAGLE 2048),
-# while the targets' contexts they copy are 32768-262144. 16384 leaves room above every recipe seen.
+# A max_position_embeddings of this or more is taken for the target's context copied into the drafter's
+# config, not for the length the drafter was trained at (the limit is exclusive: only values below it are
+# trusted). Released recipes train drafters at 512-8192 tokens (SpecForge data.max_length 2048-8192,
+# speculators --seq-length 8192, EAGLE 2048), while the targets' contexts they copy are 16384-262144
+# (SpecForge's Phi-4 head states 16384, Phi-4's own context).
 MPE_TRUST_LIMIT = 16384
 
 
@@ -168,7 +169,7 @@ def training_length(path: Path, max_position_embeddings: int | None, *, trust_mp
       (speculators' ``run.yaml``).
 
     Without one, ``max_position_embeddings`` when ``trust_mpe`` (the format writes the training
-    length there) and it is at most :data:`MPE_TRUST_LIMIT`; otherwise ``value`` is None and
+    length there) and it is below :data:`MPE_TRUST_LIMIT`; otherwise ``value`` is None and
     ``origin`` says why.
     """
     record = _training_record(Path(path))
@@ -179,9 +180,9 @@ def training_length(path: Path, max_position_embeddings: int | None, *, trust_mp
     if not trust_mpe:
         return TrainingLength(None, f"the checkpoint has no training record, and this format copies "
                                     f"max_position_embeddings ({max_position_embeddings}) from the target")
-    if max_position_embeddings > MPE_TRUST_LIMIT:
+    if max_position_embeddings >= MPE_TRUST_LIMIT:
         return TrainingLength(None, f"the checkpoint has no training record, and max_position_embeddings "
-                                    f"{max_position_embeddings} is above {MPE_TRUST_LIMIT}: the target's context "
+                                    f"{max_position_embeddings} is not below {MPE_TRUST_LIMIT}: the target's context "
                                     f"copied over, not a drafter's training length")
     return TrainingLength(max_position_embeddings, f"max_position_embeddings {max_position_embeddings} of config.json "
                                                    f"(no training record beside it)")

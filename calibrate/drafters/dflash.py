@@ -39,54 +39,32 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sharpdraft_runtime import causal_n_visible
 from sharpdraft_theory.spec import DrafterInfo
 
 from ..errors import UserError
 from ..taps import attention_tap
 from .base import AttentionTap
-from .checkpoint import build, config_field, read_config, read_weights
-from .layers import GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_rope, rope_cos_sin
+from .checkpoint import TrainingLength, build, config_field, read_config, read_weights, training_length
+from .fields import check_fields
+from .layers import GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_partial_rotary, read_rope, rope_cos_sin
 from .target import eos_token_id, hidden_state_features, load_target
 
 __all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load", "load_dflash", "context_features",
            "DFLASH_DEFAULT_N_REF"]
 
-# DFlash's training length is not in its config.json (max_position_embeddings is copied from the
-# target). 3072 is SpecForge's DFlash recipe max_length [unconfirmed for z-lab's own checkpoints].
+# DFlash's config.json states no training length (max_position_embeddings is copied from the target); without a
+# training record beside the checkpoint, 3072, SpecForge's DFlash recipe max_length [unconfirmed for z-lab's own].
 DFLASH_DEFAULT_N_REF = 3072
 
 _SECTION = "dflash_config"  # DFlash draft fields may sit here or at the top level of config.json
 _field = partial(config_field, what="DFlash")
-# config.json fields read by DFlashConfig.from_dict (each checked where it is read)
-_READ = frozenset({
-    "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "num_hidden_layers",
-    "vocab_size", "block_size", "mask_token_id", "target_layer_ids", "head_dim", "rms_norm_eps", "rope_theta",
-    "rope_scaling", "rope_parameters", "partial_rotary_factor", "target_hidden_size", "num_target_layers",
-    "attention_bias", "input_embedding_scale", "max_position_embeddings", "hidden_act", "mlp_bias", "is_causal",
-    "attention_mode",
-    "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", _SECTION,
-})
-# vLLM speculators' DFlash top-level fields, beside transformer_layer_config (the decoder's own fields):
-# read (aux ids, window rule) or not changing the attention inputs (lm_head rows, training, proposals)
-_SPECULATORS = frozenset({
-    "aux_hidden_state_layer_ids", "sliding_window_non_causal", "transformer_layer_config", "draft_vocab_size",
-    "max_anchors", "sample_from_anchor", "speculators_config", "speculators_model_type", "speculators_version",
-})
-# SpecForge's DFlash-backbone variants (docs/drafters.md): the attention is DFlash's, unchanged; each
-# adds a logit term from heads with these weight prefixes, configured by these fields (logits only)
+# SpecForge's DFlash-backbone variants (docs/drafters.md): the attention is DFlash's, unchanged; each adds a
+# logit term from heads with these weight prefixes (their config fields: calibrate.drafters.fields), and
+# requires dflash_config.projector_type to be its own value (specforge/modeling/draft/dspark.py, domino.py)
 _VARIANTS = {
-    "DSparkDraftModel": ("DSpark", "Markov and confidence heads", ("markov_head.", "confidence_head."),
-                         {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-                          "confidence_head_alpha"}),
-    "DominoDraftModel": ("Domino", "GRU logit correction", ("prefix_gru.", "embed_proj."),
-                         {"projector_type", "emb_dim", "gru_hidden_dim", "pure_draft_prefix_len", "shift_label"}),
+    "DSparkDraftModel": ("DSpark", "Markov and confidence heads", ("markov_head.", "confidence_head."), "dspark"),
+    "DominoDraftModel": ("Domino", "GRU logit correction", ("prefix_gru.", "embed_proj."), "domino"),
 }
-# config.json fields that do not change the attention inputs (they identify, train or serve the model)
-_HARMLESS = frozenset({
-    "architectures", "model_type", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
-    "transformers_version", "use_cache", "initializer_range", "tie_word_embeddings", "attention_dropout",
-})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,7 +118,7 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> "DFlashConfig":
         """Read the fields DFlash uses; raise UserError naming a missing, malformed or unsupported field,
-        or one this loader does not read and that is not known to be harmless (``_HARMLESS``)."""
+        or one this loader does not read and that is not known to be harmless (``calibrate.drafters.fields``)."""
         source, ids_field = "dflash", "target_layer_ids"
         if "speculators_model_type" in d:
             d, source, ids_field = _speculators_flat(d, where), "speculators", "aux_hidden_state_layer_ids"
@@ -150,9 +128,9 @@ class DFlashConfig:
         section = d.get(_SECTION) or {}
         variant = next((a for a in arch if a in _VARIANTS), "DFlashDraftModel")
         projector = section.get("projector_type")
-        if projector is not None and (projector, variant) != ("domino", "DominoDraftModel"):
+        if projector is not None and (variant not in _VARIANTS or projector != _VARIANTS[variant][3]):
             raise UserError(f"{where}: dflash_config.projector_type {projector!r} with architectures {list(arch)}: "
-                            f"only Domino's ('domino', DominoDraftModel) is known")
+                            f"SpecForge knows 'dspark' (DSparkDraftModel) and 'domino' (DominoDraftModel) only")
         mode = section.get("attention_mode", "gqa")
         if mode not in ("gqa", "mha"):
             raise UserError(f"{where}: dflash_config.attention_mode {mode!r} is not supported (gqa or mha: "
@@ -163,8 +141,8 @@ class DFlashConfig:
         if d.get("is_causal"):
             raise UserError(f"{where}: is_causal true (causal DFlash blocks) is not supported; DFlash blocks are "
                             f"non-causal")
-        _check_known(d, where, _SPECULATORS if source == "speculators" else frozenset(
-            _VARIANTS[variant][3] if variant in _VARIANTS else ()))
+        check_fields(d, "dflash", where)
+        check_fields(section, "dflash", where, f"{_SECTION}.")
         if d.get("hidden_act", "silu") != "silu":
             raise UserError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (DFlash uses 'silu')")
         if d.get("mlp_bias"):
@@ -179,7 +157,10 @@ class DFlashConfig:
         bias = d.get("attention_bias", False)
         if not isinstance(bias, bool):
             raise UserError(f"{where}: config.json field 'attention_bias' should be true or false, got {bias!r}")
-        theta, scaling = read_rope(d, where, "DFlash")
+        theta, scaling = read_rope(d, where, "DFlash", mrope=False)
+        if read_partial_rotary(d, where) != 1.0:
+            raise UserError(f"{where}: partial_rotary_factor {read_partial_rotary(d, where)} is not supported for DFlash: "
+                            f"z-lab's Qwen3 rotary rotates the whole head, so a partial one has no reference to follow")
         types, window = _layer_windows(d, where, req["num_hidden_layers"])
         return cls(
             **req, num_key_value_heads=kv,
@@ -281,23 +262,13 @@ def _speculators_flat(d: dict, where: str) -> dict:
     if inner.get("model_type", "qwen3") != "qwen3":
         raise UserError(f"{where}: transformer_layer_config model_type {inner['model_type']!r} is not supported "
                         f"(speculators' DFlash decoder is qwen3)")
-    _check_known(inner, where + " transformer_layer_config")
+    check_fields(inner, "dflash", where + " transformer_layer_config")
     flat = {**inner, **{k: v for k, v in d.items() if k != "transformer_layer_config"}}
     if "sliding_attention" in (flat.get("layer_types") or ()):
         raise UserError(f"{where}: sliding-window layers in the speculators layout count the window back from the "
                         f"block's anchor (sliding_window_non_causal {flat.get('sliding_window_non_causal', False)}), "
                         f"a rule this loader does not implement; only SpecForge's and vLLM's")
     return flat
-
-
-def _check_known(d: dict, where: str, extra: frozenset = frozenset()) -> None:
-    """Refuse a field this loader does not read and that is not known to be harmless (``_HARMLESS``,
-    ``extra``), at the top level and under ``dflash_config``: it could change what the model computes."""
-    section = d.get(_SECTION) or {}
-    unknown = sorted(set(d) - _READ - _HARMLESS - extra) + sorted(f"{_SECTION}.{k}" for k in set(section) - _READ - extra)
-    if unknown:
-        raise UserError(f"{where}: config.json field '{unknown[0]}' is not understood by the DFlash loader and "
-                        f"could change what the model computes; refusing rather than ignoring it")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,19 +375,23 @@ class DFlashDraftModel(nn.Module):
         """Keys a block at ``p`` sees in layer ``layer_idx``: None (all ``p + q_len``: full layers)
         or a bool mask (1, 1, q_len, p + q_len), True where visible (sliding layers).
 
-        Sliding layers follow SpecForge's training mask and vLLM's serving (docs/drafters.md,
-        the window rule): a causal window over absolute positions, so block row ``j`` (position ``p + j``) sees
-        keys ``p + j - n + 1 .. p + j`` with ``n = min(p + j + 1, W)`` from
-        :func:`sharpdraft_runtime.causal_n_visible` (context and block keys alike). z-lab's
-        transformers sdpa path would apply no window, and vLLM speculators counts it from the anchor.
+        Sliding layers follow SpecForge's training mask (``create_dflash_sdpa_mask`` in
+        ``specforge/algorithms/common/dflash_family_model.py``; docs/drafters.md, the window rule):
+        block row ``j`` (position ``p + j``) sees the context keys ``p + j - W + 1 .. p - 1`` (the row
+        itself takes one slot of the window) and the block keys ``p .. p + j``, causal inside the block
+        and never cut by the window. With ``j < W`` that is the causal window over absolute positions;
+        a row past the window (``j >= W``, a window smaller than the block) still sees its ``j + 1``
+        block keys. Either way the keys are contiguous, ``s_j .. p + j`` with
+        ``s_j = min(p, max(0, p + j - W + 1))``. z-lab's transformers sdpa path would apply no window,
+        and vLLM speculators counts it from the anchor.
         """
         c = self.config
         if not c.layer_types or c.layer_types[layer_idx] != "sliding_attention":
             return None
-        n = causal_n_visible(q_len, p, sliding_window=c.sliding_window, device=device)[0, :, None]  # (q, 1)
-        end = torch.arange(p + 1, p + q_len + 1, device=device)[:, None]  # one past each row's last key
-        key = torch.arange(p + q_len, device=device)
-        return ((key < end) & (key >= end - n))[None, None]
+        row = torch.arange(q_len, device=device)[:, None]  # (q, 1) block offset j
+        start = (p + row - c.sliding_window + 1).clamp(min=0, max=p)  # (q, 1) first visible key
+        key = torch.arange(p + q_len, device=device)  # (p + q,)
+        return ((key >= start) & (key <= p + row))[None, None]
 
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         c = self.config
@@ -527,18 +502,27 @@ _IGNORED_WEIGHTS = {"dflash": (), "speculators": ("lm_head.weight", "d2t", "t2d"
 class DFlashDrafter:
     """Drafter adapter (``calibrate.drafters.base.Drafter``) for a DFlash model and its target.
 
-    ``default_n_ref`` is :data:`DFLASH_DEFAULT_N_REF` (DFlash's config has no training length).
+    ``default_n_ref`` is the training length of a training record beside the checkpoint
+    (``calibrate.drafters.checkpoint.training_length``: e.g. SpecForge's recipe ``data.max_length``), else
+    :data:`DFLASH_DEFAULT_N_REF` (DFlash's config has no training length: ``max_position_embeddings`` is
+    the target's, never trusted).
     """
 
     kind = "dflash"
 
-    def __init__(self, model: DFlashDraftModel, target: nn.Module, tokenizer, path: str | None = None):
+    def __init__(self, model: DFlashDraftModel, target: nn.Module, tokenizer, path: str | None = None,
+                 training: TrainingLength | None = None):
         c = model.config
         self.model, self.target, self.tokenizer = model, target, tokenizer
         self.info = DrafterInfo(kind="dflash", path=path, num_layers=c.num_hidden_layers,
                                 num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                 head_dim=c.head_dim)
-        self.default_n_ref = DFLASH_DEFAULT_N_REF
+        if training is None or training.value is None:
+            why = "no training record beside the checkpoint" if training is None else training.origin
+            training = TrainingLength(DFLASH_DEFAULT_N_REF, f"{DFLASH_DEFAULT_N_REF}, SpecForge's DFlash recipe "
+                                                            f"length ({why})")
+        self.training = training
+        self.default_n_ref = training.value
         self.device = model.fc.weight.device
         self.eos_token_id = None if tokenizer is None else eos_token_id(tokenizer)
         rope = "" if c.rope_scaling is None else f", {c.rope_scaling.rope_type} RoPE"
@@ -557,9 +541,12 @@ class DFlashDrafter:
         if c.sliding_window is not None:
             sliding = [i for i, t in enumerate(c.layer_types) if t == "sliding_attention"]
             self.notes.append(
-                f"sliding-window layers {sliding} (W = {c.sliding_window}) use SpecForge's and vLLM's rule, a causal "
-                f"window over absolute positions: block row j at p sees min(p + j + 1, W) keys (z-lab's "
-                f"transformers path applies no window); each row's statistics use exactly the keys it sees")
+                f"sliding-window layers {sliding} (W = {c.sliding_window}) use SpecForge's training mask: block row j "
+                f"at p sees the context keys p + j - W + 1 .. p - 1 and the block keys p .. p + j, which the window "
+                f"never cuts (z-lab's transformers path applies no window); each row's statistics use exactly the "
+                f"keys it sees")
+
+        self.notes.append("training length: " + training.origin)
 
     def tokenize(self, text: str) -> list[int]:
         """Target token ids of ``text``, without special tokens."""
@@ -634,4 +621,5 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device, d
         raise UserError(f"DFlash checkpoint {drafter_path}: not a directory")
     target, tokenizer = load_target(target_path, device, dtype)
     model = load_dflash(drafter_path, target, device=device, dtype=dtype)
-    return DFlashDrafter(model, target, tokenizer, str(drafter_path))
+    training = training_length(Path(drafter_path), model.config.max_position_embeddings, trust_mpe=False)
+    return DFlashDrafter(model, target, tokenizer, str(drafter_path), training)

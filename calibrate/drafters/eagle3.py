@@ -51,12 +51,14 @@ from sharpdraft_theory.positions import PositionFix
 from sharpdraft_theory.spec import DrafterInfo
 
 from ..errors import UserError
-from . import AUX_READINGS
+from . import AUX_READINGS, aux_offset
 from ..taps import ScalingTap
 from .base import AttentionTap, TeacherForced
 from .checkpoint import (TrainingLength, build, config_field, read_config, read_weights, rename_prefixes,
                          training_length)
-from .layers import GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_rope, rope_cos_sin, rope_inv_freq
+from .fields import check_fields
+from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_partial_rotary, read_rope,
+                     rope_cos_sin, rope_inv_freq, rotary_dim)
 from .target import eos_token_id, hidden_state_features, load_target
 
 __all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Output", "Eagle3Drafter", "Eagle3ChainDrafter", "load",
@@ -72,17 +74,9 @@ DEMO_HEAD_DIR = Path(__file__).resolve().parent.parent / "assets" / "eagle3-smol
 # ----------------------------------------------------------------------------------------------
 
 SOURCES = ("eagle", "specforge", "speculators")  # projects whose EAGLE-3 layouts load (docs/drafters.md)
-_SOURCE_READING = {"eagle": "vllm", "speculators": "vllm", "specforge": "sglang"}  # what each was trained with
-# config.json fields that do not change what the head computes for calibration (read nowhere)
-_HARMLESS = frozenset({
-    "architectures", "model_type", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
-    "transformers_version", "use_cache", "initializer_range", "tie_word_embeddings", "attention_dropout",
-    "num_hidden_layers", "max_window_layers", "use_sliding_window", "sliding_window", "layer_types",
-    "speculators_version", "speculators_config", "speculators_model_type", "embed_requires_grad",
-    "transformer_layer_config", "eagle_config", "eagle_aux_hidden_state_layer_ids", "rope_scaling", "rope_parameters",
-    "rope_theta", "hidden_act", "attention_bias", "mlp_bias", "pretraining_tp", "use_aux_hidden_state",
-    "partial_rotary_factor",
-})  # the last line's fields are checked where they are read; the others only identify or train the model
+# Which engine's reading of aux layer ids a config states by where it writes them: SGLang reads them from
+# eagle_config (SpecForge writes them there), vLLM from the top level (speculators and vLLM-trained heads).
+_AUX_SPELLING = {"eagle_config": "sglang", "top level": "vllm"}
 
 
 @dataclass(frozen=True)
@@ -103,10 +97,13 @@ class Eagle3Config:
     head_dim: int = 0  # width of one head; 0 in the constructor means hidden_size // heads
     norm_before_residual: bool = False  # vLLM option: residual taken after hidden_norm
     aux_layer_ids: tuple[int, ...] | None = None  # aux layer ids as written, None = (2, L//2, L-3) as h-indices
+    aux_where: str = "top level"  # where config.json writes the ids: "eagle_config" or "top level" (_AUX_SPELLING)
     source: str = "eagle"  # layout and training framework: eagle, specforge or speculators (SOURCES)
     norm_before_fc: bool = False  # speculators: one RMSNorm (input_norm, width n*H) over the concatenated features
     fc_norm: bool = False  # EAGLE 3.1: one RMSNorm per auxiliary feature (fc_norm.{j}, width target H) before fc
     norm_output: bool = False  # the state fed to the next drafting step is norm(o_t) (speculators / vLLM)
+    final_norm: bool = True  # logits = lm_head(norm(o_t)); False: lm_head(o_t) (SpecForge norm_output false)
+    rotary_dim: int = 0  # dimensions RoPE rotates (partial_rotary_factor); 0 in the constructor means head_dim
     qk_norm: bool = False  # Qwen3 per-head q_norm / k_norm before RoPE (speculators model_type qwen3)
     sliding_window: int | None = None  # the layer attends to the last W positions only; None = causal over all
 
@@ -115,6 +112,8 @@ class Eagle3Config:
             object.__setattr__(self, "target_hidden_size", self.hidden_size)
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
 
     @property
     def num_aux(self) -> int:
@@ -140,7 +139,7 @@ class Eagle3Config:
             if not isinstance(inner, dict):
                 raise UserError(f"{where}: speculators config has no 'transformer_layer_config' object")
             source, flat = "speculators", {**inner, **{k: v for k, v in d.items() if k != "transformer_layer_config"}}
-            _check_known(inner, where + " transformer_layer_config")
+            check_fields(inner, "eagle3", where + " transformer_layer_config")
             if inner.get("model_type", "llama") not in ("llama", "qwen3"):
                 raise UserError(f"{where}: transformer_layer_config model_type {inner['model_type']!r} is not "
                                 f"supported (llama or qwen3)")
@@ -149,7 +148,9 @@ class Eagle3Config:
                             f"(LlamaForCausalLM, LlamaForCausalLMEagle3, speculators Eagle3DraftModel)")
         else:
             source, flat = ("specforge" if "LlamaForCausalLMEagle3" in arch else "eagle"), d
-        _check_known(d, where)
+        check_fields(d, "eagle3", where)
+        if isinstance(d.get("eagle_config"), dict):
+            check_fields(d["eagle_config"], "eagle3", where, "eagle_config.")
         d = flat
         req = {name: config_field(d, name, int, where, required=True) for name in
                ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")}
@@ -170,6 +171,7 @@ class Eagle3Config:
         eagle_config = d.get("eagle_config") or {}
         if eagle_config.get("use_aux_hidden_state") is False:
             raise UserError(f"{where}: eagle_config.use_aux_hidden_state false (EAGLE-1/2 style) is not supported")
+        aux_where = "top level" if "eagle_aux_hidden_state_layer_ids" in d else "eagle_config"
         aux = d.get("eagle_aux_hidden_state_layer_ids", eagle_config.get("eagle_aux_hidden_state_layer_ids"))
         if aux is not None and (not aux or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                    for i in aux)):
@@ -179,6 +181,8 @@ class Eagle3Config:
         if norm_before_fc and fc_norm:
             raise UserError(f"{where}: norm_before_fc and fc_norm are both true; a head has one or the other")
         theta, scaling = read_rope(d, where, "EAGLE-3")
+        head_dim = config_field(d, "head_dim", int, where, default=0) or req["hidden_size"] // heads
+        norm_output = config_field(d, "norm_output", bool, where)
         return cls(
             **req,
             num_key_value_heads=kv_heads,
@@ -189,9 +193,13 @@ class Eagle3Config:
             target_hidden_size=config_field(d, "target_hidden_size", int, where, default=0),
             head_dim=config_field(d, "head_dim", int, where, default=0),
             norm_before_residual=config_field(d, "norm_before_residual", bool, where, default=False),
-            aux_layer_ids=tuple(aux) if aux is not None else None,
+            aux_layer_ids=tuple(aux) if aux is not None else None, aux_where=aux_where,
             source=source, norm_before_fc=norm_before_fc, fc_norm=fc_norm,
-            norm_output=config_field(d, "norm_output", bool, where, default=False) and source != "specforge",
+            # SpecForge's norm_output (default true) says whether lm_head reads norm(o_t); the fed-back state is o_t.
+            # speculators' and vLLM's says whether the fed-back state is norm(o_t); their logits always use it.
+            norm_output=bool(norm_output) and source != "specforge",
+            final_norm=norm_output is not False or source != "specforge",
+            rotary_dim=rotary_dim(head_dim, read_partial_rotary(d, where), where),
             qk_norm=source == "speculators" and d.get("model_type", "llama") == "qwen3",
             sliding_window=_sliding_window(d, where),
         )
@@ -222,18 +230,11 @@ class Eagle3Config:
             d["norm_before_residual"] = True
         if self.norm_output:
             d["norm_output"] = True
+        if self.rotary_dim != self.head_dim:
+            d["partial_rotary_factor"] = self.rotary_dim / self.head_dim
         if self.aux_layer_ids is not None:
             d["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
         return d
-
-
-def _check_known(d: dict, where: str) -> None:
-    """Refuse a field this loader does not read and that is not known to be harmless (``_HARMLESS``)."""
-    read = {f.name for f in fields(Eagle3Config)} | {"norm_before_fc", "fc_norm", "norm_output"}
-    unknown = sorted(set(d) - read - _HARMLESS)
-    if unknown:
-        raise UserError(f"{where}: config.json field '{unknown[0]}' is not understood by the EAGLE-3 loader and "
-                        f"could change what the head computes; refusing rather than ignoring it")
 
 
 def _sliding_window(d: dict, where: str) -> int | None:
@@ -291,7 +292,7 @@ class Eagle3Attention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, h, T, D), (B, kv, T, D)
         value = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, query.dtype, c.rope_scaling)
+        cos, sin = rope_cos_sin(position_ids, c.rotary_dim, c.rope_theta, query.dtype, c.rope_scaling)
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         if past is not None:
             key, value = torch.cat((past[0], key), dim=2), torch.cat((past[1], value), dim=2)
@@ -311,7 +312,7 @@ class Eagle3Attention(nn.Module):
             if not torch.equal(position_ids, q_pos.expand(B, T)):
                 raise ValueError(f"the spec's positions ({positions.fix}) need each row at its cache slot; "
                                  "these position_ids differ")
-            inv_freq, _ = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, x.device)
+            inv_freq, _ = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling, x.device)
             out = remapped_attention(query, key, value, self.scaling, positions, inv_freq, q_pos, k_pos,
                                      visible[None, None])
         else:
@@ -424,7 +425,7 @@ class Eagle3Head(nn.Module):
         out, cache = self.midlayer(embeds, hidden_states, position_ids, past_key_values, attention_hook, window, sinks,
                                    positions)
         normed = self.norm(out)
-        logits = self.lm_head(normed) if return_logits else None
+        logits = self.lm_head(normed if c.final_norm else out) if return_logits else None
         return Eagle3Output(logits, normed if c.norm_output else out, cache)
 
     def combine(self, features: torch.Tensor) -> torch.Tensor:
@@ -463,30 +464,33 @@ def feature_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 def aux_hidden_states(config: Eagle3Config, num_layers: int, reading: str | None = None) -> tuple[tuple[int, ...], str]:
-    """The target ``hidden_states`` indices the head reads, and one line saying why.
+    """The target ``hidden_states`` indices the head reads, and one line saying which rule applied and why.
 
-    Ids written in ``config.json`` mean different hidden states to the engines (``AUX_READINGS``):
-    vLLM reads id ``k`` as ``hidden_states[k]``, SGLang (through which SpecForge trains) as
-    ``hidden_states[k + 1]``. The head reads them as the framework that trained it did
-    (``_SOURCE_READING``: SpecForge -> sglang, EAGLE and speculators -> vllm), unless ``reading``
-    says otherwise. Without ids, (2, L//2, L-3), which every framework's default amounts to.
+    Ids written in ``config.json`` mean different hidden states to the engines (``AUX_READINGS``,
+    :func:`calibrate.drafters.aux_offset`): vLLM reads id ``k`` as ``hidden_states[k]``; SGLang, since
+    its PR #25454, as ``hidden_states[k + 1]`` when the first id is 1 and as ``hidden_states[k]``
+    otherwise (before it, ``k + 1`` always). A config states which engine's ids it holds by where it
+    writes them (``_AUX_SPELLING``): under ``eagle_config``, where SGLang reads them (SpecForge's
+    layout), or at the top level, where vLLM reads them. ``reading`` overrides that. Without ids,
+    (2, L//2, L-3), which every engine's default amounts to.
     """
     if reading is not None and reading not in AUX_READINGS:
         raise UserError(f"--aux-layer-reading {reading}: expected one of {', '.join(AUX_READINGS)}")
     if config.aux_layer_ids is None:
         ids = feature_layer_ids(num_layers)
         return ids, f"reads target hidden_states {list(ids)} (2, L//2, L-3: config.json names no aux layers)"
-    used = reading or _SOURCE_READING[config.source]
-    ids = tuple(k + AUX_READINGS[used] for k in config.aux_layer_ids)
+    written = list(config.aux_layer_ids)
+    used = reading or _AUX_SPELLING[config.aux_where]
+    ids = tuple(k + aux_offset(used, written) for k in written)
     if len(ids) != config.num_aux or any(not 0 < i < num_layers for i in ids):
-        raise UserError(f"aux layer ids {list(config.aux_layer_ids)} read as {used} (hidden_states {list(ids)}) do "
+        raise UserError(f"aux layer ids {written} read as {used} (hidden_states {list(ids)}) do "
                         f"not fit a target with {num_layers} layers (1 .. {num_layers - 1}; the final boundary, "
                         f"captured before the final norm by the engines, is not supported)")
-    why = "given by --aux-layer-reading" if reading else f"{config.source} heads are trained with {used}'s reading"
-    other = next(r for r in AUX_READINGS if r != used)
-    return ids, (f"reads target hidden_states {list(ids)}: aux layer ids {list(config.aux_layer_ids)} read as "
-                 f"{used} does ({'id + 1' if AUX_READINGS[used] else 'id as is'}; {why}); "
-                 f"--aux-layer-reading {other} reads them as {other} does")
+    why = ("given by --aux-layer-reading" if reading else
+           f"the ids are written {'under eagle_config, where SGLang reads them' if config.aux_where == 'eagle_config' else 'at the top level, where vLLM reads them'}")
+    others = ", ".join(r for r in AUX_READINGS if r != used)
+    return ids, (f"reads target hidden_states {list(ids)}: aux layer ids {written} read as {used} does "
+                 f"({AUX_READINGS[used]}; {why}); --aux-layer-reading {{{others}}} reads them otherwise")
 
 
 def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids=None) -> torch.Tensor:
@@ -572,6 +576,8 @@ class Eagle3Drafter:
         self.feature_ids, aux_note = aux_hidden_states(c, len(target.get_decoder().layers), aux_layer_reading)
         options = [name for name in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output", "qk_norm")
                    if getattr(c, name)]
+        options += ["no final norm before lm_head (norm_output false)"] if not c.final_norm else []
+        options += [f"RoPE on {c.rotary_dim} of {c.head_dim} dimensions"] if c.rotary_dim != c.head_dim else []
         rope = "" if c.rope_scaling is None else f", {c.rope_scaling.rope_type} RoPE"
         window = "" if c.sliding_window is None else f", sliding window {c.sliding_window}"
         self.notes = [f"EAGLE-3 head in {c.source}'s layout ({', '.join(options) or 'no options'}{rope}{window}); "

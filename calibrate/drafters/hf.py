@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -45,6 +46,8 @@ from ..errors import UserError
 from ..smollm2 import SMOLLM2_N_REF, load_smollm2
 from ..taps import ScalingTap, attention_tap
 from .base import AttentionTap, TeacherForced
+from .checkpoint import read_config
+from .fields import check_fields
 from .target import eos_token_id, load_causal_lm, load_target, load_tokenizer
 
 __all__ = ["CausalLMDrafter", "load", "PARD_N_REF"]
@@ -132,10 +135,25 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device: t
             raise UserError(f"--drafter {kind} needs --drafter-path (a local checkpoint folder or a hub id)")
         model, tokenizer = load_smollm2(device, dtype)
         return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=SMOLLM2_N_REF, target=target)
+    _check_pard_fields(drafter_path)
     model = load_causal_lm(drafter_path, device, dtype, option="--drafter-path")
     tokenizer = load_tokenizer(drafter_path, option="--drafter-path", shared_with=target_path)
     return CausalLMDrafter(model, tokenizer, kind=kind, path=drafter_path,
                            default_n_ref=_default_n_ref(kind, model.config), target=target)
+
+
+def _check_pard_fields(drafter_path: str) -> None:
+    """Refuse a PARD-2 checkpoint before loading it (``calibrate.drafters.fields``, format pard): its
+    ``pard2`` / ``spd_type: pard2`` fields add a target-feature term a plain causal-LM run would drop."""
+    path = Path(drafter_path).expanduser() / "config.json"
+    if not path.is_file():
+        return
+    config = read_config(path, "PARD")
+    if config.get("spd_type") == "pard2" and not config.get("pard2"):
+        config = {**config, "pard2": True}  # either spelling marks PARD-2 (pard2_infer.py reads both)
+    if config.get("pard2") is False:
+        config = {k: v for k, v in config.items() if k != "pard2"}
+    check_fields(config, "pard", str(path), strict=False)
 
 
 def _default_n_ref(kind: str, config) -> int:

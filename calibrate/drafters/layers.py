@@ -23,7 +23,8 @@ from torch import nn
 
 from ..errors import UserError
 
-__all__ = ["RMSNorm", "GatedMLP", "RopeScaling", "ROPE_SCALINGS", "read_rope", "rope_inv_freq", "rope_cos_sin",
+__all__ = ["RMSNorm", "GatedMLP", "RopeScaling", "ROPE_SCALINGS", "read_rope", "read_partial_rotary", "rotary_dim",
+           "rope_inv_freq", "rope_cos_sin",
            "apply_rope", "repeat_kv", "attention"]
 
 
@@ -82,23 +83,24 @@ ROPE_SCALINGS = {
 _ROPE_REQUIRED = {"linear": ("factor",), "llama3": ROPE_SCALINGS["llama3"],
                   "yarn": ("factor", "original_max_position_embeddings")}
 _ROPE_REFUSED = {
-    "mrope": "multimodal RoPE splits the rotary dimensions into position sections (time, height, width) "
-             "that a text-only drafter run cannot give",
+    "mrope": "multimodal RoPE, which this drafter's reference code does not have",
     "dynamic": "dynamic NTK scaling changes the frequencies with the sequence length at run time",
     "longrope": "LongRoPE switches between short and long per-dimension factors with the sequence length",
 }
 _ROPE_HARMLESS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")  # handled apart from the params
 
 
-def read_rope(config: dict, where: str, what: str) -> tuple[float, RopeScaling | None]:
+def read_rope(config: dict, where: str, what: str, *, mrope: bool = True) -> tuple[float, RopeScaling | None]:
     """``(theta, scaling)`` of a ``config.json``, in either spelling transformers reads.
 
     transformers 4: ``rope_theta`` (default 10000) and ``rope_scaling`` ``{rope_type | type, ...}``;
     transformers 5: ``rope_parameters`` ``{rope_type, rope_theta, ...}``, possibly one per layer type
     (accepted when all are equal). Both may be present (SpecForge writes both); they must agree.
-    Refused with a one-line ``UserError``: an unknown or run-time-dependent type (``mrope``,
-    ``dynamic``, ``longrope``), a parameter the type does not read, a ``partial_rotary_factor`` other
-    than 1, and ``llama3`` / ``yarn`` without ``original_max_position_embeddings``, which transformers
+    ``mrope`` with text positions (all three streams equal) is plain RoPE and returns no scaling
+    (with ``mrope`` false, for drafters whose reference code has no multimodal RoPE, it is refused).
+    Refused with a one-line ``UserError``: an unknown or run-time-dependent type (``dynamic``,
+    ``longrope``), a parameter the type does not read, and ``llama3`` / ``yarn``
+    without ``original_max_position_embeddings``, which transformers
     would take from ``max_position_embeddings`` (in drafter configs often the target's context, not
     the length the frequencies were designed for).
     """
@@ -128,9 +130,6 @@ def read_rope(config: dict, where: str, what: str) -> tuple[float, RopeScaling |
     theta = 10000.0 if theta is None else theta
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 1:
         raise UserError(f"{where}: rope_theta should be a number above 1, got {theta!r}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UserError(f"{where}: partial_rotary_factor {params['partial_rotary_factor']} is not supported "
-                        f"for {what} (RoPE on every dimension only)")
     kind = params.get("rope_type", params.get("type", "default"))
     if "type" in params and params["type"] != kind:
         raise UserError(f"{where}: rope type {params['type']!r} and rope_type {kind!r} disagree")
@@ -138,6 +137,17 @@ def read_rope(config: dict, where: str, what: str) -> tuple[float, RopeScaling |
         extra = sorted(set(params) - set(_ROPE_HARMLESS))
         if extra:
             raise UserError(f"{where}: RoPE parameter {extra[0]!r} has no meaning for default RoPE; remove it")
+        return float(theta), None
+    if kind == "mrope" and mrope:
+        # Multimodal RoPE takes each section of the rotary dimensions from one of three position streams
+        # (time, height, width); for text tokens all three are the token's position (Qwen2-VL's get_rope_index),
+        # so on the text calibration and eval run it is plain RoPE (SpecForge apply_multimodal_rotary_pos_emb).
+        section = params.get("mrope_section")
+        extra = sorted(set(params) - {"mrope_section", *_ROPE_HARMLESS})
+        if extra or not isinstance(section, list) or len(section) != 3 or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in section):
+            raise UserError(f"{where}: mrope needs mrope_section, three positive integers, and nothing else"
+                            + (f" (got {extra[0]!r})" if extra else f", got {section!r}"))
         return float(theta), None
     if kind in _ROPE_REFUSED:
         raise UserError(f"{where}: rope type {kind!r} is not supported for {what}: {_ROPE_REFUSED[kind]}")
@@ -180,6 +190,38 @@ def _scaled_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> tuple
     return inv_freq.float(), float(factor)
 
 
+def read_partial_rotary(config: dict, where: str) -> float:
+    """The fraction of each head's dimensions RoPE rotates, from every spelling of ``partial_rotary_factor``.
+
+    Top level (transformers 4), inside ``rope_parameters`` (transformers 5, also per layer type) or
+    inside ``rope_scaling``; all that are present must agree. 1.0 when none is (the whole head).
+    """
+    params = config.get("rope_parameters")
+    sections = [("", config), ("rope_scaling.", config.get("rope_scaling"))]
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        sections += [(f"rope_parameters.{k}.", v) for k, v in params.items()]
+    else:
+        sections.append(("rope_parameters.", params))
+    found = {name + "partial_rotary_factor": s["partial_rotary_factor"] for name, s in sections
+             if isinstance(s, dict) and s.get("partial_rotary_factor") is not None}
+    for name, value in found.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise UserError(f"{where}: {name} should be a number in (0, 1], got {value!r}")
+    if len(set(found.values())) > 1:
+        raise UserError(f"{where}: partial_rotary_factor disagrees between spellings ({found}); which applies is unclear")
+    return float(next(iter(found.values()), 1.0))
+
+
+def rotary_dim(head_dim: int, partial_rotary_factor: float, where: str) -> int:
+    """Dimensions RoPE rotates: ``int(head_dim * factor)`` as vLLM's and SGLang's ``get_rope`` and transformers
+    compute it; it must be even and positive (rotate-half pairs ``i`` with ``i + rotary_dim / 2``)."""
+    dim = int(head_dim * partial_rotary_factor)
+    if dim <= 0 or dim % 2:
+        raise UserError(f"{where}: partial_rotary_factor {partial_rotary_factor} of head_dim {head_dim} gives "
+                        f"{dim} rotary dimensions; expected a positive even number")
+    return dim
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
                   device: torch.device | None = None) -> tuple[torch.Tensor, float]:
     """Rotation frequencies (head_dim / 2,) in fp32 and the attention factor ``a``.
@@ -196,7 +238,9 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype:
                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``a cos``, ``a sin`` of shape (B, 1, T, head_dim) for rotate-half RoPE at ``position_ids`` (B, T).
 
-    Computed in fp32 and cast to ``dtype``, in transformers' order (``a``: :func:`rope_inv_freq`).
+    ``head_dim`` is the rotated width: the whole head, or :func:`rotary_dim` with a partial factor
+    (then :func:`apply_rope` leaves the remaining dimensions as they are). Computed in fp32 and cast
+    to ``dtype``, in transformers' order (``a``: :func:`rope_inv_freq`).
     """
     inv_freq, factor = rope_inv_freq(head_dim, theta, scaling, position_ids.device)
     freqs = position_ids.float()[..., None] * inv_freq  # (B, T, D/2)
@@ -205,7 +249,11 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, D) rotated by (cos, sin) of shape (B, 1, T, D)."""
+    """x (B, heads, T, D) rotated by (cos, sin) of shape (B, 1, T, R), R <= D: the first R dimensions are
+    rotated (rotate-half within them, vLLM's neox style), the other D - R pass through (partial rotary)."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
