@@ -57,6 +57,11 @@ def calibrate(
         "--aux-layer-reading", help="How a head's aux layer ids map to target hidden states: vllm (id), sglang "
                                     "(id + 1 when the first id is 1) or sglang-legacy (id + 1) (default: as the "
                                     "config's own layout states).")] = None,
+    select: Annotated[bool, typer.Option(
+        "--select", help="After the fit, measure the candidate deployments (none, the fitted spec, slopes around "
+                         "it, qwen-logn, windows, sinks, distance fixes) teacher-forced on the calibration sequences "
+                         "and write the one whose agreement gain past n_ref is largest with an interval above 0 "
+                         "(none when no candidate qualifies).")] = False,
 ):
     """Collect attention-logit statistics from a drafter over a corpus and fit the query-scaling slope.
 
@@ -73,7 +78,7 @@ def calibrate(
                             corpus=corpus, max_length=max_length, sequences=sequences, n_ref=n_ref, top_k=top_k,
                             granularity=granularity, estimator=estimator, alpha_max=alpha_max, law=law, max_n=max_n,
                             device=device, dtype=dtype, chunk=chunk, stats=stats, resume=resume,
-                            aux_layer_reading=aux_layer_reading)
+                            aux_layer_reading=aux_layer_reading, select=select)
     main = is_main_process()  # under torchrun the other ranks are quiet
     if main:
         console.print(f"[bold]Calibrating[/] {drafter} drafter ({drafter_path or 'built-in'}) on {corpus}")
@@ -134,6 +139,34 @@ def _summary(result, out: Path) -> None:
     console.print(f"Collected {result.stats.rows:,} rows from {result.spec.calibration.sequences} sequences{ranks} "
                   f"in {result.seconds:.1f} s{rate}" + (f" ({result.resumed} resumed)" if result.resumed else ""))
     print_fit(result.spec, result.fit, out)
+    if result.selection is not None:
+        print_selection(result.selection, result.seconds)
+
+
+def print_selection(record: dict, collection_seconds: float | None = None) -> None:
+    """The candidates' gains over none past n_ref, the decision in one line, and its cost."""
+    from .select import decision_line
+
+    table = Table(title=f"Candidates on the {record['sequences']} calibration sequences: gain over none, "
+                        f"mean of n in {record['buckets']}")
+    for col in ("candidate", "agreement [95%]", "expected accept. [95%]"):
+        table.add_column(col)
+    for name, cell in record["candidates"].items():
+        if name == "none":
+            continue
+        style = "bold green" if name == record["chosen"] else None
+        table.add_row(name, *(_triple(cell["gain"][m]) for m in ("agreement", "expected_acceptance")), style=style)
+    console.print(table)
+    console.print(f"[bold]{decision_line(record)}[/]")
+    cost = (f" ({record['seconds'] / collection_seconds:.1f} x the collection)"
+            if collection_seconds else "")
+    console.print(f"Selection: {record['seconds']:.1f} s{cost}; rule: {record['rule']}")
+
+
+def _triple(t) -> str:
+    if t is None:
+        return "-"
+    return f"{t[0]:+.4f}" + ("" if t[1] is None else f" [{t[1]:+.4f}, {t[2]:+.4f}]")
 
 
 def print_fit(spec, fit, out: Path) -> None:

@@ -174,7 +174,13 @@ def inspect(spec: Annotated[Path, typer.Argument(help="Scale spec JSON file to v
         for r in c.results:
             ci = f" [{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]" if r.ci_low is not None else ""
             table.add_row(f"  {r.estimator}", f"{_fmt(r.slope)}{ci}" + (f"  ({r.note})" if r.note else ""))
+    if s.window is not None or s.sinks:
+        table.add_row("window", f"{s.window or '-'} keys" + (f", {s.sinks} sinks" if s.sinks else ""))
     console.print(table)
+    if s.calibration is not None and s.calibration.selection is not None:
+        from .calibrate_cmd import print_selection
+
+        print_selection(s.calibration.selection)
     if s.table is not None:
         console.print(_knots_table(s))
     if s.law != "qwen-logn" or s.n_ref:

@@ -104,7 +104,7 @@ from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, Prefill, SpeculativeResult,
                           speculative_generate, transformers_generate)
 
 __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "POSITION_VARIANTS", "position_fix", "DEFAULT_SINKS", "default_spec",
-           "variant_specs", "check_variants", "bucket_edges", "paired_bootstrap", "evaluate"]
+           "variant_specs", "check_variants", "bucket_edges", "paired_bootstrap", "describe_spec", "evaluate"]
 
 POSITION_VARIANTS = FIXES + tuple(f"{fix}+spec" for fix in FIXES)  # distance fixes, alone and with the spec
 VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", *POSITION_VARIANTS, "reference")  # every variant eval knows
@@ -310,7 +310,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         "corpus": corpus, "skip": skip, "sequences": len(texts), "sequence_length": int(edges[-1]),
         "top_k": spec.top_k, "temperature": temperature,
         "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
-        "variants": {a.name: _described(a.spec) for a in arms},
+        "variants": {a.name: describe_spec(a.spec) for a in arms},
         "speculative": None if not speculative else {"loop": loop, "new_tokens": new_tokens, "num_draft": num_draft,
                                                      "outputs_identical": all_identical},
         "oracle": _oracle(tallies, grid, edges, n_ref) if grid else None,
@@ -318,7 +318,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     }
 
 
-def _described(spec: ScaleSpec | None) -> dict | None:
+def describe_spec(spec: ScaleSpec | None) -> dict | None:
     """A variant's deployment in the result: its spec's law, n_ref, (mean) slope, window and sinks."""
     if spec is None:
         return None

@@ -48,7 +48,7 @@ from sharpdraft_theory.laws import MAX_N
 from .collect import DEFAULT_K_MAX, RowCollector, log_grid
 from .corpus import pack
 from .distributed import Ranks
-from .drafters import load_drafter, resolve_device, resolve_dtype
+from .drafters import drafter_kind, load_drafter, resolve_device, resolve_dtype
 from .errors import UserError
 from .fit import (LAWS_WRITTEN, MAX_N_PER_N_REF, Collection, FitSettings, check_fit_options, check_max_n, fit_spec,
                   plausibility_notes, record_meta)
@@ -86,6 +86,7 @@ class CalibrateOptions:
     resume: bool = False  # continue an interrupted run
     bootstrap: int = 200  # bootstrap resamples for the intervals
     aux_layer_reading: str | None = None  # sglang or vllm reading of a head's aux layer ids; None: by its framework
+    select: bool = False  # measure candidate deployments after the fit and write the winner (calibrate.select)
 
 
 class Progress(Protocol):
@@ -106,6 +107,7 @@ class CalibrateResult:
     resumed: int  # sequences taken from a previous run's partial files
     world_size: int = 1  # processes that collected
     notes: list[str] = field(default_factory=list)  # things the user should know
+    selection: dict | None = None  # calibrate --select: the candidates, the choice and its seconds
 
 
 def partial_dir(out: Path) -> Path:
@@ -162,7 +164,8 @@ def _run(opts: CalibrateOptions, ranks: Ranks, device, dtype, drafter, progress)
     spec, fit, stats = done
     return CalibrateResult(spec=spec, fit=fit, stats=stats, seconds=max(s.seconds for s in shards),
                            tokens=sum(s.tokens for s in shards), resumed=sum(s.resumed for s in shards),
-                           world_size=ranks.world_size, notes=setup.notes)
+                           world_size=ranks.world_size, notes=setup.notes,
+                           selection=spec.calibration.selection if spec.calibration else None)
 
 
 def _prepare(opts: CalibrateOptions, folder: Path, device, dtype, drafter) -> _Setup:
@@ -261,8 +264,22 @@ def _finish(opts: CalibrateOptions, setup: _Setup, shards: list[_Shard]) -> tupl
         _write(f"--stats {opts.stats}", lambda: stats.save(opts.stats, **meta), "then --resume to finish")
     spec, fit, notes = fit_spec(stats, collection, settings)
     setup.notes.extend(notes)
+    if opts.select:
+        spec = _selected(spec, setup)
     _write(f"--out {opts.out}", lambda: spec.save(opts.out), "then --resume to finish")
     return spec, fit, stats
+
+
+def _selected(fitted: ScaleSpec, setup: _Setup) -> ScaleSpec:
+    """``--select``: the winning deployment (``calibrate.select``) with the fitted spec's drafter and calibration
+    record, the selection added to it."""
+    from .select import select
+
+    chosen, record = select(setup.drafter, setup.sequences, fitted, n_ref=setup.n_ref, max_length=setup.max_length,
+                            longest=MAX_N_PER_N_REF * setup.n_ref)
+    d = fitted.to_dict()
+    return ScaleSpec.from_dict({**chosen.to_dict(), "drafter": d["drafter"],
+                                "calibration": {**d["calibration"], "selection": record}})
 
 
 def _check_options(opts: CalibrateOptions) -> None:
@@ -285,6 +302,14 @@ def _check_options(opts: CalibrateOptions) -> None:
                         f"use --max-length {4 * opts.n_ref} or a smaller --n-ref")
     if opts.bootstrap < 0:
         raise UserError(f"bootstrap {opts.bootstrap}: need at least 0 resamples")
+    if opts.select:
+        kind = drafter_kind(opts.drafter)
+        if not kind.evaluates:
+            raise UserError(f"--select: the {opts.drafter} drafter has no teacher-forced pass to measure candidates "
+                            "with yet; drop --select (the fitted spec is written) and compare deployments by hand")
+        if kind.assisted and opts.target_path is None:
+            raise UserError(f"--select with --drafter {opts.drafter}: give --target-path, the target the candidates' "
+                            "agreement is measured against")
     check_outputs({"--out": Path(opts.out), "--stats": opts.stats},
                   local_inputs(corpus=opts.corpus, drafter_path=opts.drafter_path, target_path=opts.target_path))
     check_corpus(opts.corpus)

@@ -103,6 +103,9 @@ class Calibration:
     buckets: tuple[Bucket, ...]  # per context-length bucket: rows, mean mass, matched alpha
     results: tuple[EstimatorResult, ...]  # every estimator's result, for comparison
     tool_version: str  # sharpdraft version that made the spec
+    # calibrate --select: each candidate deployment measured on the calibration sequences, and the choice
+    # (calibrate.select documents the object); None when the fitted spec was written without selection
+    selection: dict | None = None
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "calibration") -> "Calibration":
@@ -119,7 +122,19 @@ class Calibration:
             buckets=tuple(Bucket.from_dict(b, f"{where}.buckets[{i}]") for i, b in enumerate(d["buckets"])),
             results=tuple(EstimatorResult.from_dict(r, f"{where}.results[{i}]") for i, r in enumerate(d["results"])),
             tool_version=check_str(f"{where}.tool_version", d["tool_version"]),
+            selection=_selection(f"{where}.selection", d.get("selection")),
         )
+
+
+def _selection(where: str, value) -> dict | None:
+    """``calibration.selection``: null, or an object naming its ``chosen`` candidate among its ``candidates``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("candidates"), dict):
+        raise field_error(where, "expected an object with its candidates", value)
+    if value.get("chosen") not in value["candidates"]:
+        raise field_error(f"{where}.chosen", "expected the name of one of its candidates", value.get("chosen"))
+    return value
 
 
 @dataclass(frozen=True)
