@@ -26,8 +26,18 @@ import argparse
 import copy
 import dataclasses
 import itertools
+import os
 import statistics
 import time
+
+# The CPU memory timeline comes from the PyTorch profiler, whose log lines would land between the table's
+# rows; both settings are read once, so they are set before torch is imported (a value already in the
+# environment wins). Kineto prints two "USDT:" lines (profiler_start, profiler_stop) per profiled call at
+# every level below 6. The CPU allocator warns, in C++, that "Memory block of unknown size was allocated
+# before the profiling started" when a call frees a tensor made before it (the KV cache a decoding step
+# replaces): that free is not in the timeline, and peak_bytes counts only what the call allocates.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import numpy as np
 import torch

@@ -68,7 +68,7 @@ def calibrate(
     Under torchrun, every rank runs its share of the sequences and rank 0 alone prints and writes.
     """
     from .distributed import is_main_process
-    from .run import CalibrateOptions, run_calibration
+    from .run import CalibrateOptions, check_options, run_calibration
 
     try:
         estimator = get_estimator(estimator).name  # a label or alias (E1, closed_form, ...) to the canonical name
@@ -79,6 +79,7 @@ def calibrate(
                             granularity=granularity, estimator=estimator, alpha_max=alpha_max, law=law, max_n=max_n,
                             device=device, dtype=dtype, chunk=chunk, stats=stats, resume=resume,
                             aux_layer_reading=aux_layer_reading, select=select)
+    check_options(opts)  # a refusal comes before the banner and before any model loads
     main = is_main_process()  # under torchrun the other ranks are quiet
     if main:
         console.print(f"[bold]Calibrating[/] {drafter} drafter ({drafter_path or 'built-in'}) on {corpus}")
@@ -99,22 +100,25 @@ def calibrate(
 
 
 class _RichProgress:
-    """``calibrate.run.Progress`` as a rich bar: sequences, tokens/s, rows."""
+    """``calibrate.run.Progress`` as a rich bar: sequences, tokens/s, rows. The bar appears once
+    collection starts, so a run refused while loading prints no empty bar."""
 
     def __init__(self):
         self.bar = Progress(TextColumn("[bold]collecting"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[rate]:>8.0f} tokens/s"), TextColumn("{task.fields[rows]:>9,} rows"),
                             TimeElapsedColumn(), console=console, transient=False)
         self.total = self.done = 0
+        self.shown = False
 
     def __enter__(self):
-        self.bar.__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self.bar.__exit__(*exc)
+        return self.bar.__exit__(*exc) if self.shown else None
 
     def start(self, total: int, done: int, tokens_per_sequence: int) -> None:
+        self.bar.__enter__()
+        self.shown = True
         self.total, self.done = total, done
         self.tokens, self.rows, self.began = 0, 0, time.perf_counter()
         self.task = self.bar.add_task("collect", total=total, completed=done, rate=0.0, rows=0)

@@ -220,6 +220,19 @@ def _fail(message: str) -> None:
     raise SystemExit(1)
 
 
+def _bad_value(err: ClickException) -> str | None:
+    """``--gap abc: expected a number`` for a value typer could not convert, naming the value typed;
+    None for other usage errors (typer converts through pydantic, whose errors hold the input)."""
+    param, cause = getattr(err, "param", None), err.__cause__
+    problems = cause.errors() if param is not None and hasattr(cause, "errors") else []
+    if not problems or not isinstance(problems[0].get("input"), str):
+        return None
+    expected = {"int_parsing": "an integer written in digits", "float_parsing": "a number"}.get(
+        problems[0].get("type"), problems[0].get("msg", "another value").removeprefix("Input should be "))
+    name = max(param.opts, key=len) if param.opts else param.name
+    return f"{name} {problems[0]['input']}: expected {expected}"
+
+
 def main() -> None:
     """Console-script entry point: run the app, turning user errors into one line and exit 1."""
     try:
@@ -235,7 +248,7 @@ def main() -> None:
         raise SystemExit(0) from None
     except ClickException as err:  # a bad or missing option: one line too, exit 1 (the README's promise)
         command = err.ctx.command_path if getattr(err, "ctx", None) else "sharpdraft"
-        _fail(f"{err.format_message()} (see `{command} --help`)")
+        _fail(f"{_bad_value(err) or err.format_message()} (see `{command} --help`)")
     except typer.Abort:  # end of input at a prompt
         raise SystemExit(130) from None
     raise SystemExit(status if isinstance(status, int) else 0)  # Ctrl-C comes back as 130

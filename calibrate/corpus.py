@@ -39,7 +39,7 @@ from pathlib import Path
 
 from .errors import UserError
 
-__all__ = ["SPLITS", "documents", "pack", "pydoc_topics", "stdlib_modules"]
+__all__ = ["SPLITS", "documents", "no_text", "pack", "pydoc_topics", "stdlib_modules"]
 
 SPLITS = ("train", "heldout", "all")
 HELD_OUT_EVERY = 10  # every 10th document (sorted by name) is held out
@@ -135,6 +135,12 @@ def _file_documents(file: Path) -> Iterator[str]:
             yield record["text"]
 
 
+def no_text(source: str) -> UserError:
+    """The refusal of a corpus with no text at all: an empty or blank file, or a folder of such."""
+    return UserError(f"--corpus {source}: holds no text (empty or blank); give a .txt or .jsonl file with text, "
+                     "or pydoc")
+
+
 def pack(source: str, tokenize: Callable[[str], list[int]], eos_token_id: int | None, max_length: int,
          limit: int | None = None) -> Iterator[list[int]]:
     """Token sequences of exactly ``max_length`` from ``source``, at most ``limit`` of them.
@@ -158,7 +164,8 @@ def pack(source: str, tokenize: Callable[[str], list[int]], eos_token_id: int | 
             yield buffer[:max_length]
             buffer = buffer[max_length:]
             produced += 1
+    if produced == 0 and seen == 0:
+        raise no_text(source)
     if produced == 0:
-        what = "it holds no text" if seen == 0 else f"its {len(buffer)} tokens do not fill one"
-        raise UserError(f"--corpus {source}: {what} sequence of --max-length {max_length}; "
-                        "use a larger corpus or a smaller --max-length")
+        raise UserError(f"--corpus {source}: its {len(buffer)} tokens do not fill one sequence of --max-length "
+                        f"{max_length}; use a larger corpus or a smaller --max-length")

@@ -14,9 +14,8 @@ from rich.table import Table
 from .drafters import drafter_kind, kind_names
 from .errors import UserError
 
-__all__ = ["eval_command", "plot_result"]
+__all__ = ["eval_command", "plot_result", "summary_tables"]
 
-console = Console()
 err_console = Console(stderr=True)
 
 
@@ -195,36 +194,74 @@ def eval_command(
 
 
 def _table(result: dict) -> None:
+    """Print the summary: one line on the run, then one table per metric (``summary_tables``)."""
+    console = Console()  # made here, so it reads COLUMNS at print time (80 in a pipe)
     v = result["variants"]
     spec = v.get("spec")
     console.print(f"[bold]{result['drafter']['kind']}[/] drafter, n_ref = {result['drafter']['n_ref']}; "
                   f"{result['sequences']} sequence(s) x {result['sequence_length']} tokens of {result['corpus']}"
                   + (f" after {result['skip']}" if result["skip"] else "") + "; "
                   + (f"spec: {spec['law']}, slope {spec['slope']}; " if spec else "")
-                  + f"top-{result['top_k']} mass; deltas: paired, 95% bootstrap over sequences")
-    speculative = result["speculative"] is not None
-    table = Table(title="Held-out evaluation per context-length bucket (rows whose full context n_prev < n <= n)")
-    table.add_column("n", justify="right")
-    table.add_column("variant")
-    for col in ("mass", "agreement", "Δ agreement [95%]") + (("accept len", "Δ accept [95%]", "speedup")
-                                                             if speculative else ()):
-        table.add_column(col, justify="right")
-    for row in result["buckets"]:
-        for i, variant in enumerate(v):
-            cells = row[variant]
-            delta = cells.get("delta_vs_none", {})
-            values = [_number(cells["mass"]), _number(cells["agreement"]), _delta(delta.get("agreement"))]
-            if speculative:
-                values += [_number(cells.get("acceptance_length")), _delta(delta.get("acceptance_length")),
-                           _number(cells.get("speedup"))]
-            table.add_row(str(row["n"]) if i == 0 else "", variant, *values, end_section=i == len(v) - 1)
-    console.print(table)
-    if speculative:
+                  + f"top-{result['top_k']} mass; rows whose context n_prev < n <= n; Δ: paired difference from "
+                  "none, 95% bootstrap interval over sequences; every interval in --json")
+    for table in summary_tables(result, console.width):
+        console.print(table)
+    if result["speculative"] is not None:
         s = result["speculative"]
         console.print(f"Speculative decoding ({s['loop']}): {s['new_tokens']} tokens per prompt, "
                       f"chain of {s['num_draft']}; "
                       "outputs identical to target-only greedy decoding: "
                       + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
+
+
+def summary_tables(result: dict, width: int = 80) -> list[Table]:
+    """One table per metric of ``result`` (``calibrate.evaluate.evaluate``), each fitting ``width`` columns.
+
+    The metrics are the numbers in the buckets' cells (mass, agreement, acceptance_length, ...), the
+    variants those of ``result["variants"]``, whatever they are. A metric with paired deltas gets a
+    row per (n, variant): its value, the delta from none with its interval on one line, and the share
+    of the reference's gain it recovers when there is one. A metric without gets a row per variant and a
+    column per n (or, when that is too wide, a row per (n, variant)).
+    """
+    buckets, variants = result["buckets"], list(result["variants"])
+    metrics = list(dict.fromkeys(key for row in buckets for variant in variants if variant in row
+                                 for key, value in row[variant].items()
+                                 if not key.endswith("_interval") and not isinstance(value, (dict, list))))
+    name_width = max(map(len, variants))  # variant names are never cut or folded
+    tables = []
+    for metric in metrics:
+        label = metric.replace("_", " ")
+        cells = [(row["n"], variant, row[variant]) for row in buckets for variant in variants if variant in row]
+        deltas = any((c.get("delta_vs_none") or {}).get(metric) is not None for _, _, c in cells)
+        shares = any((c.get("recovered") or {}).get(metric) is not None for _, _, c in cells)
+        if not deltas and 14 + 9 * len(buckets) <= width:  # variants down, lengths across
+            table = Table(title=f"{label} by context length n")
+            table.add_column("variant", min_width=name_width, overflow="fold")
+            for row in buckets:
+                table.add_column(f"n={row['n']}", justify="right", no_wrap=True)
+            for variant in variants:
+                table.add_row(variant, *(_number(row[variant].get(metric)) if variant in row else "-"
+                                         for row in buckets))
+            tables.append(table)
+            continue
+        table = Table(title=f"{label} by context length n" + (", Δ from none [95%]" if deltas else ""))
+        table.add_column("n", justify="right", no_wrap=True)
+        table.add_column("variant", min_width=name_width, overflow="fold")
+        table.add_column(label, justify="right", overflow="fold")
+        if deltas:
+            table.add_column("Δ [95%]", justify="right", no_wrap=True)
+        if shares:
+            table.add_column("recovered", justify="right", no_wrap=True)  # share of the reference's gain
+        for i, (n, variant, cell) in enumerate(cells):
+            first, last = i == 0 or cells[i - 1][0] != n, i == len(cells) - 1 or cells[i + 1][0] != n
+            values = [_number(cell.get(metric))]
+            if deltas:
+                values.append(_delta((cell.get("delta_vs_none") or {}).get(metric)))
+            if shares:
+                values.append(_number((cell.get("recovered") or {}).get(metric)))
+            table.add_row(str(n) if first else "", variant, *values, end_section=last)
+        tables.append(table)
+    return tables
 
 
 def _number(x) -> str:
@@ -235,7 +272,7 @@ def _delta(triple) -> str:
     if triple is None:
         return ""
     if triple[1] is None:
-        return f"{triple[0]:+.3f} (1 sequence: no interval)"
+        return f"{triple[0]:+.3f} (no interval)"
     return f"{triple[0]:+.3f} [{triple[1]:+.3f}, {triple[2]:+.3f}]"
 
 

@@ -81,10 +81,12 @@ def _check_writable(option: str, path: Path, resolved: Path) -> None:
 
 
 def check_corpus(source: str) -> None:
-    """The corpus exists and its first document reads (``calibrate.corpus`` raises the ``UserError``)."""
-    from .corpus import documents
+    """The corpus exists and its first document reads (``calibrate.corpus`` raises the ``UserError``);
+    a corpus with no text at all (an empty file, blank lines, a folder of such) is refused here too."""
+    from .corpus import documents, no_text
 
-    next(iter(documents(source)), None)
+    if next(iter(documents(source)), None) is None:
+        raise no_text(source)
 
 
 def load_spec(path: str | os.PathLike) -> ScaleSpec:

@@ -53,9 +53,10 @@ from .errors import UserError
 from .fit import (LAWS_WRITTEN, MAX_N_PER_N_REF, Collection, FitSettings, check_fit_options, check_max_n, fit_spec,
                   plausibility_notes, record_meta)
 from .preflight import check_corpus, check_outputs, local_inputs
+from .smollm2 import SMOLLM2_N_REF
 
-__all__ = ["CalibrateOptions", "CalibrateResult", "Progress", "run_calibration", "partial_dir", "plausibility_notes",
-           "LAWS_WRITTEN", "MAX_N_PER_N_REF"]
+__all__ = ["CalibrateOptions", "CalibrateResult", "Progress", "check_options", "run_calibration", "partial_dir",
+           "plausibility_notes", "LAWS_WRITTEN", "MAX_N_PER_N_REF"]
 
 GRID_PER_OCTAVE = 8  # sampled n per doubling
 GRID_N_MIN = 32  # shortest sampled n
@@ -123,7 +124,7 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None,
     Under torchrun every rank calls this; rank 0 returns the result, the others None, and
     ``progress`` follows rank 0's own sequences.
     """
-    _check_options(opts)
+    check_options(opts)
     ranks = Ranks.from_environment()
     device = resolve_device(ranks.device_option(opts.device))
     ranks.check_device(device)
@@ -182,8 +183,9 @@ def _prepare(opts: CalibrateOptions, folder: Path, device, dtype, drafter) -> _S
         raise UserError(f"--n-ref {n_ref} >= --max-length {max_length}: no rows beyond n_ref to fit; "
                         f"use --max-length {4 * n_ref} or a smaller --n-ref")
     check_max_n(opts.max_n, n_ref)
+    _check_top_k(opts.top_k, n_ref, "--n-ref" if opts.n_ref else "the drafter's n_ref")
     k_max = max(DEFAULT_K_MAX, opts.top_k)
-    grid = log_grid(max_length, per_octave=GRID_PER_OCTAVE, n_min=max(GRID_N_MIN, 2 * k_max))
+    grid = log_grid(max_length, per_octave=GRID_PER_OCTAVE, n_min=_first_sampled_n(opts.top_k))
     notes: list[str] = list(getattr(drafter, "notes", ()))  # what the adapter read and how
 
     params = {"drafter": opts.drafter, "drafter_path": opts.drafter_path, "target_path": opts.target_path,
@@ -262,7 +264,10 @@ def _finish(opts: CalibrateOptions, setup: _Setup, shards: list[_Shard]) -> tupl
     if opts.stats is not None:  # the rows and what they were collected and fitted with: readers need no flags
         meta = record_meta(collection, settings)
         _write(f"--stats {opts.stats}", lambda: stats.save(opts.stats, **meta), "then --resume to finish")
-    spec, fit, notes = fit_spec(stats, collection, settings)
+    try:
+        spec, fit, notes = fit_spec(stats, collection, settings)
+    except UserError as err:
+        raise UserError(f"{err}; {_refit_hint(opts)}") from None
     setup.notes.extend(notes)
     if opts.select:
         spec = _selected(spec, setup)
@@ -282,7 +287,17 @@ def _selected(fitted: ScaleSpec, setup: _Setup) -> ScaleSpec:
                                 "calibration": {**d["calibration"], "selection": record}})
 
 
-def _check_options(opts: CalibrateOptions) -> None:
+def _refit_hint(opts: CalibrateOptions) -> str:
+    """What a run whose fit failed keeps, and how to fit it again without collecting."""
+    folder = partial_dir(opts.out)
+    if opts.stats is None:
+        return (f"the collected sequences stay in {folder}: rerun with --resume and another --n-ref or --top-k "
+                "to fit them without collecting again, or delete the folder")
+    return (f"the rows are saved in --stats {opts.stats}: fit them again with `sharpdraft fit {opts.stats} "
+            f"--out {opts.out} --n-ref N`, or rerun with --resume and another --top-k (its n_ref is kept)")
+
+
+def check_options(opts: CalibrateOptions) -> None:
     """Every option that can be checked without the model, before any work (and before any file is made)."""
     if opts.sequences < 1:
         raise UserError(f"--sequences {opts.sequences}: need at least 1")
@@ -310,9 +325,32 @@ def _check_options(opts: CalibrateOptions) -> None:
         if kind.assisted and opts.target_path is None:
             raise UserError(f"--select with --drafter {opts.drafter}: give --target-path, the target the candidates' "
                             "agreement is measured against")
+    # --top-k against the lengths known before loading: --n-ref, the built-in drafter's, or --max-length
+    # (n_ref lies below it); a checkpoint's own n_ref is checked as soon as it is read (_prepare)
+    builtin = SMOLLM2_N_REF if opts.drafter == "hf" and opts.drafter_path is None else None
+    if opts.n_ref is not None or builtin is not None:
+        _check_top_k(opts.top_k, opts.n_ref or builtin, "--n-ref" if opts.n_ref else "the built-in drafter's n_ref")
+    elif opts.max_length is not None and _first_sampled_n(opts.top_k) >= opts.max_length:
+        raise UserError(f"--top-k {opts.top_k}: too large for --max-length {opts.max_length}: rows are sampled from "
+                        f"n = {_first_sampled_n(opts.top_k)} (twice the top logits kept), and the fit needs rows up "
+                        "to n_ref, below --max-length; use a --top-k of at most half the n_ref")
     check_outputs({"--out": Path(opts.out), "--stats": opts.stats},
                   local_inputs(corpus=opts.corpus, drafter_path=opts.drafter_path, target_path=opts.target_path))
     check_corpus(opts.corpus)
+
+
+def _first_sampled_n(top_k: int) -> int:
+    """The shortest visible-key count sampled: every row must see more keys than the ``k_max`` top
+    logits it keeps (``RowCollector``), here at least twice as many."""
+    return max(GRID_N_MIN, 2 * max(DEFAULT_K_MAX, top_k))
+
+
+def _check_top_k(top_k: int, n_ref: int, source: str) -> None:
+    """``--top-k`` leaves rows in the reference bucket ``(n_ref / 2, n_ref]`` that every fit reads."""
+    if _first_sampled_n(top_k) > n_ref:
+        raise UserError(f"--top-k {top_k}: too large for n_ref {n_ref} ({source}): rows are sampled from "
+                        f"n = {_first_sampled_n(top_k)} (twice the top logits kept), and the fit needs rows up to "
+                        f"n_ref; use --top-k {n_ref // 2} or less")
 
 
 def _check_partial(folder: Path, resume: bool) -> None:

@@ -12,13 +12,25 @@ import math
 from dataclasses import MISSING, fields
 from typing import Any
 
-__all__ = ["SpecError", "field_error", "check_int", "check_num", "check_str", "check_record"]
+__all__ = ["SpecError", "json_type", "field_error", "check_int", "check_num", "check_str", "check_record"]
 
 
 class SpecError(ValueError):
     """A scale spec (or one of its records) breaks the contract; the one-line message names the field
     and, when the spec came from a file, the file. Callers that face users (the CLI) turn it into
     their own error type; everything else may treat it as the ``ValueError`` it is."""
+
+
+def json_type(value: Any) -> str:
+    """What a JSON-decoded value is, in JSON's words: ``null``, ``an array``, ``a string``, ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return json.dumps(value)
+    for kind, name in ((dict, "an object"), (list, "an array"), (str, "a string"), ((int, float), "a number")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 def field_error(where: str, message: str, value: Any) -> SpecError:

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .atomic import atomic_write_text
-from .checks import SpecError, check_int, check_num, check_record, check_str, field_error
+from .checks import SpecError, check_int, check_num, check_record, check_str, field_error, json_type
 from .estimators import ESTIMATORS, Bucket, EstimatorResult
 from .laws import LAWS, MAX_N, alpha_law, get_law
 from .positions import PositionFix
@@ -245,7 +245,7 @@ class ScaleSpec:
     @staticmethod
     def _validated(d: dict) -> dict:
         if not isinstance(d, dict):
-            raise SpecError(f"spec: expected a JSON object, got {type(d).__name__}")
+            raise SpecError(f"spec: expected a JSON object with law, n_ref, slope and top_k, got {json_type(d)}")
         known = {f.name for f in fields(ScaleSpec)}
         extra = sorted(set(d) - known)
         if extra:
@@ -382,16 +382,16 @@ class ScaleSpec:
         The drafter the spec was made for (when recorded) must have that shape, and per-layer or
         per-head slopes (or table values) must have one entry per layer (and head).
         """
-        theirs = f"{what} has {num_layers} layers x {num_heads} heads"
+        theirs = f"{what} has {_count(num_layers, 'layer')} x {_count(num_heads, 'head')}"
         d = self.drafter
         if d is not None and (d.num_layers, d.num_heads) != (num_layers, num_heads):
-            raise SpecError(f"the spec was made for a {d.kind} drafter of {d.num_layers} layers x {d.num_heads} heads, "
-                            f"{theirs}; calibrate a spec for it")
+            raise SpecError(f"the spec was made for a drafter of kind {d.kind} with {_count(d.num_layers, 'layer')} x "
+                            f"{_count(d.num_heads, 'head')}, {theirs}; calibrate a spec for it")
         shape, what = self.shape(), "slopes" if self.table is None else "table values"
         if self.granularity != "global" and shape[0] != num_layers:
-            raise SpecError(f"the spec has {self.granularity} {what} for {shape[0]} layers, {theirs}")
+            raise SpecError(f"the spec has {self.granularity} {what} for {_count(shape[0], 'layer')}, {theirs}")
         if self.granularity == "head" and shape[1] != num_heads:
-            raise SpecError(f"the spec has {what} for {shape[1]} heads, {theirs}")
+            raise SpecError(f"the spec has {what} for {_count(shape[1], 'head')}, {theirs}")
 
     # -- evaluation --------------------------------------------------------------------------
     def restricts(self) -> bool:
@@ -463,3 +463,8 @@ def _as_lists(value):
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 layer``, ``2 layers``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")

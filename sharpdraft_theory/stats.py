@@ -327,22 +327,36 @@ class RowStats:
         one-line ``ValueError`` naming the file.
         """
         where = f"statistics file {str(path)!r}"
+        again = "write it again with `sharpdraft calibrate --stats FILE`"
         if os.path.isfile(path) and not zipfile.is_zipfile(path):
-            raise ValueError(f"{where} is not an .npz archive (as `sharpdraft calibrate --stats` writes)")
+            with open(path, "rb") as f:
+                begins_as_zip = f.read(4) == b"PK\x03\x04"
+            if begins_as_zip:  # a zip's index is at its end: a cut-off copy or write starts right but has none
+                raise ValueError(f"{where} is an incomplete .npz archive (its end is missing: an interrupted copy "
+                                 f"or write?); copy it again, or {again}")
+            raise ValueError(f"{where} is not an .npz archive; pass the file `sharpdraft calibrate --stats FILE` "
+                             "wrote")
         try:
             with np.load(path, allow_pickle=False) as data:
-                distance = None
-                if "distance_weight" in data.files:
-                    distance = DistanceStats(**{f.name: data[f"distance_{f.name}"] for f in fields(DistanceStats)})
-                budget = None  # files written before the budget was collected hold none
-                if "budget_share" in data.files:
-                    budget = AttentionBudget(**{f.name: data[f"budget_{f.name}"] for f in fields(AttentionBudget)})
-                stats = cls(distance=distance, budget=budget, **{f.name: data[f.name] for f in _row_fields()})
-                meta = {k[5:]: str(data[k]) for k in data.files if k.startswith("meta_")}
+                held = data.files
+                missing = [f.name for f in _row_fields() if f.name not in held]
+                if not missing:
+                    distance = None
+                    if "distance_weight" in held:
+                        distance = DistanceStats(**{f.name: data[f"distance_{f.name}"] for f in fields(DistanceStats)})
+                    budget = None  # files written before the budget was collected hold none
+                    if "budget_share" in held:
+                        budget = AttentionBudget(**{f.name: data[f"budget_{f.name}"]
+                                                    for f in fields(AttentionBudget)})
+                    stats = cls(distance=distance, budget=budget, **{f.name: data[f.name] for f in _row_fields()})
+                    meta = {k[5:]: str(data[k]) for k in held if k.startswith("meta_")}
         except KeyError as err:
-            raise ValueError(f"{where} cannot be read: {err.args[0]}") from None
+            raise ValueError(f"{where} cannot be read: {err.args[0]}; {again}") from None
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-            raise ValueError(f"{where} cannot be read ({err}); it may be truncated") from None
+            raise ValueError(f"{where} cannot be read ({err}); it may be truncated: {again}") from None
+        if missing:
+            raise ValueError(f"{where} has no array {missing[0]!r} (it holds {', '.join(held) or 'none'}): not a "
+                             f"statistics file, or one from another version; {again}")
         return stats, meta
 
     @classmethod

@@ -279,3 +279,59 @@ def test_n_ref_moves_qwen_logn_and_the_window(eagle3, corpus):
     at_32, at_64 = r["buckets"]
     assert at_32["window"]["mass"] == at_32["none"]["mass"] and at_32["qwen-logn"]["mass"] == at_32["none"]["mass"]
     assert at_64["window"]["mass"] != at_64["none"]["mass"] and at_64["qwen-logn"]["mass"] != at_64["none"]["mass"]
+
+
+# -- the terminal summary -------------------------------------------------------------------------
+
+def _check_fits_80_columns(text: str, variants, metrics) -> None:
+    """No line past 80 columns, nothing cut short ('…'), every variant and metric named in full."""
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80, max(lines, key=len)
+    assert "…" not in text
+    cells = {cell.strip() for line in lines for cell in line.strip("│┃ ").replace("┃", "│").split("│")}
+    assert set(variants) <= cells, set(variants) - cells
+    assert all(any(line.strip().startswith(m.replace("_", " ")) for line in lines) for m in metrics)
+
+
+def test_summary_at_80_columns_whatever_the_variants_and_metrics(eagle3_result, monkeypatch, capsys):
+    """Variants and metrics added later (names not known here) get rows of their own, still in 80 columns,
+    each interval on one line."""
+    from copy import deepcopy
+
+    from calibrate.eval_cmd import _table
+
+    result = deepcopy(eagle3_result)
+    extra = ["window+spec", "clamp", "qwen-logn+window", "reference"]
+    for variant in extra:
+        result["variants"][variant] = None
+        for row in result["buckets"]:
+            row[variant] = {**deepcopy(row["spec"]), "recovered": {"agreement": 0.5}}
+    for row in result["buckets"]:
+        for variant in result["variants"]:
+            row[variant]["expected_acceptance"] = 1.5
+            if variant != "none":
+                row[variant]["delta_vs_none"]["expected_acceptance"] = [-0.125, -0.25, 0.0625]
+    monkeypatch.setenv("COLUMNS", "80")
+    _table(result)
+    out = capsys.readouterr().out
+    _check_fits_80_columns(out, result["variants"], ["mass", "agreement", "acceptance_length", "expected_acceptance"])
+    # one interval per (bucket, variant but none) for each of agreement, acceptance and the new metric, on one line
+    assert out.count("-0.125 [-0.250, +0.062]") == len(result["buckets"]) * (len(result["variants"]) - 1)
+    assert "recovered" in out and "0.500" in out
+
+
+def test_cli_summary_at_80_columns(tmp_path):
+    """``COLUMNS=80 sharpdraft eval``: the real command's output, headers and variant names whole."""
+    from test_calibrate import _write_tokenizer
+
+    target = tiny_target(0)
+    target.save_pretrained(tmp_path / "target")
+    _write_tokenizer(tmp_path / "target")
+    write_tiny_eagle3(tmp_path / "eagle3", target, seed=1)
+    (tmp_path / "corpus.txt").write_text(" ".join(["the query sees more keys as the context grows"] * 40))
+    args = ["eval", "--drafter-path", str(tmp_path / "eagle3"), "--target-path", str(tmp_path / "target"),
+            "--corpus", str(tmp_path / "corpus.txt"), "--lengths", "32,64,128", "--sequences", "2",
+            "--device", "cpu", "--speculative", "--new-tokens", "4", "--num-draft", "2"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    _check_fits_80_columns(result.stdout, DEFAULT_VARIANTS, ["mass", "agreement", "acceptance_length", "speedup"])

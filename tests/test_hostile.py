@@ -6,7 +6,8 @@ entry point ``calibrate.cli.main`` in this process and is judged on:
 
 * traceback: an exception escaped ``main`` (a bug, not a user error) or a traceback was printed;
 * silent: exit 0, or still running after ``TIMEOUT_S`` (a hang), where a refusal was due;
-* data loss: a file that existed before the run changed or vanished, or a refused run left a new file;
+* data loss: a file that existed before the run changed or vanished, or a refused run left a new file
+  (other than those the case says it keeps: a fit that fails after collecting keeps what it collected);
 * misleading: the refusal is not one line, exit 1, naming the bad value (``fragment``).
 
 Each case works in a folder of its own (``{w}``) with the shared fixtures (``{fx}``: tiny
@@ -50,8 +51,8 @@ def _spec(**over) -> str:
     return json.dumps({**GOOD_SPEC, **over})
 
 
-def _drafter_info(layers: int, heads: int) -> dict:
-    return {"kind": "hf", "path": None, "num_layers": layers, "num_heads": heads, "num_kv_heads": 1, "head_dim": 16}
+def _drafter_info(layers: int, heads: int, kind: str = "hf") -> dict:
+    return {"kind": kind, "path": None, "num_layers": layers, "num_heads": heads, "num_kv_heads": 1, "head_dim": 16}
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Case:
     argv: str  # command line after ``sharpdraft``, with {fx} (fixtures) and {w} (the case's folder) filled in
     fragment: str  # the one-line message must contain this (the bad value, or the file)
     files: tuple = ()  # (name in {w}, text or bytes, or None for a folder) created before the run
+    keeps: tuple = ()  # names in {w} the refused run may leave: progress it tells the user how to reuse
 
 
 PREDICT = [
@@ -88,8 +90,9 @@ PREDICT = [
     Case("predict-mc-rows-long-n", "predict --mc-rows 10 --n 10000000", "--n 10000000"),
     Case("predict-mc-rows-float", "predict --mc-rows 1e9", "--mc-rows"),
     Case("predict-mc-rows-text", "predict --mc-rows many", "--mc-rows"),
-    Case("predict-top-k-text", "predict --top-k four", "--top-k"),
-    Case("predict-gap-text", "predict --gap wide", "--gap"),
+    Case("predict-top-k-text", "predict --top-k four", "--top-k four: expected an integer"),
+    Case("predict-gap-text", "predict --gap wide", "--gap wide: expected a number"),
+    Case("predict-gap-abc", "predict --gap abc", "--gap abc: expected a number"),
     Case("predict-gap-no-value", "predict --gap", "--gap"),
     Case("predict-seed-negative", "predict --mc-rows 10 --seed -1", "--seed -1"),
     Case("predict-unknown-option", "predict --frobnicate", "--frobnicate"),
@@ -97,6 +100,8 @@ PREDICT = [
     Case("predict-stats-missing", "predict --stats {w}/none.npz", "none.npz"),
     Case("predict-stats-folder", "predict --stats {w}/d.npz", "d.npz", (("d.npz", None),)),
     Case("predict-stats-json", "predict --stats {w}/spec.json", "spec.json", (("spec.json", _spec()),)),
+    Case("predict-stats-truncated", "predict --stats {fx}/stats-truncated.npz", "is an incomplete .npz archive"),
+    Case("predict-stats-wrong-arrays", "predict --stats {fx}/wrong-arrays.npz", "wrong-arrays.npz' has no array 'n'"),
     Case("predict-stats-no-distance", "predict --stats {fx}/stats-no-distance.npz", "stats-no-distance.npz"),
     Case("predict-stats-tail-unknown", "predict --stats {fx}/stats.npz --tail cubic", "--tail 'cubic'"),
     Case("predict-stats-bootstrap-negative", "predict --stats {fx}/stats.npz --bootstrap -1", "--bootstrap -1"),
@@ -120,7 +125,9 @@ INSPECT = [
     Case("inspect-folder", "inspect {w}", "folder"),
     _inspect("empty", "", "spec.json"),
     _inspect("not-json", "{not json", "spec.json"),
-    _inspect("array", "[1, 2]", "spec.json"),
+    _inspect("array", "[1, 2]", "got an array"),
+    _inspect("null", "null", "expected a JSON object with law, n_ref, slope and top_k, got null"),
+    _inspect("law-null", _spec(law=None), "'law': expected a string, got null"),
     _inspect("binary", b"\xff\xfe\x00\x81garbage", "spec.json"),
     _inspect("latin1", _spec(law="caf\u00e9").replace("\\u00e9", "\u00e9").encode("latin-1"), "spec.json"),
     _inspect("deep-list", _DEEP_LIST, "spec.json"),
@@ -154,6 +161,7 @@ EVAL = ("eval --drafter hf --drafter-path {fx}/pard --target-path {fx}/target --
         "--lengths 32,64,128 --sequences 1 --device cpu --threads 1")
 SPEC_9_HEADS = _spec(granularity="head", slope=[[0.1] * 9, [0.1] * 9], drafter=_drafter_info(2, 9))
 SPEC_OTHER_DRAFTER = _spec(drafter=_drafter_info(30, 9))
+SPEC_EAGLE3 = _spec(drafter=_drafter_info(1, 8, kind="eagle3"))
 
 EVAL_CASES = [
     Case("eval-out-is-spec", EVAL + " --spec {w}/s.json --out {w}/s.json", "--out", (("s.json", _spec()),)),
@@ -213,6 +221,10 @@ EVAL_CASES = [
     Case("eval-spec-negative-slope", EVAL + " --spec {w}/s.json", "slope", (("s.json", _spec(slope=-1.0)),)),
     Case("eval-spec-9-heads", EVAL + " --spec {w}/s.json", "9 heads", (("s.json", SPEC_9_HEADS),)),
     Case("eval-spec-other-drafter", EVAL + " --spec {w}/s.json", "30 layers", (("s.json", SPEC_OTHER_DRAFTER),)),
+    Case("eval-spec-one-layer-head", EVAL + " --spec {w}/s.json",
+         "made for a drafter of kind eagle3 with 1 layer x 8 heads", (("s.json", SPEC_EAGLE3),)),
+    Case("eval-threads-text", EVAL + " --threads abc", "--threads abc: expected an integer"),
+    Case("eval-corpus-empty", EVAL + " --corpus {w}/c.txt", "c.txt: holds no text", (("c.txt", ""),)),
     Case("eval-drafter-path-missing", EVAL.replace("{fx}/pard", "{w}/none"), "none"),
     Case("eval-window-zero", EVAL + " --window 0", "--window 0"),
     Case("eval-sinks-negative", EVAL + " --sinks -1", "--sinks -1"),
@@ -238,9 +250,15 @@ CAL = ("calibrate --drafter pard --drafter-path {fx}/pard --corpus {fx}/corpus.t
        "--sequences 2 --device cpu")
 
 
-def _cal(case_id, extra, fragment, files=(), base=CAL):
+CAL_LENGTH = CAL.replace(" --n-ref 64", "")  # n_ref from the drafter, below --max-length
+CAL_DRAFTER = CAL_LENGTH.replace(" --max-length 256", "")  # the tiny PARD's n_ref: 512, from its config
+CAL_EAGLE3 = (CAL.replace("--drafter pard --drafter-path {fx}/pard", "--drafter eagle3 --drafter-path {fx}/eagle3 "
+                          "--target-path {fx}/target").replace(" --n-ref 64 --max-length 256", ""))
+
+
+def _cal(case_id, extra, fragment, files=(), base=CAL, keeps=()):
     argv = base + " " + extra if "--out" in extra else base + " --out {w}/spec.json " + extra
-    return Case(f"calibrate-{case_id}", argv.strip(), fragment, files)
+    return Case(f"calibrate-{case_id}", argv.strip(), fragment, files, keeps)
 
 
 CALIBRATE = [
@@ -263,6 +281,15 @@ CALIBRATE = [
     _cal("top-k-zero", "--top-k 0", "--top-k 0"),
     _cal("top-k-negative", "--top-k -2", "--top-k -2"),
     _cal("top-k-above-n-ref", "--top-k 64", "--top-k 64"),
+    _cal("top-k-above-half-n-ref", "--top-k 33", "--top-k 33: too large for n_ref 64 (--n-ref)"),
+    _cal("top-k-huge", "--top-k 100000", "--top-k 100000"),
+    _cal("top-k-huge-max-length", "--top-k 200", "--top-k 200: too large for --max-length 256", base=CAL_LENGTH),
+    _cal("top-k-huge-drafter-n-ref", "--top-k 100000", "--top-k 100000: too large for n_ref 512 (the drafter's",
+         base=CAL_DRAFTER),
+    Case("calibrate-top-k-huge-built-in", "calibrate --out {w}/spec.json --top-k 100000 --device cpu",
+         "--top-k 100000: too large for n_ref 2048 (the built-in drafter's n_ref)"),
+    _cal("fit-fails-after-collecting", "--n-ref 480 --max-length 512", "rerun with --resume and another --n-ref",
+         base=CAL_EAGLE3, keeps=("spec.json.partial",)),
     _cal("max-length-small", "--max-length 10", "--max-length 10"),
     _cal("n-ref-small", "--n-ref 8", "--n-ref 8"),
     _cal("n-ref-at-max-length", "--n-ref 256", "--n-ref 256"),
@@ -278,7 +305,9 @@ CALIBRATE = [
     _cal("dtype-unknown", "--dtype float8", "--dtype float8"),
     _cal("corpus-missing", "--corpus {w}/none.txt", "none.txt"),
     _cal("corpus-csv", "--corpus {w}/c.csv", "c.csv", (("c.csv", "a,b"),)),
-    _cal("corpus-empty", "--corpus {w}/c.txt", "c.txt", (("c.txt", ""),)),
+    _cal("corpus-empty", "--corpus {w}/c.txt", "c.txt: holds no text", (("c.txt", ""),)),
+    _cal("corpus-blank", "--corpus {w}/c.txt", "c.txt: holds no text", (("c.txt", " \n\n  \n"),)),
+    _cal("corpus-jsonl-blank", "--corpus {w}/c.jsonl", "c.jsonl: holds no text", (("c.jsonl", '{"text": " "}\n'),)),
     _cal("corpus-binary", "--corpus {w}/c.txt", "c.txt", (("c.txt", b"\xff\xfe\x81" * 100),)),
     _cal("corpus-jsonl-bad", "--corpus {w}/c.jsonl", "c.jsonl", (("c.jsonl", "{not json}\n"),)),
     _cal("corpus-split-unknown", "--corpus pydoc:nosuch", "pydoc:nosuch"),
@@ -294,6 +323,8 @@ CALIBRATE = [
          "config.json"),
     _cal("eagle3-rope-string", "--drafter eagle3 --drafter-path {fx}/eagle3-rope --target-path {fx}/target",
          "rope_scaling"),
+    _cal("eagle3-config-null", "--drafter eagle3 --drafter-path {fx}/eagle3-null --target-path {fx}/target",
+         "got null"),
     _cal("eagle3-config-not-json", "--drafter eagle3 --drafter-path {fx}/eagle3-notjson --target-path {fx}/target",
          "config.json"),
     _cal("target-path-missing", "--drafter eagle3 --drafter-path {fx}/eagle3 --target-path {w}/none", "none"),
@@ -315,9 +346,9 @@ PLOT = [
     Case("plot-missing", "plot {w}/none.npz", "none.npz"),
     Case("plot-folder", "plot {w}", "folder"),
     Case("plot-json", "plot {w}/s.json", "s.json", (("s.json", _spec()),)),
-    Case("plot-truncated", "plot {fx}/stats-truncated.npz --out {w}/f", "stats-truncated.npz"),
+    Case("plot-truncated", "plot {fx}/stats-truncated.npz --out {w}/f", "stats-truncated.npz' is an incomplete"),
     Case("plot-garbage", "plot {w}/g.npz --out {w}/f", "g.npz", (("g.npz", os.urandom(2000)),)),
-    Case("plot-wrong-arrays", "plot {fx}/wrong-arrays.npz --out {w}/f", "wrong-arrays.npz"),
+    Case("plot-wrong-arrays", "plot {fx}/wrong-arrays.npz --out {w}/f", "wrong-arrays.npz' has no array 'n'"),
     Case("plot-out-is-file", "plot {fx}/stats.npz --out {w}/f.txt", "--out", (("f.txt", "keep me"),)),
     Case("plot-out-is-stats", "plot {w}/s.npz --out {w}/s.npz", "--out", (("s.npz", "@stats"),)),
     Case("plot-out-unwritable", f"plot {{fx}}/stats.npz --out {UNWRITABLE}/f", "--out"),
@@ -336,8 +367,10 @@ FIT = [
     Case("fit-missing", "fit {w}/none.npz --out {w}/f.json", "none.npz"),
     Case("fit-folder", "fit {w} --out {w}/f.json", "folder"),
     Case("fit-json", "fit {w}/s.json --out {w}/f.json", "s.json", (("s.json", _spec()),)),
-    Case("fit-truncated", "fit {fx}/stats-truncated.npz --out {w}/f.json", "stats-truncated.npz"),
-    Case("fit-garbage", "fit {w}/g.npz --out {w}/f.json", "g.npz", (("g.npz", os.urandom(2000)),)),
+    Case("fit-truncated", "fit {fx}/stats-truncated.npz --out {w}/f.json", "stats-truncated.npz' is an incomplete"),
+    Case("fit-wrong-arrays", "fit {fx}/wrong-arrays.npz --out {w}/f.json", "wrong-arrays.npz' has no array 'n'"),
+    Case("fit-garbage", "fit {w}/g.npz --out {w}/f.json", "g.npz' is not an .npz archive",
+         (("g.npz", os.urandom(2000)),)),
     Case("fit-out-is-stats", "fit {w}/s.npz --out {w}/s.npz", "--out", (("s.npz", "@stats"),)),
     Case("fit-out-folder", "fit {fx}/stats.npz --out {w}", "--out"),
     Case("fit-out-unwritable", f"fit {{fx}}/stats.npz --out {UNWRITABLE}/f.json", "--out"),
@@ -384,10 +417,11 @@ def fx(tmp_path_factory) -> Path:
     write_tiny_eagle3(root / "eagle3", target, seed=1)
     shutil.copytree(root / "pard", root / "pard-truncated")
     _truncate(root / "pard-truncated" / "model.safetensors")
-    for name in ("eagle3-truncated", "eagle3-array", "eagle3-rope", "eagle3-notjson"):
+    for name in ("eagle3-truncated", "eagle3-array", "eagle3-rope", "eagle3-notjson", "eagle3-null"):
         shutil.copytree(root / "eagle3", root / name)
     _truncate(root / "eagle3-truncated" / "model.safetensors")
     (root / "eagle3-array" / "config.json").write_text("[1, 2, 3]")
+    (root / "eagle3-null" / "config.json").write_text("null")
     config = json.loads((root / "eagle3" / "config.json").read_text())
     (root / "eagle3-rope" / "config.json").write_text(json.dumps({**config, "rope_scaling": "linear"}))
     (root / "eagle3-notjson" / "config.json").write_text("{\"hidden_size\": 64,")
@@ -511,12 +545,39 @@ def test_hostile_input_is_refused_in_one_line(case, fx, tmp_path, monkeypatch):
     after_fx, after_w = _hashes(fx), _hashes(w)
     changed = [k for k, v in before_fx.items() if after_fx.get(k) != v]
     changed += [k for k, v in before_w.items() if after_w.get(k) != v]
-    if code not in (0, None):  # a refused run leaves nothing behind
-        changed += sorted(set(after_w) - set(before_w))
+    if code not in (0, None):  # a refused run leaves nothing behind, but what the case keeps (and its contents)
+        changed += sorted(k for k in set(after_w) - set(before_w)
+                          if not any(k == kept or k.startswith(kept + "/") for kept in case.keeps))
     verdict = _verdict(code, stdout, stderr, escaped, changed, case.fragment)
     detail = f"exit {code}; escaped {escaped!r}; changed {changed}; stderr {stderr.strip()!r}"
     _report(case.id, verdict, detail)
     assert verdict == "ok", detail
+
+
+# Refused before any model loads: nothing is printed but the one line (no "Calibrating ..." banner).
+BEFORE_LOADING = ["calibrate-top-k-huge", "calibrate-top-k-above-half-n-ref", "calibrate-top-k-huge-max-length",
+                  "calibrate-top-k-huge-built-in", "calibrate-corpus-empty", "calibrate-corpus-blank",
+                  "calibrate-corpus-jsonl-blank", "calibrate-n-ref-small", "calibrate-alpha-max-nan",
+                  "eval-corpus-empty", "eval-threads-text"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in BEFORE_LOADING], ids=BEFORE_LOADING)
+def test_refused_before_any_model_loads(case, fx, tmp_path, monkeypatch):
+    import calibrate.drafters
+    import calibrate.run
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(calibrate.run, "load_drafter", no_loading)
+    monkeypatch.setattr(calibrate.drafters, "load_drafter", no_loading)
+    monkeypatch.chdir(tmp_path)
+    w = tmp_path / "w"
+    w.mkdir()
+    _make_files(w, fx, case.files)
+    code, stdout, stderr, escaped = _run_main([a.format(fx=fx, w=w) for a in case.argv.split(" ")])
+    assert escaped is None and code == 1, (escaped, stderr)
+    assert stdout == "" and len(stderr.strip().splitlines()) == 1 and case.fragment in stderr
 
 
 # -- the Python API -------------------------------------------------------------------------------
@@ -624,10 +685,12 @@ def test_console_script_usage_error_is_one_line_exit_1():
     import subprocess
 
     script = str(Path(sys.executable).with_name("sharpdraft"))
-    proc = subprocess.run([script, "predict", "--top-k", "four"], capture_output=True, text=True, timeout=120)
+    checkout = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}  # this checkout, wherever it is installed
+    proc = subprocess.run([script, "predict", "--top-k", "four"], capture_output=True, text=True, timeout=120,
+                          env=checkout)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: Invalid value for '--top-k'") and "sharpdraft predict" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: --top-k four: expected an integer") and "sharpdraft predict" in lines[0]
 
 
 def test_implausible_fits_warn():

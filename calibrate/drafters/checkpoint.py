@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sharpdraft_theory.checks import json_type
+
 from ..errors import UserError
 
 __all__ = ["read_config", "config_field", "read_weights", "rename_prefixes", "check_and_fill", "build",
@@ -44,7 +46,7 @@ def read_config(path: str | Path, what: str) -> dict:
     except (OSError, UnicodeDecodeError, RecursionError) as e:
         raise UserError(f"{what} checkpoint: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
     if not isinstance(config, dict):
-        raise UserError(f"{path}: expected a JSON object of config fields, got a {type(config).__name__}; "
+        raise UserError(f"{path}: expected a JSON object of config fields, got {json_type(config)}; "
                         f"is this a {what} checkpoint?")
     return config
 
