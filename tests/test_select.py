@@ -88,6 +88,10 @@ def test_select_writes_a_measured_candidate_with_its_record(tmp_path, tiny):
     else:
         assert cells[record["chosen"]]["gain"]["agreement"][1] > 0
     assert spec.drafter.kind == "eagle3" and spec.calibration.sequences == 3
+    from calibrate.evaluate import describe_spec
+
+    if record["chosen"] != "none":  # the file deploys what was measured under that name
+        assert describe_spec(spec) == cells[record["chosen"]]["deployment"]
     shown = CliRunner().invoke(app, ["inspect", str(opts.out)], terminal_width=200)
     assert shown.exit_code == 0, shown.output
     assert "deploy " in shown.output and "Candidates on the 3 calibration sequences" in shown.output
@@ -103,3 +107,34 @@ def test_select_refuses_what_it_cannot_measure(tmp_path, kw, match):
     with pytest.raises(UserError, match=match):
         run_calibration(CalibrateOptions(out=tmp_path / "x.json", select=True, device="cpu", **kw))
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_written_spec_is_the_variant_eval_measures(tmp_path, tiny):
+    """Whatever wins, the file holds eval's variant of that name (same law, slope, window, positions):
+    enable() with it drafts as eval's arm does. Every candidate is checked, not only the winner."""
+    from calibrate.evaluate import variant_specs
+    from calibrate.measure import slope_arm
+
+    fitted = ScaleSpec(law="log-linear", n_ref=64, slope=0.3, top_k=4)
+    for arm in candidates(fitted, 64, 64 * 64):
+        if arm.name == "none":
+            continue
+        if arm.name.startswith("slope "):
+            expected = slope_arm(float(arm.name.split()[1]), 64, 4).spec
+        elif arm.name.startswith("window "):
+            expected = ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=4, window=int(arm.name.split()[1]))
+        else:
+            expected = variant_specs(fitted, 64, [arm.name], longest=64 * 64)[arm.name]
+        assert arm.spec == expected, arm.name
+
+
+def test_one_sequence_has_no_interval_so_the_identity_is_written(tmp_path, tiny):
+    opts = CalibrateOptions(out=tmp_path / "one.json", drafter="eagle3", drafter_path=str(tiny["eagle3"]),
+                            target_path=str(tiny["target"]), max_length=256, sequences=1, n_ref=64, device="cpu",
+                            bootstrap=20, select=True)
+    drafter = load_drafter("eagle3", str(tiny["eagle3"]), str(tiny["target"]), torch.device("cpu"), torch.float32)
+    result = run_calibration(opts, drafter=drafter)
+    assert result.selection["chosen"] == "none" and "left as it is" in result.selection["reason"]
+    spec = ScaleSpec.load(opts.out)
+    assert (spec.law, spec.slope, spec.window, spec.positions) == ("constant", 0.0, None, None)
+    assert spec.alpha([64, 4096]).tolist() == [1.0, 1.0]
