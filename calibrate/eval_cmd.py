@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -18,6 +19,9 @@ __all__ = ["eval_command", "plot_result"]
 console = Console()
 err_console = Console(stderr=True)
 
+MAX_TEMPERATURE = 10.0  # past this softmax(logits / T) is all but uniform over a vocabulary: no one samples there
+MAX_SEED = 2**63 - 1  # seeds are numpy SeedSequence entropy; a bound keeps a typo from passing as a seed
+
 
 def _lengths(text: str) -> list[int]:
     try:
@@ -31,6 +35,21 @@ def _lengths(text: str) -> list[int]:
 
 def _variants(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def check_temperature(value: float) -> float:
+    """``--temperature``: finite, above 0 and at most :data:`MAX_TEMPERATURE`; else a ``UserError``."""
+    if not (math.isfinite(value) and 0 < value <= MAX_TEMPERATURE):
+        raise UserError(f"--temperature {value}: expected a number above 0 and at most {MAX_TEMPERATURE:g} "
+                        "(1.0 samples from the model as it is; 0.6 to 1.0 is usual for reasoning benchmarks)")
+    return float(value)
+
+
+def check_seed(value: int) -> int:
+    """``--seed``: an integer from 0 to :data:`MAX_SEED`; else a ``UserError``."""
+    if not 0 <= value <= MAX_SEED:
+        raise UserError(f"--seed {value}: expected an integer from 0 to {MAX_SEED}")
+    return int(value)
 
 
 def eval_command(
@@ -51,8 +70,15 @@ def eval_command(
     skip: Annotated[int, typer.Option(help="Sequences of the corpus to pass over first.")] = 0,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Top set size for the mass (default: the spec's).")]
         = None,
-    speculative: Annotated[bool, typer.Option("--speculative", help="Also run greedy speculative decoding: "
-                                              "acceptance length and speedup.")] = False,
+    speculative: Annotated[bool, typer.Option("--speculative", help="Also run speculative decoding (greedy unless "
+                                              "--sample): acceptance length and speedup.")] = False,
+    sample: Annotated[bool, typer.Option("--sample", help="With --speculative: speculative sampling at --temperature "
+                                         "(rejection-sampling verification; the output follows the target's "
+                                         "distribution) instead of greedy decoding.")] = False,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature T: tokens are drawn from softmax(logits / T), "
+                                               "above 0, at most 10.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="With --sample: the random seed; each prompt's runs draw from a stream "
+                                      "seeded by it and the prompt, the same for every variant.")] = 0,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per speculative prompt.")] = 32,
     num_draft: Annotated[int, typer.Option("--num-draft", help="Draft chain length K.")] = 4,
     variants: Annotated[str, typer.Option(help="Variants to compare, comma-separated: none, spec, qwen-logn, window, "
@@ -105,6 +131,10 @@ def eval_command(
             raise UserError(f"{option} {value}: need at least {least}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k {top_k}: need at least 1 (or leave it out for the spec's)")
+    temperature = check_temperature(temperature)
+    seed = check_seed(seed)
+    if sample and not speculative:
+        raise UserError("--sample: samples in speculative decoding; add --speculative")
     if n_ref is not None and not 2 <= n_ref < edges[-1]:
         raise UserError(f"--n-ref {n_ref}: expected at least 2 and below the largest of --lengths ({edges[-1]}), "
                         "so that some bucket lies beyond it")
@@ -139,7 +169,8 @@ def eval_command(
         progress = None if as_json else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
         result = evaluate(d, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,
-                          window=window, sinks=sinks, reference=ref, progress=progress, n_ref=n_ref)
+                          window=window, sinks=sinks, reference=ref, progress=progress, n_ref=n_ref,
+                          sample=sample, temperature=temperature, seed=seed)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)
     try:
@@ -182,10 +213,13 @@ def _table(result: dict) -> None:
     console.print(table)
     if speculative:
         s = result["speculative"]
+        if s["verification"] == "sampling":
+            check = f"sampling at temperature {s['temperature']:g}, seed {s['seed']} (outputs are random draws)"
+        else:
+            check = ("outputs identical to target-only greedy decoding: "
+                     + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
         console.print(f"Speculative decoding ({s['loop']}): {s['new_tokens']} tokens per prompt, "
-                      f"chain of {s['num_draft']}; "
-                      "outputs identical to target-only greedy decoding: "
-                      + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
+                      f"chain of {s['num_draft']}; {check}")
 
 
 def _number(x) -> str:

@@ -38,6 +38,15 @@ Per bucket and variant:
     ``sharpdraft-chain`` for the others (``calibrate.speculative.speculative_generate``).
     ``speculative.outputs_identical``: every run's output equals target-only greedy decoding by
     the same loop's target (``generate`` without an assistant; ``greedy_generate``), token for token.
+
+    With ``sample=True`` the decoding is speculative sampling at ``temperature`` instead
+    (``calibrate.speculative.Sampling``; transformers' ``do_sample=True`` in the assisted loop),
+    and the baseline samples from the target alone. Every run from one prompt (the baseline and
+    each variant) draws from its own copy of one random stream, seeded by ``seed`` and the prompt's
+    tokens (:func:`prompt_seed`), so the variants are compared on the same draws where they agree
+    (paired, like the greedy runs). A sampled output is one draw from the target's distribution,
+    not a fixed sequence, so ``outputs_identical`` is None there, with ``outputs_identical_note``
+    saying why (the law of the output is checked by tests/test_sampling.py).
 ``delta_vs_none``
     ``{"agreement": [mean, lo, hi], "acceptance_length": [mean, lo, hi]}``: the paired difference
     from ``none`` over the same rows (agreement: pooled over the bucket's rows; acceptance: mean
@@ -61,6 +70,7 @@ assistant model).
 from __future__ import annotations
 
 import math
+import zlib
 from collections import defaultdict
 
 import numpy as np
@@ -75,11 +85,11 @@ from sharpdraft_theory.stats import DEFAULT_SINKS
 from .corpus import pack
 from .drafters import drafter_kind
 from .errors import UserError
-from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, Prefill, SpeculativeResult, greedy_generate, prefill,
-                          speculative_generate, transformers_generate)
+from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
+                          speculative_generate, target_generate, transformers_generate)
 
 __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "DEFAULT_SINKS", "default_spec", "variant_specs", "check_variants",
-           "bucket_edges", "paired_bootstrap", "MassMeter", "evaluate"]
+           "bucket_edges", "paired_bootstrap", "MassMeter", "evaluate", "prompt_seed"]
 
 VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", "reference")  # every variant eval knows
 DEFAULT_VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks")  # reference joins when a reference head is given
@@ -215,7 +225,8 @@ def _per_bucket(edges: np.ndarray, n: np.ndarray, values: np.ndarray) -> np.ndar
 def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pydoc:heldout",
              sequences: int | None = None, skip: int = 0, rows_per_bucket: int = 96, speculative: bool = False,
              new_tokens: int = 32, num_draft: int = 4, variants=DEFAULT_VARIANTS, window: int | None = None,
-             sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None) -> dict:
+             sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None,
+             sample: bool = False, temperature: float = 1.0, seed: int = 0) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
     Parameters
@@ -240,6 +251,9 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     n_ref : int, optional
         The drafter's training length (default ``drafter.default_n_ref``): where qwen-logn starts and
         the window's default W.
+    sample, temperature, seed
+        With ``speculative``: speculative sampling at ``temperature`` instead of greedy decoding,
+        random streams seeded by ``seed`` and each prompt (:func:`prompt_seed`).
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     edges = bucket_edges(lengths)
@@ -283,8 +297,11 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     loop = ASSISTED_LOOP if kind.assisted else CHAIN_LOOP
     all_identical = None
     if speculative:
+        def rule(prompt):  # a fresh rule per run: every run from one prompt draws the same stream
+            return Sampling(temperature, prompt_seed(seed, prompt)) if sample else GREEDY
+
         all_identical = _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft,
-                                     progress)
+                                     progress, rule)
     if reference is not None:
         _recovered(buckets, names)
     return {
@@ -295,14 +312,35 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         "variants": {v: (None if s is None else {"law": s.law, "n_ref": s.n_ref, "slope": _slope(s),
                                                  "window": s.window, "sinks": s.sinks})
                      for v, s in specs.items()} | ({"reference": None} if reference is not None else {}),
-        "speculative": None if not speculative else {"loop": loop, "new_tokens": new_tokens, "num_draft": num_draft,
-                                                     "outputs_identical": all_identical},
+        "speculative": None if not speculative else _speculative_record(loop, new_tokens, num_draft, all_identical,
+                                                                        sample, temperature, seed),
         "buckets": buckets,
     }
 
 
-def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft, progress) -> bool:
-    """Fill acceptance_length, speedup and their deltas per bucket: one prompt of ``n`` tokens per sequence."""
+def prompt_seed(seed: int, prompt: torch.Tensor) -> tuple[int, int]:
+    """The random stream's entropy for decoding ``prompt`` (1, T) under ``--seed seed``: the seed and
+    a CRC-32 of the prompt's token ids, the same for every variant run from that prompt."""
+    return int(seed), zlib.crc32(np.asarray(prompt.cpu(), dtype=np.int64).tobytes())
+
+
+def _speculative_record(loop, new_tokens, num_draft, identical, sample, temperature, seed) -> dict:
+    """The result's ``speculative`` entry: how decoding ran, and whether outputs matched (greedy only)."""
+    record = {"loop": loop, "new_tokens": new_tokens, "num_draft": num_draft,
+              "verification": "sampling" if sample else "greedy", "temperature": temperature if sample else None,
+              "seed": seed if sample else None, "outputs_identical": None if sample else identical}
+    if sample:
+        record["outputs_identical_note"] = ("does not apply to sampling: each output is one random draw from the "
+                                            "target's distribution, which speculative sampling preserves")
+    return record
+
+
+def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft, progress,
+                 rule) -> bool:
+    """Fill acceptance_length, speedup and their deltas per bucket: one prompt of ``n`` tokens per sequence.
+
+    ``rule(prompt)`` makes a fresh verification rule for one run (the same random stream for every
+    run from a prompt). Returns whether every output equalled the baseline's (meaningful for greedy)."""
     target = drafter.target
     runs = [(v, drafter, s) for v, s in specs.items()] + ([("reference", reference, None)] if reference else [])
     identical = True
@@ -318,11 +356,11 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
             # chain loop: one target prefill per prompt, shared by the baseline and every variant (each decodes
             # from a copy); transformers' generate prefills in each run
             shared = None if loop == ASSISTED_LOOP else prefill(target, prompt, drafter.chain_drafter(None).feature_ids)
-            baseline = _decode(loop, target, None, None, prompt, new_tokens, num_draft, shared)
+            baseline = _decode(loop, target, None, None, prompt, new_tokens, num_draft, shared, rule(prompt))
             base_seconds += baseline.decode_seconds
             base_decoded += baseline.decode_tokens
             for variant, source, s in runs:
-                out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared)
+                out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared, rule(prompt))
                 identical &= out.tokens == baseline.tokens
                 lengths[variant][i] = out.acceptance_length
                 seconds[variant] += out.decode_seconds
@@ -342,20 +380,20 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
 
 
 def _decode(loop: str, target, source, spec: ScaleSpec | None, prompt: torch.Tensor, new_tokens: int,
-            num_draft: int, shared: Prefill | None) -> SpeculativeResult:
-    """One greedy decode by ``loop``: target-only when ``source`` is None, else speculative with the
-    drafter adapter ``source`` under ``spec`` (its assistant model, or its chain drafter, from the
-    ``shared`` prefill)."""
+            num_draft: int, shared: Prefill | None, rule=GREEDY) -> SpeculativeResult:
+    """One decode by ``loop`` verified by ``rule``: target-only when ``source`` is None, else
+    speculative with the drafter adapter ``source`` under ``spec`` (its assistant model, or its
+    chain drafter, from the ``shared`` prefill)."""
     if loop == ASSISTED_LOOP:
         if source is None:
-            return transformers_generate(target, prompt, new_tokens)
+            return transformers_generate(target, prompt, new_tokens, rule=rule)
         with source.assistant(spec) as assistant:
-            return transformers_generate(target, prompt, new_tokens, assistant, num_draft)
+            return transformers_generate(target, prompt, new_tokens, assistant, num_draft, rule)
     if source is None:
-        return greedy_generate(target, prompt, new_tokens, shared)
+        return target_generate(target, prompt, new_tokens, shared, rule)
     chain = source.chain_drafter(spec)
     try:
-        return speculative_generate(target, chain, prompt, new_tokens, num_draft, shared)
+        return speculative_generate(target, chain, prompt, new_tokens, num_draft, shared, rule)
     finally:
         chain.close()
 
