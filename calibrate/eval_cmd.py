@@ -18,6 +18,9 @@ __all__ = ["eval_command", "plot_result", "summary_tables"]
 
 err_console = Console(stderr=True)
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0  # below, softmax(logits / T) is greedy in float32; above, all but uniform
+MAX_SEED = 2**63 - 1  # seeds are numpy SeedSequence entropy; a bound keeps a typo from passing as a seed
+
 
 def _lengths(text: str) -> list[int]:
     try:
@@ -31,6 +34,22 @@ def _lengths(text: str) -> list[int]:
 
 def _variants(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def check_temperature(value: float) -> float:
+    """``--temperature``: finite, from :data:`MIN_TEMPERATURE` to :data:`MAX_TEMPERATURE`; else a ``UserError``."""
+    if not (math.isfinite(value) and MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
+        raise UserError(f"--temperature {value}: expected a temperature from {MIN_TEMPERATURE:g} to "
+                        f"{MAX_TEMPERATURE:g} (default 1.0, the model's own distribution; greedy agreement is "
+                        "reported besides)")
+    return float(value)
+
+
+def check_seed(value: int) -> int:
+    """``--seed``: an integer from 0 to :data:`MAX_SEED`; else a ``UserError``."""
+    if not 0 <= value <= MAX_SEED:
+        raise UserError(f"--seed {value}: expected an integer from 0 to {MAX_SEED}")
+    return int(value)
 
 
 def eval_command(
@@ -51,8 +70,13 @@ def eval_command(
     skip: Annotated[int, typer.Option(help="Sequences of the corpus to pass over first.")] = 0,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Top set size for the mass (default: the spec's).")]
         = None,
-    speculative: Annotated[bool, typer.Option("--speculative", help="Also run greedy speculative decoding: "
-                                              "acceptance length and speedup.")] = False,
+    speculative: Annotated[bool, typer.Option("--speculative", help="Also run speculative decoding (greedy unless "
+                                              "--sample): acceptance length and speedup.")] = False,
+    sample: Annotated[bool, typer.Option("--sample", help="With --speculative: speculative sampling at --temperature "
+                                         "(rejection-sampling verification; the output follows the target's "
+                                         "distribution) instead of greedy decoding.")] = False,
+    seed: Annotated[int, typer.Option(help="With --sample: the random seed; each prompt's runs draw from a stream "
+                                      "seeded by it and the prompt, the same for every variant.")] = 0,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per speculative prompt.")] = 32,
     num_draft: Annotated[int, typer.Option("--num-draft", help="Draft chain length K.")] = 4,
     variants: Annotated[str, typer.Option(help="Variants to compare, comma-separated: none, spec, qwen-logn, window, "
@@ -77,8 +101,9 @@ def eval_command(
         "--reference-drafter-path", help="Another head of the same kind (e.g. long-trained), run unscaled as the "
                                          "variant 'reference'.")] = None,
     temperature: Annotated[float, typer.Option(
-        help="T of the expected acceptance sum_x min(p_T, q_T): the chance speculative sampling at T accepts a "
-             "drafted token (reported beside greedy agreement).")] = 1.0,
+        help="Temperature T, 0.01 to 100: of the expected acceptance sum_x min(p_T, q_T) (the chance "
+             "speculative sampling at T accepts a drafted token, reported beside greedy agreement), and of the "
+             "draws with --sample.")] = 1.0,
     slopes: Annotated[Optional[str], typer.Option(
         help="Oracle: log-linear slopes to try on the same rows, comma-separated (e.g. 0.05,0.1,0.2,0.4); "
              "teacher-forced only, ranked by agreement gain past n_ref.")] = None,
@@ -125,12 +150,13 @@ def eval_command(
             raise UserError(f"{option} {value}: need at least {least}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k {top_k}: need at least 1 (or leave it out for the spec's)")
+    temperature = check_temperature(temperature)
+    seed = check_seed(seed)
+    if sample and not speculative:
+        raise UserError("--sample: samples in speculative decoding; add --speculative")
     if n_ref is not None and not 2 <= n_ref < edges[-1]:
         raise UserError(f"--n-ref {n_ref}: expected at least 2 and below the largest of --lengths ({edges[-1]}), "
                         "so that some bucket lies beyond it")
-    if not (math.isfinite(temperature) and 0.01 <= temperature <= 100):
-        raise UserError(f"--temperature {temperature}: expected a temperature from 0.01 to 100 (default 1.0; "
-                        "greedy agreement is reported besides)")
     slope_grid, alpha_grid = parse_grid("--slopes", slopes), parse_grid("--alphas", alphas)
     if plot is not None and plot.suffix.lower() != ".png":
         raise UserError(f"--plot {plot}: give a .png file name")
@@ -153,7 +179,8 @@ def eval_command(
               "sequences": sequences, "skip": skip, "top_k": k, "speculative": speculative, "new_tokens": new_tokens,
               "num_draft": num_draft, "variants": list(chosen), "window": window, "sinks": sinks, "n_ref": n_ref,
               "reference_drafter_path": reference_drafter_path, "temperature": temperature, "slopes": slope_grid,
-              "alphas": alpha_grid, "dtype": dtype, "neighbour_window": neighbour_window, "group": group}
+              "alphas": alpha_grid, "dtype": dtype, "neighbour_window": neighbour_window, "group": group,
+              "sample": sample, "seed": seed}
     saved = SavedUnits(None if out is None else partial_dir(out), params, resume)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -175,7 +202,7 @@ def eval_command(
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,
                           window=window, sinks=sinks, reference=ref, progress=progress, n_ref=n_ref,
                           temperature=temperature, slopes=slope_grid, alphas=alpha_grid, saved=saved,
-                          neighbour_window=neighbour_window, group=group)
+                          neighbour_window=neighbour_window, group=group, sample=sample, seed=seed)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)
     try:
@@ -208,10 +235,13 @@ def _table(result: dict) -> None:
         console.print(table)
     if result["speculative"] is not None:
         s = result["speculative"]
+        if s["verification"] == "sampling":
+            check = f"sampling at temperature {s['temperature']:g}, seed {s['seed']} (outputs are random draws)"
+        else:
+            check = ("outputs identical to target-only greedy decoding: "
+                     + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
         console.print(f"Speculative decoding ({s['loop']}): {s['new_tokens']} tokens per prompt, "
-                      f"chain of {s['num_draft']}; "
-                      "outputs identical to target-only greedy decoding: "
-                      + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
+                      f"chain of {s['num_draft']}; {check}")
 
 
 def summary_tables(result: dict, width: int = 80) -> list[Table]:

@@ -54,6 +54,15 @@ Per bucket and variant:
     ``sharpdraft-chain`` for the others (``calibrate.speculative.speculative_generate``).
     ``speculative.outputs_identical``: every run's output equals target-only greedy decoding by
     the same loop's target (``generate`` without an assistant; ``greedy_generate``), token for token.
+
+    With ``sample=True`` the decoding is speculative sampling at ``temperature`` instead
+    (``calibrate.speculative.Sampling``; transformers' ``do_sample=True`` in the assisted loop),
+    and the baseline samples from the target alone. Every run from one prompt (the baseline and
+    each variant) draws from its own copy of one random stream, seeded by ``seed`` and the prompt's
+    tokens (:func:`prompt_seed`), so the variants are compared on the same draws where they agree
+    (paired, like the greedy runs). A sampled output is one draw from the target's distribution,
+    not a fixed sequence, so ``outputs_identical`` is None there, with ``outputs_identical_note``
+    saying why (the law of the output is checked by tests/test_sampling.py).
 ``delta_vs_none``
     ``{"agreement", "expected_acceptance", "acceptance_length": [mean, lo, hi]}``: the paired difference
     from ``none`` over the same rows (agreement: pooled over the bucket's rows; acceptance: mean
@@ -86,6 +95,7 @@ assistant model).
 from __future__ import annotations
 
 import math
+import zlib
 from collections import defaultdict
 
 import numpy as np
@@ -100,11 +110,12 @@ from .corpus import pack
 from .drafters import drafter_kind
 from .errors import UserError
 from .measure import METRICS, Arm, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
-from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, Prefill, SpeculativeResult, greedy_generate, prefill,
-                          speculative_generate, transformers_generate)
+from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
+                          speculative_generate, target_generate, transformers_generate)
 
 __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "POSITION_VARIANTS", "position_fix", "DEFAULT_SINKS", "default_spec",
-           "variant_specs", "check_variants", "bucket_edges", "paired_bootstrap", "describe_spec", "evaluate"]
+           "variant_specs", "check_variants", "bucket_edges", "paired_bootstrap", "describe_spec", "evaluate",
+           "prompt_seed"]
 
 POSITION_VARIANTS = FIXES + tuple(f"{fix}+spec" for fix in FIXES)  # distance fixes, alone and with the spec
 VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", *POSITION_VARIANTS, "reference")  # every variant eval knows
@@ -230,7 +241,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
              new_tokens: int = 32, num_draft: int = 4, variants=DEFAULT_VARIANTS, window: int | None = None,
              sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None,
              temperature: float = 1.0, slopes=(), alphas=(), saved: SavedUnits | None = None,
-             neighbour_window: int | None = None, group: int | None = None) -> dict:
+             neighbour_window: int | None = None, group: int | None = None,
+             sample: bool = False, seed: int = 0) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
     Parameters
@@ -256,13 +268,17 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         The drafter's training length (default ``drafter.default_n_ref``): where qwen-logn starts and
         the window's default W.
     temperature : float
-        ``T`` of the expected acceptance ``sum_x min(p_T, q_T)`` (``calibrate.measure.metrics``).
+        ``T`` of the expected acceptance ``sum_x min(p_T, q_T)`` (``calibrate.measure.metrics``) and,
+        with ``sample``, of speculative sampling.
     slopes, alphas : sequence of float
         The oracle's grid (``calibrate.measure.arms``): more arms on the same rows, teacher-forced only.
     saved : SavedUnits, optional
         Where finished sequences and prompts are kept and, resuming, read back.
     neighbour_window, group : int, optional
         W and G of the distance fixes (default: from ``n_ref`` and the longest length, :func:`position_fix`).
+    sample, seed
+        With ``speculative``: speculative sampling at ``temperature`` instead of greedy decoding,
+        random streams seeded by ``seed`` and each prompt (:func:`prompt_seed`).
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     edges = bucket_edges(lengths)
@@ -300,8 +316,11 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     loop = ASSISTED_LOOP if kind.assisted else CHAIN_LOOP
     all_identical = None
     if speculative:
+        def rule(prompt):  # a fresh rule per run: every run from one prompt draws the same stream
+            return Sampling(temperature, prompt_seed(seed, prompt)) if sample else GREEDY
+
         all_identical = _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft,
-                                     progress, saved)
+                                     progress, saved, rule)
     if reference is not None:
         _recovered(buckets, names)
     return {
@@ -311,8 +330,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         "top_k": spec.top_k, "temperature": temperature,
         "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
         "variants": {a.name: describe_spec(a.spec) for a in arms},
-        "speculative": None if not speculative else {"loop": loop, "new_tokens": new_tokens, "num_draft": num_draft,
-                                                     "outputs_identical": all_identical},
+        "speculative": None if not speculative else _speculative_record(loop, new_tokens, num_draft, all_identical,
+                                                                        sample, temperature, seed),
         "oracle": _oracle(tallies, grid, edges, n_ref) if grid else None,
         "buckets": buckets,
     }
@@ -337,9 +356,29 @@ def _oracle(tallies, grid, edges: np.ndarray, n_ref: int) -> dict | None:
     return {"buckets": [int(edges[b]) for b in past], "weights": "equal", "gains": gains, "best": best}
 
 
+def prompt_seed(seed: int, prompt: torch.Tensor) -> tuple[int, int]:
+    """The random stream's entropy for decoding ``prompt`` (1, T) under ``--seed seed``: the seed and
+    a CRC-32 of the prompt's token ids, the same for every variant run from that prompt."""
+    return int(seed), zlib.crc32(np.asarray(prompt.cpu(), dtype=np.int64).tobytes())
+
+
+def _speculative_record(loop, new_tokens, num_draft, identical, sample, temperature, seed) -> dict:
+    """The result's ``speculative`` entry: how decoding ran, and whether outputs matched (greedy only)."""
+    record = {"loop": loop, "new_tokens": new_tokens, "num_draft": num_draft,
+              "verification": "sampling" if sample else "greedy", "temperature": temperature if sample else None,
+              "seed": seed if sample else None, "outputs_identical": None if sample else identical}
+    if sample:
+        record["outputs_identical_note"] = ("does not apply to sampling: each output is one random draw from the "
+                                            "target's distribution, which speculative sampling preserves")
+    return record
+
+
 def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft, progress,
-                 saved: SavedUnits) -> bool:
-    """Fill acceptance_length, speedup and their deltas per bucket: one prompt of ``n`` tokens per sequence."""
+                 saved: SavedUnits, rule) -> bool:
+    """Fill acceptance_length, speedup and their deltas per bucket: one prompt of ``n`` tokens per sequence.
+
+    ``rule(prompt)`` makes a fresh verification rule for one run (the same random stream for every
+    run from a prompt). Returns whether every output equalled the baseline's (meaningful for greedy)."""
     runs = [(v, drafter, s) for v, s in specs.items()] + ([("reference", reference, None)] if reference else [])
     identical = True
     for b, n in enumerate(edges):
@@ -351,7 +390,8 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
             if unit is None:
                 if progress:
                     progress(f"speculative decoding ({loop}): n = {n}, prompt {i + 1}/{len(texts)}")
-                unit = _prompt(loop, drafter, runs, text[:max(int(n) - new_tokens, 2)], new_tokens, num_draft)
+                unit = _prompt(loop, drafter, runs, text[:max(int(n) - new_tokens, 2)], new_tokens, num_draft,
+                               rule)
                 saved.put(f"speculative-{int(n)}-{i:05d}", unit)
             identical &= unit["identical"]
             base_seconds += unit["base"][0]
@@ -374,38 +414,39 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
     return identical
 
 
-def _prompt(loop: str, drafter, runs, prompt: list[int], new_tokens: int, num_draft: int) -> dict:
-    """One prompt decoded target-only and by every run: ``{"identical", "base": [seconds, tokens],
-    "runs": {variant: [acceptance length, decode seconds, decoded tokens]}}`` (what a resumed run keeps)."""
+def _prompt(loop: str, drafter, runs, prompt: list[int], new_tokens: int, num_draft: int, rule) -> dict:
+    """One prompt decoded target-only and by every run, each verified by a fresh ``rule(prompt)``:
+    ``{"identical", "base": [seconds, tokens], "runs": {variant: [acceptance length, decode seconds,
+    decoded tokens]}}`` (what a resumed run keeps)."""
     target = drafter.target
     prompt = torch.tensor([prompt], device=drafter.device)
     # chain loop: one target prefill per prompt, shared by the baseline and every variant (each decodes
     # from a copy); transformers' generate prefills in each run
     shared = None if loop == ASSISTED_LOOP else prefill(target, prompt, drafter.chain_drafter(None).feature_ids)
-    baseline = _decode(loop, target, None, None, prompt, new_tokens, num_draft, shared)
+    baseline = _decode(loop, target, None, None, prompt, new_tokens, num_draft, shared, rule(prompt))
     unit = {"identical": True, "base": [baseline.decode_seconds, baseline.decode_tokens], "runs": {}}
     for variant, source, s in runs:
-        out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared)
+        out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared, rule(prompt))
         unit["identical"] &= out.tokens == baseline.tokens
         unit["runs"][variant] = [out.acceptance_length, out.decode_seconds, out.decode_tokens]
     return unit
 
 
 def _decode(loop: str, target, source, spec: ScaleSpec | None, prompt: torch.Tensor, new_tokens: int,
-            num_draft: int, shared: Prefill | None) -> SpeculativeResult:
-    """One greedy decode by ``loop``: target-only when ``source`` is None, else speculative with the
-    drafter adapter ``source`` under ``spec`` (its assistant model, or its chain drafter, from the
-    ``shared`` prefill)."""
+            num_draft: int, shared: Prefill | None, rule=GREEDY) -> SpeculativeResult:
+    """One decode by ``loop`` verified by ``rule``: target-only when ``source`` is None, else
+    speculative with the drafter adapter ``source`` under ``spec`` (its assistant model, or its
+    chain drafter, from the ``shared`` prefill)."""
     if loop == ASSISTED_LOOP:
         if source is None:
-            return transformers_generate(target, prompt, new_tokens)
+            return transformers_generate(target, prompt, new_tokens, rule=rule)
         with source.assistant(spec) as assistant:
-            return transformers_generate(target, prompt, new_tokens, assistant, num_draft)
+            return transformers_generate(target, prompt, new_tokens, assistant, num_draft, rule)
     if source is None:
-        return greedy_generate(target, prompt, new_tokens, shared)
+        return target_generate(target, prompt, new_tokens, shared, rule)
     chain = source.chain_drafter(spec)
     try:
-        return speculative_generate(target, chain, prompt, new_tokens, num_draft, shared)
+        return speculative_generate(target, chain, prompt, new_tokens, num_draft, shared, rule)
     finally:
         chain.close()
 

@@ -1,11 +1,22 @@
-"""Greedy speculative decoding with chain drafting, for measuring acceptance and speed.
+"""Speculative decoding with chain drafting, greedy or sampled, for measuring acceptance and speed.
 
 Speculative decoding (Leviathan et al., 2023, arXiv:2211.17192; Chen et al., 2023,
-arXiv:2302.01318), greedy variant: each step the drafter proposes ``K`` tokens one after the other
-(a chain, no tree), the target scores the pending token plus the ``K`` drafts in **one** forward
-with its KV cache, the longest prefix of drafts that equals the target's own greedy choices is
-accepted, and the target's next choice after it (the correction, or the bonus token when all ``K``
-match) is appended. The output is therefore the target's greedy output, token for token.
+arXiv:2302.01318): each step the drafter proposes ``K`` tokens one after the other (a chain, no
+tree), the target scores the pending token plus the ``K`` drafts in **one** forward with its KV
+cache, accepts a prefix of the drafts and appends one token of its own (the correction, or the
+bonus token when all ``K`` are accepted). A verification rule decides which:
+
+:data:`GREEDY`
+    drafts are the drafter's greedy tokens; the longest prefix equal to the target's own greedy
+    choices is accepted, and the target's next choice follows. The output is the target's greedy
+    output, token for token.
+:class:`Sampling` (``temperature`` T, a seed)
+    speculative sampling: each draft is drawn from the drafter's ``q_T = softmax(logits / T)``
+    (the drafter's later steps condition on the drawn tokens); draft ``x`` is accepted with
+    probability ``min(1, p_T(x) / q_T(x))``; at the first rejection the target draws from
+    ``norm(max(0, p_T - q_T))`` and the step ends; when all ``K`` are accepted it draws a bonus
+    token from ``p_T``. Every output token follows the target's ``p_T`` exactly
+    (``sharpdraft_theory.sampling``, whose float64 functions the rule calls).
 
 Two loops run it (``sharpdraft eval --speculative`` records which one ran):
 
@@ -37,6 +48,17 @@ Two loops run it (``sharpdraft eval --speculative`` records which one ran):
     other tokens than greedy decoding). Generation stops at ``max_new_tokens`` only (no end-of-sequence stop), as the
     chain loop does.
 
+    With :class:`Sampling` the call samples (``do_sample=True``, ``top_k=0``, ``top_p=1.0``:
+    transformers' default ``top_k=50`` would truncate both distributions) with the temperature as a
+    logits processor (``_decoding`` says why not ``temperature=T``). transformers 5.24 then runs
+    Algorithm 1 itself (``generation.utils._speculative_sampling``): the assistant samples its chain
+    under the target's logits processors and hands back those processed scores as ``q``; the target
+    accepts with ``min(1, p / q)``, resamples from ``norm(max(0, p - q))`` at a rejection and draws
+    the bonus token from ``p``; a last round with room for one token drafts nothing and samples the
+    target alone (tests/test_sampling.py checks ``q`` and ``p`` at every verification). Its random
+    draws come from torch's global generator, seeded from the rule for the call (and restored
+    after), so a run repeats; its draws are not the chain loop's.
+
 Measures, the same in both loops (:class:`SpeculativeResult`):
 
 * acceptance length: tokens committed per target forward that verifies drafts. The chain loop's
@@ -54,16 +76,88 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["CHAIN_LOOP", "ASSISTED_LOOP", "SpeculativeResult", "Prefill", "prefill", "greedy_generate",
-           "speculative_generate", "transformers_generate", "target_step", "new_cache", "crop_cache", "cached_forward"]
+from sharpdraft_theory.sampling import accept_probability, inverse_cdf, residual, softmax
+
+__all__ = ["CHAIN_LOOP", "ASSISTED_LOOP", "GREEDY", "Greedy", "Sampling", "SpeculativeResult", "Prefill", "prefill",
+           "target_generate", "greedy_generate", "speculative_generate", "transformers_generate", "target_step",
+           "new_cache", "crop_cache", "cached_forward"]
 
 CHAIN_LOOP = "sharpdraft-chain"  # speculative_generate with a ChainDrafter
 ASSISTED_LOOP = "transformers-assisted"  # transformers' generate(assistant_model=...), transformers_generate
+
+
+class Greedy:
+    """Greedy verification (the module docstring): drafts and target tokens are argmaxes."""
+
+    name = "greedy"
+
+    def pick(self, logits: torch.Tensor) -> tuple[int, None]:
+        """The token of ``logits`` (V,): its argmax; no distribution is needed to verify it."""
+        return int(logits.argmax()), None
+
+    def verify(self, drafts: list[int], q, logits: torch.Tensor) -> tuple[int, int]:
+        """``(accepted, token)``: the drafts equal to the target's argmax at each position of ``logits``
+        (K + 1, V), then the target's argmax after them. ``q`` is not read."""
+        choice = logits.argmax(-1).tolist()  # target's greedy token after each block position
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == choice[accepted]:
+            accepted += 1
+        return accepted, choice[accepted]
+
+
+GREEDY = Greedy()
+
+
+class Sampling:
+    """Speculative sampling at ``temperature`` (the module docstring), drawing from one seeded stream.
+
+    Parameters
+    ----------
+    temperature : float
+        T > 0: tokens are drawn from ``softmax(logits / T)``, the drafter's and the target's alike.
+    seed : int or sequence of int
+        Entropy of the random stream (``numpy.random.SeedSequence``): two rules made with the same
+        seed draw the same uniforms in the same order, so runs from one prompt are paired.
+
+    Every draw uses one uniform by inverse CDF (``sharpdraft_theory.sampling.inverse_cdf``), every
+    acceptance test one uniform ``u`` (accept when ``u < min(1, p / q)``).
+    """
+
+    name = "sampling"
+
+    def __init__(self, temperature: float, seed):
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+        self.temperature = float(temperature)
+        sequence = np.random.SeedSequence(seed)
+        self.rng = np.random.default_rng(sequence)
+        self.torch_seed = int(sequence.generate_state(1, np.uint64)[0])  # for transformers' draws (torch's generator)
+
+    def probs(self, logits: torch.Tensor) -> np.ndarray:
+        """``softmax(logits / T)`` of ``logits`` (..., V), float64."""
+        return softmax(logits.detach().double().cpu().numpy(), self.temperature)
+
+    def pick(self, logits: torch.Tensor) -> tuple[int, np.ndarray]:
+        """A token drawn from ``softmax(logits / T)`` of ``logits`` (V,), and that law (V,) float64."""
+        probs = self.probs(logits)
+        return inverse_cdf(probs, self.rng.random()), probs
+
+    def verify(self, drafts: list[int], q: np.ndarray, logits: torch.Tensor) -> tuple[int, int]:
+        """``(accepted, token)`` for ``drafts`` drawn from ``q`` (K, V) given the target's ``logits``
+        (K + 1, V): drafts accepted until the first rejection, then a residual draw; after K
+        acceptances, a draw from the target's last row."""
+        for i, x in enumerate(drafts):
+            p = self.probs(logits[i])
+            if not self.rng.random() < accept_probability(p[x], q[i, x]):
+                return i, inverse_cdf(residual(p, q[i]), self.rng.random())
+        return len(drafts), inverse_cdf(self.probs(logits[len(drafts)]), self.rng.random())
 
 
 @dataclass(frozen=True)
@@ -86,7 +180,7 @@ class Prefill:
     """The target's forward over a prompt, shared by every decoding run from that prompt."""
 
     cache: object  # transformers KV cache of the prompt; each run decodes from a copy
-    first: int  # the target's greedy token after the prompt
+    logits: torch.Tensor  # (vocab,) the target's logits after the prompt: each run picks its first token there
     features: torch.Tensor | None  # (1, T, len(ids) * hidden) hidden states at ``feature_ids``, or None
     feature_ids: tuple[int, ...] | None  # the hidden_states indices in ``features``
     seconds: float  # wall-clock time of the forward
@@ -103,17 +197,17 @@ def prefill(target, prompt: torch.Tensor, feature_ids=None) -> Prefill:
     cache = new_cache()
     logits, feats = target_step(target, prompt, cache, feature_ids)
     ids = None if feature_ids is None else tuple(feature_ids)
-    return Prefill(cache, int(logits[-1].argmax()), feats, ids, time.perf_counter() - t0)
+    return Prefill(cache, logits[-1], feats, ids, time.perf_counter() - t0)
 
 
-def _start(target, prompt, feature_ids, shared: Prefill | None) -> tuple[object, int, torch.Tensor | None, float]:
-    """(cache to decode into, first token, features, prefill seconds) from ``shared`` or a new prefill."""
+def _start(target, prompt, feature_ids, shared: Prefill | None, rule) -> tuple[object, int, torch.Tensor | None, float]:
+    """(cache to decode into, first token by ``rule``, features, prefill seconds) from ``shared`` or a new prefill."""
     if shared is None:
         shared = prefill(target, prompt, feature_ids)
-        return shared.cache, shared.first, shared.features, shared.seconds
+        return shared.cache, rule.pick(shared.logits)[0], shared.features, shared.seconds
     if feature_ids is not None and shared.feature_ids != tuple(feature_ids):
         raise ValueError(f"the shared prefill holds hidden states {shared.feature_ids}, the drafter reads {feature_ids}")
-    return copy.deepcopy(shared.cache), shared.first, shared.features, shared.seconds
+    return copy.deepcopy(shared.cache), rule.pick(shared.logits)[0], shared.features, shared.seconds
 
 
 def new_cache():
@@ -147,36 +241,46 @@ def target_step(target, input_ids: torch.Tensor, cache, feature_ids=None):
 
 
 @torch.no_grad()
-def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, shared: Prefill | None = None) -> SpeculativeResult:
-    """Target-only greedy decoding with a KV cache: the reference output and the speed baseline.
+def target_generate(target, prompt: torch.Tensor, max_new_tokens: int, shared: Prefill | None = None,
+                    rule=GREEDY) -> SpeculativeResult:
+    """Target-only decoding with a KV cache, each token picked by ``rule`` (:data:`GREEDY`: argmax;
+    :class:`Sampling`: a draw from ``p_T``): the reference output and the speed baseline.
 
     ``shared``: start from this prefill of ``prompt`` (a copy of its cache) instead of running one.
     """
-    cache, first, _, prefill_seconds = _start(target, prompt, None, shared)
+    cache, first, _, prefill_seconds = _start(target, prompt, None, shared, rule)
     tokens = [first]
     t1 = time.perf_counter()
     t0 = t1 - prefill_seconds
     while len(tokens) < max_new_tokens:
         logits, _ = target_step(target, torch.tensor([[tokens[-1]]], device=prompt.device), cache)
-        tokens.append(int(logits[-1].argmax()))
+        tokens.append(rule.pick(logits[-1])[0])
     t2 = time.perf_counter()
     return SpeculativeResult(tokens, len(tokens) - 1, [0] * (len(tokens) - 1), t2 - t0, t2 - t1, len(tokens) - 1)
 
 
+def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, shared: Prefill | None = None) -> SpeculativeResult:
+    """Target-only greedy decoding: :func:`target_generate` with :data:`GREEDY`."""
+    return target_generate(target, prompt, max_new_tokens, shared, GREEDY)
+
+
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int,
-                         num_draft: int = 4, shared: Prefill | None = None) -> SpeculativeResult:
-    """Greedy speculative decoding of ``max_new_tokens`` after ``prompt`` (1, T), chain of ``num_draft``.
+                         num_draft: int = 4, shared: Prefill | None = None, rule=GREEDY) -> SpeculativeResult:
+    """Speculative decoding of ``max_new_tokens`` after ``prompt`` (1, T), chain of ``num_draft``,
+    verified by ``rule`` (:data:`GREEDY` or a :class:`Sampling`).
 
     ``drafter`` is a ``ChainDrafter`` (``calibrate.drafters.base``: ``feature_ids``,
-    ``start(prompt, features, pending)``, ``draft(k)``, ``commit(tokens, features)``). The output
-    equals :func:`greedy_generate`'s up to floating-point ties (the verify forward scores several
-    tokens at once, decoding scores one). ``shared``: start from this prefill of ``prompt``.
+    ``start(prompt, features, pending)``, ``draft(k, rule)``, ``commit(tokens, features)``). Greedy:
+    the output equals :func:`greedy_generate`'s up to floating-point ties (the verify forward
+    scores several tokens at once, decoding scores one). Sampling: every token follows the target's
+    ``p_T``, as :func:`target_generate` with a :class:`Sampling` draws it. ``shared``: start from
+    this prefill of ``prompt``.
     """
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     device = prompt.device
-    cache, first, feats, prefill_seconds = _start(target, prompt, drafter.feature_ids, shared)
+    cache, first, feats, prefill_seconds = _start(target, prompt, drafter.feature_ids, shared, rule)
     t0 = time.perf_counter() - prefill_seconds
     tokens = [first]
     drafter.start(prompt, feats, tokens[0])
@@ -184,14 +288,11 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     accepted_counts = []
     while len(tokens) < max_new_tokens:
         k = min(num_draft, max_new_tokens - len(tokens))  # never draft past the requested length
-        drafts = drafter.draft(k)
+        drafts, q = drafter.draft(k, rule)  # q: (k, vocab) the drafts' laws (None: greedy)
         block = torch.tensor([[tokens[-1], *drafts]], device=device)  # pending token + K drafts
-        logits, feats = target_step(target, block, cache, drafter.feature_ids)
-        choice = logits.argmax(-1).tolist()  # target's greedy token after each block position
-        accepted = 0
-        while accepted < k and drafts[accepted] == choice[accepted]:
-            accepted += 1
-        new = drafts[:accepted] + [choice[accepted]]
+        logits, feats = target_step(target, block, cache, drafter.feature_ids)  # (K + 1, vocab)
+        accepted, token = rule.verify(drafts, q, logits)
+        new = drafts[:accepted] + [token]
         crop_cache(cache, cache.get_seq_length() - (k - accepted))  # keep pending + accepted drafts
         drafter.commit(new, None if feats is None else feats[:, :accepted + 1])
         tokens.extend(new)
@@ -203,15 +304,16 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
 
 @torch.no_grad()
 def transformers_generate(target, prompt: torch.Tensor, max_new_tokens: int, assistant=None,
-                          num_draft: int = 4) -> SpeculativeResult:
-    """Greedy decoding of ``max_new_tokens`` after ``prompt`` (1, T) by transformers' own ``generate``.
+                          num_draft: int = 4, rule=GREEDY) -> SpeculativeResult:
+    """Decoding of ``max_new_tokens`` after ``prompt`` (1, T) by transformers' own ``generate``.
 
     Without ``assistant``: ``target.generate(prompt, do_sample=False)``, target-only greedy decoding
     (the reference output and the speed baseline). With one: assisted generation,
     ``target.generate(prompt, assistant_model=assistant, do_sample=False)``, drafting fixed chains
     of ``num_draft`` (see the module docstring). ``assistant`` is a causal LM of the target's
     vocabulary, a different module from ``target`` (its forwards would be counted as the target's);
-    any scale spec is enabled on it by the caller.
+    any scale spec is enabled on it by the caller. With a :class:`Sampling` ``rule``: the same
+    calls with ``do_sample=True`` at its temperature, torch's generator seeded from it.
 
     Returns
     -------
@@ -228,11 +330,11 @@ def transformers_generate(target, prompt: torch.Tensor, max_new_tokens: int, ass
     forwards, streamer = _ForwardClock(), _Committed()
     handle = target.register_forward_hook(forwards)
     try:
-        with _fixed_chain(assistant, num_draft):
+        with _fixed_chain(assistant, num_draft), _seeded(rule, prompt.device):
             t0 = time.perf_counter()
             out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=assistant,
-                                  do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
-                                  streamer=streamer)
+                                  max_new_tokens=max_new_tokens, eos_token_id=None, streamer=streamer,
+                                  **_decoding(rule))
             tokens = out[0, prompt.shape[1]:].tolist()
             t2 = time.perf_counter()
     finally:
@@ -271,6 +373,35 @@ class _Committed:
 
     def end(self) -> None:
         pass
+
+
+def _decoding(rule) -> dict:
+    """``generate``'s decoding arguments for ``rule``: greedy, or plain sampling at its temperature
+    (no top-k, top-p or other truncation, which would change the target's law).
+
+    The temperature goes in as a logits processor with ``temperature=1.0`` in the config: given as
+    ``temperature=T``, transformers 5.24 divides the assistant's logits by T twice (the target's
+    processors, handed to the assistant's ``generate``, and the assistant's own from the copied
+    config), so it drafts from ``softmax(logits / T^2)``; the output keeps the target's law (``q``
+    is what it drew from) but acceptance would be that of another temperature."""
+    if isinstance(rule, Sampling):
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+        return {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                "logits_processor": LogitsProcessorList([TemperatureLogitsWarper(rule.temperature)])}
+    return {"do_sample": False}
+
+
+@contextlib.contextmanager
+def _seeded(rule, device: torch.device):
+    """Inside the block torch's generators (CPU, and ``device`` if CUDA) start from ``rule``'s seed
+    (a :class:`Sampling`; greedy draws nothing); their states are restored after."""
+    if not isinstance(rule, Sampling):
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(rule.torch_seed)
+        yield
 
 
 @contextlib.contextmanager

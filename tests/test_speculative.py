@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,8 +35,8 @@ class CausalLMChainDrafter:
         if self.spec is not None:
             disable(self.model)
 
-    def _feed(self, ids: list[int]) -> int:
-        return int(cached_forward(self.model, torch.tensor([ids]), self.cache).logits[0, -1].argmax())
+    def _feed(self, ids: list[int], rule):
+        return rule.pick(cached_forward(self.model, torch.tensor([ids]), self.cache).logits[0, -1])
 
     def start(self, prompt: torch.Tensor, features, pending: int) -> None:
         self.cache = new_cache()
@@ -43,11 +44,13 @@ class CausalLMChainDrafter:
         self.committed = prompt.shape[1]  # tokens in the cache
         self.todo = [pending]  # committed tokens not yet in the cache
 
-    def draft(self, k: int) -> list[int]:
-        drafts = [self._feed(self.todo)]
-        while len(drafts) < k:
-            drafts.append(self._feed([drafts[-1]]))
-        return drafts
+    def draft(self, k: int, rule):
+        drafts, laws = [], []
+        for _ in range(k):
+            token, law = self._feed([drafts[-1]] if drafts else self.todo, rule)
+            drafts.append(token)
+            laws.append(law)
+        return drafts, None if laws[0] is None else np.stack(laws)
 
     def commit(self, new: list[int], features) -> None:
         self.committed += len(self.todo)

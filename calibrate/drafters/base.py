@@ -23,6 +23,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from sharpdraft_theory import ScaleSpec
@@ -72,7 +73,7 @@ class TeacherForced:
 
 
 class ChainDrafter(Protocol):
-    """Chain drafting for greedy speculative decoding (``calibrate.speculative.speculative_generate``).
+    """Chain drafting for speculative decoding, greedy or sampled (``calibrate.speculative.speculative_generate``).
 
     State: committed tokens ``x_0 .. x_N``; ``x_N`` (the target's last choice) is pending.
     """
@@ -82,8 +83,12 @@ class ChainDrafter(Protocol):
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, pending: int) -> None:
         """Begin after ``prompt`` (1, N) with its target features (1, N, ·) and the pending token."""
 
-    def draft(self, k: int) -> list[int]:
-        """``k`` greedy drafts (target vocabulary) following the pending token."""
+    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+        """``k`` drafts (target vocabulary) following the pending token, each picked by ``rule``
+        (``calibrate.speculative``: ``rule.pick(logits)`` gives the token index in the drafter's
+        logits and its law, None for greedy), each step conditioned on the tokens picked before; and
+        the laws of the drafts over the target vocabulary (k, vocab) float64, None when ``rule``
+        gives none."""
 
     def commit(self, new: list[int], features: torch.Tensor | None) -> None:
         """The target accepted ``new`` (accepted drafts then its own choice, now pending);

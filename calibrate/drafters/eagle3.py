@@ -41,6 +41,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -673,6 +674,7 @@ class Eagle3ChainDrafter:
         self.feature_ids = feature_ids
         self.hook = None if spec is None else query_hook(spec)
         self.restriction = _restriction(spec)
+        self._target_ids = None  # target id of each draft id, made when a law is first mapped
 
     def close(self) -> None:
         """Nothing to undo: the spec lives in this drafter's hook."""
@@ -693,16 +695,30 @@ class Eagle3ChainDrafter:
         self.rows = prompt.shape[1]  # rows with true features in the cache
         self.logits, self.hidden = self._run(ids, features, 0)
 
-    def draft(self, k: int) -> list[int]:
-        """``k`` greedy drafts (target ids); the extra rows are removed again by :meth:`commit`."""
-        drafts = []
+    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+        """``k`` drafts (target ids) picked by ``rule`` over the draft vocabulary, and their laws over
+        the target vocabulary (k, vocab), zero off the draft vocabulary (None: greedy); the extra
+        rows are removed again by :meth:`commit`."""
+        drafts, laws = [], []
         logits, hidden = self.logits, self.hidden
         for j in range(k):
-            token = int(self.head.draft_to_target(logits.argmax()))
+            index, law = rule.pick(logits)  # in the draft vocabulary
+            token = int(self.head.draft_to_target(torch.tensor(index, device=logits.device)))
             drafts.append(token)
+            if law is not None:
+                laws.append(self._on_target_vocab(law))
             if j + 1 < k:  # the head's own output stands in for the (unknown) target feature
                 logits, hidden = self._run(torch.tensor([[token]], device=hidden.device), hidden, self.rows + j)
-        return drafts
+        return drafts, (np.stack(laws) if laws else None)
+
+    def _on_target_vocab(self, law: np.ndarray) -> np.ndarray:
+        """A law over the draft vocabulary (draft_vocab,) placed at its target ids: (vocab,)."""
+        if self._target_ids is None:
+            ids = torch.arange(self.head.config.draft_vocab_size, device=self.head.d2t.device)
+            self._target_ids = self.head.draft_to_target(ids).cpu().numpy()
+        full = np.zeros(self.head.config.vocab_size)
+        full[self._target_ids] = law
+        return full
 
     def commit(self, new: list[int], features: torch.Tensor) -> None:
         """Keep the true rows, then add rows for the verified positions: features (1, a+1, 3H)."""
