@@ -191,6 +191,14 @@ def print_fit(spec, fit, out: Path) -> None:
         interval = f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]" if r.ci_low is not None else "-"
         slopes.add_row(r.estimator + mark, _fmt(r.slope), interval, r.note or "")
     console.print(slopes)
+    verdict = spec.calibration.verdict
+    if verdict is not None:
+        colour = {"dilution": "green", "distance": "yellow", "both": "yellow", "neither": "green"}[verdict.verdict]
+        console.print(f"Dilution or distance drift past n_ref (seen distances d <= {verdict.window:,}): verdict "
+                      f"[bold {colour}]{verdict.verdict}[/], {verdict.advice}", highlight=False)
+        console.print(verdict.numbers(), highlight=False, soft_wrap=True)
+        if verdict.note:
+            console.print(f"[yellow]note:[/] {verdict.note}", highlight=False)
     what = "slopes" if spec.table is None else "table values"
     shape = "" if spec.granularity == "global" else f" ({spec.granularity} {what}, shape {spec.shape()})"
     console.print(f"Wrote [bold]{out}[/]{shape}")

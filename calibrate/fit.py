@@ -10,7 +10,8 @@ from and the ``FitSettings`` they were fitted with, one JSON-encoded string per 
 (``record_meta``): ``drafter`` (the kind), ``drafter_path``, ``target_path``,
 ``aux_layer_reading``, ``drafter_info``
 (the drafter's attention shape, as in the spec), ``corpus``, ``max_length``, ``dtype``,
-``sequences``; ``n_ref``, ``top_k``, ``granularity``, ``estimator``, ``alpha_max``, ``law``,
+``sequences``, ``trained_window`` (the drafter's training length, when it states one; files
+written before it was stored lack it); ``n_ref``, ``top_k``, ``granularity``, ``estimator``, ``alpha_max``, ``law``,
 ``max_n``, ``bootstrap``; and ``tool_version``. The alpha grid and ``k_max`` are the arrays' own. So
 ``fit`` of one file with no options rebuilds that calibration's spec byte for byte, apart from
 ``calibration.tool_version``, which names the version that made the spec.
@@ -33,6 +34,7 @@ import numpy as np
 
 from sharpdraft_theory import __version__
 from sharpdraft_theory.distance import DistanceFit, fit_distance
+from sharpdraft_theory.drift import Verdict, verdict
 from sharpdraft_theory.estimators import ESTIMATORS, SlopeFit, fit_slopes
 from sharpdraft_theory.laws import MAX_N, alpha_law
 from sharpdraft_theory.spec import GRANULARITIES, Calibration, DrafterInfo, ScaleSpec
@@ -42,8 +44,8 @@ from sharpdraft_theory.tabulate import tabulate
 from .errors import UserError
 from .preflight import load_stats_file
 
-__all__ = ["Collection", "FitSettings", "check_fit_options", "check_max_n", "fit_spec", "plausibility_notes",
-           "record_meta", "read_record", "fit_files", "LAWS_WRITTEN", "MAX_N_PER_N_REF"]
+__all__ = ["Collection", "FitSettings", "check_fit_options", "check_max_n", "fit_spec", "drift_verdict",
+           "plausibility_notes", "record_meta", "read_record", "fit_files", "LAWS_WRITTEN", "MAX_N_PER_N_REF"]
 
 # Plausibility (warnings in the summary, not refusals). Trained drafters fit slopes of about 0.05 to 0.5
 # (Qwen's LogN scaling is slope 1 / ln n_ref, 0.13 at 2048); a slope past 1 more than quadruples the
@@ -68,6 +70,7 @@ class Collection:
     max_length: int  # tokens per sequence
     dtype: str  # weight dtype of the run (float32, bfloat16, float16)
     sequences: int  # sequences the rows come from
+    trained_window: int | None = None  # largest query-key distance the drafter was trained on (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ def fit_spec(stats: RowStats, collection: Collection,
     alpha positive at every n. Tabulated: mass matching's alpha per bucket, extrapolated to
     ``max_n`` (``sharpdraft_theory.tabulate``) by the distance model when ``stats`` hold a
     distance profile, else by the fixed slope. The notes say what was changed, and warn about
-    implausible fits (``plausibility_notes``).
+    implausible fits (``plausibility_notes``). Rows with a distance profile also get the
+    dilution/drift verdict in the calibration record (``drift_verdict``).
     """
     try:
         fit = fit_slopes(stats, n_ref=settings.n_ref, top_k=settings.top_k, granularity=settings.granularity,
@@ -139,9 +143,12 @@ def fit_spec(stats: RowStats, collection: Collection,
                         f"({result.note or 'no finite slope'})"
                         + (f"; try --estimator {others[0]}" if others and settings.law == "log-linear" else ""))
     notes = []
+    verdict, why = drift_verdict(stats, settings, collection.trained_window)
+    if why:
+        notes.append(why)
     calibration = Calibration(estimator=settings.estimator, corpus=collection.corpus, sequences=collection.sequences,
                               max_length=collection.max_length, rows=stats.rows, buckets=fit.buckets,
-                              results=fit.results, tool_version=__version__)
+                              results=fit.results, tool_version=__version__, verdict=verdict)
     if settings.law == "tabulated":
         distance, without = _distance_models(stats, settings)
         try:
@@ -168,6 +175,27 @@ def fit_spec(stats: RowStats, collection: Collection,
     spec = ScaleSpec(law=settings.law, n_ref=settings.n_ref, top_k=settings.top_k, granularity=settings.granularity,
                      alpha_max=settings.alpha_max, drafter=collection.drafter_info, calibration=calibration, **law)
     return spec, fit, notes + plausibility_notes(spec, fit)
+
+
+#: Resamples of sequences behind the verdict's intervals (at most the fit's own ``bootstrap``).
+VERDICT_BOOTSTRAP = 100
+
+
+def drift_verdict(stats: RowStats, settings: FitSettings,
+                  trained_window: int | None) -> tuple[Verdict | None, str | None]:
+    """Dilution or distance drift past the seen distances (``sharpdraft_theory.drift.verdict``), or None and why not.
+
+    The seen window ``W`` is the drafter's training length when it states one, else ``n_ref``.
+    Rows without a distance profile get None and no note (nothing was asked for).
+    """
+    if stats.distance is None:
+        return None, None
+    window = trained_window or settings.n_ref
+    try:
+        fit = fit_distance(stats, n_ref=settings.n_ref, top_k=settings.top_k)
+        return verdict(fit, window=window, bootstrap=min(settings.bootstrap, VERDICT_BOOTSTRAP), seed=0), None
+    except ValueError as err:
+        return None, f"no dilution/drift verdict: {err}"
 
 
 def _distance_models(stats: RowStats, settings: FitSettings) -> tuple[DistanceFit | None, str | None]:
@@ -209,18 +237,24 @@ def record_meta(collection: Collection, settings: FitSettings) -> dict[str, str]
     return {key: json.dumps(value) for key, value in record.items()}
 
 
+#: Record keys older statistics files may lack (their defaults apply).
+_OPTIONAL = ("trained_window",)
+
+
 def read_record(path: str | os.PathLike) -> tuple[RowStats, Collection, FitSettings]:
     """A statistics file's rows and the record ``calibrate --stats`` stored with them."""
     path = Path(path)
     stats, raw = load_stats_file(path)
-    missing = [f.name for f in fields(Collection) + fields(FitSettings) if f.name not in raw]
+    missing = [f.name for f in fields(Collection) + fields(FitSettings)
+               if f.name not in raw and f.name not in _OPTIONAL]
     if missing:
         raise UserError(f"{path}: no record of {missing[0]} (written by an older sharpdraft?); "
                         "collect it again with `sharpdraft calibrate --stats`")
     try:
-        meta = {key: json.loads(raw[key]) for key in (f.name for f in fields(Collection) + fields(FitSettings))}
+        meta = {key: json.loads(raw[key]) for key in (f.name for f in fields(Collection) + fields(FitSettings))
+                if key in raw}
         meta["drafter_info"] = DrafterInfo.from_dict(meta["drafter_info"])
-        return (stats, Collection(**{f.name: meta[f.name] for f in fields(Collection)}),
+        return (stats, Collection(**{f.name: meta[f.name] for f in fields(Collection) if f.name in meta}),
                 FitSettings(**{f.name: meta[f.name] for f in fields(FitSettings)}))
     except (json.JSONDecodeError, ValueError, TypeError) as err:
         raise UserError(f"{path}: its record cannot be read ({err}); collect it again with "

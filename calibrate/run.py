@@ -257,7 +257,7 @@ def _finish(opts: CalibrateOptions, setup: _Setup, shards: list[_Shard]) -> tupl
     collection = Collection(drafter=opts.drafter, drafter_path=opts.drafter_path, target_path=opts.target_path,
                             aux_layer_reading=opts.aux_layer_reading, drafter_info=setup.drafter.info,
                             corpus=opts.corpus, max_length=setup.max_length, dtype=setup.params["dtype"],
-                            sequences=len(setup.sequences))
+                            sequences=len(setup.sequences), trained_window=_trained_window(setup.drafter))
     settings = FitSettings(n_ref=setup.n_ref, top_k=opts.top_k, granularity=opts.granularity,
                            estimator=opts.estimator, alpha_max=opts.alpha_max, law=opts.law, max_n=opts.max_n,
                            bootstrap=opts.bootstrap)
@@ -295,6 +295,14 @@ def _refit_hint(opts: CalibrateOptions) -> str:
                 "to fit them without collecting again, or delete the folder")
     return (f"the rows are saved in --stats {opts.stats}: fit them again with `sharpdraft fit {opts.stats} "
             f"--out {opts.out} --n-ref N`, or rerun with --resume and another --top-k (its n_ref is kept)")
+
+
+def _trained_window(drafter) -> int | None:
+    """The largest distance the drafter was trained on: its training length, when it states one."""
+    try:
+        return int(drafter.default_n_ref)
+    except (UserError, AttributeError, TypeError):  # no trustworthy training length: W falls back to n_ref
+        return None
 
 
 def check_options(opts: CalibrateOptions) -> None:

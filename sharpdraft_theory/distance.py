@@ -482,8 +482,14 @@ class DistanceFit:
             return np.arange(layers * heads), (layers, heads)
         raise ValueError(f"granularity must be global, layer or head, got {granularity!r}")
 
-    def mass(self, n, granularity: str = "global", seq_weights=None, profiles=None) -> np.ndarray:
-        """Predicted mean mass ``M(a; n)``: (N, *groups, A)."""
+    def mass(self, n, granularity: str = "global", seq_weights=None, profiles=None, anchor: int | None = None
+             ) -> np.ndarray:
+        """Predicted mean mass ``M(a; n)``: (N, *groups, A).
+
+        ``anchor``: extend the rows near ``min(anchor, longest measured n)`` to every ``n`` instead
+        of the rows near ``min(n, longest)`` (``sharpdraft_theory.drift`` extends the rows at the
+        end of the seen distances).
+        """
         n = np.atleast_1d(np.asarray(n, dtype=np.int64))
         c = np.ones(self.sequences) if seq_weights is None else np.asarray(seq_weights, dtype=np.float64)
         profiles = self.profiles(c) if profiles is None else profiles
@@ -492,7 +498,8 @@ class DistanceFit:
         total = np.zeros((n.size, groups, self.alpha.size))
         weight_sum = np.zeros((n.size, groups))
         longest = int(self.row_n.max())
-        window = np.minimum(n, longest)  # lengths past the calibrated ones share the longest rows
+        window = np.minimum(n if anchor is None else np.full(n.size, int(anchor)), longest)  # lengths past the
+        # calibrated ones share the longest rows
         for m in np.unique(window):
             at = np.flatnonzero(window == m)  # lengths using this window, (N_m,)
             rows = (self.row_n <= m) & (self.row_n > m / np.sqrt(2.0)) & (c[self.row_seq] > 0)

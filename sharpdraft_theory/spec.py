@@ -38,6 +38,7 @@ import numpy as np
 
 from .atomic import atomic_write_text
 from .checks import SpecError, check_int, check_num, check_record, check_str, field_error, json_type
+from .drift import Verdict
 from .estimators import ESTIMATORS, Bucket, EstimatorResult
 from .laws import LAWS, MAX_N, alpha_law, get_law
 from .positions import PositionFix
@@ -103,6 +104,7 @@ class Calibration:
     buckets: tuple[Bucket, ...]  # per context-length bucket: rows, mean mass, matched alpha
     results: tuple[EstimatorResult, ...]  # every estimator's result, for comparison
     tool_version: str  # sharpdraft version that made the spec
+    verdict: Verdict | None = None  # dilution or distance drift past the seen distances (drift.verdict; None: no profile)
     # calibrate --select: each candidate deployment measured on the calibration sequences, and the choice
     # (calibrate.select documents the object); None when the fitted spec was written without selection
     selection: dict | None = None
@@ -122,6 +124,7 @@ class Calibration:
             buckets=tuple(Bucket.from_dict(b, f"{where}.buckets[{i}]") for i, b in enumerate(d["buckets"])),
             results=tuple(EstimatorResult.from_dict(r, f"{where}.results[{i}]") for i, r in enumerate(d["results"])),
             tool_version=check_str(f"{where}.tool_version", d["tool_version"]),
+            verdict=None if d.get("verdict") is None else Verdict.from_dict(d["verdict"], f"{where}.verdict"),
             selection=_selection(f"{where}.selection", d.get("selection")),
         )
 

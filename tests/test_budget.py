@@ -219,7 +219,8 @@ def test_an_old_statistics_file_plots_without_the_budget(calibrated, tmp_path):
     replace(stats, budget=None).save(old, **meta)
     res = runner.invoke(app, ["plot", str(old), "--out", str(tmp_path / "plots"), "--bootstrap", "0"])
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(plots.STANDARD_FIGURES)
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted((*plots.STANDARD_FIGURES,
+                                                                             plots.DRIFT_FIGURE))
     assert "old.npz holds no attention budget" in res.output and "budget.png skipped" in res.output
 
 

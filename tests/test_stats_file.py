@@ -40,7 +40,7 @@ def test_calibration_stores_its_settings(calibrated):
     shape = {"kind": "hf", "path": str(drafter), "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
     assert meta == {"drafter": "hf", "drafter_path": str(drafter), "target_path": None, "aux_layer_reading": None,
                     "drafter_info": shape, "corpus": "pydoc", "max_length": 256, "dtype": "float32", "sequences": 2,
-                    "n_ref": 64, "top_k": 3, "granularity": "layer", "estimator": "mass-matching", "alpha_max": None,
+                    "trained_window": 4096, "n_ref": 64, "top_k": 3, "granularity": "layer", "estimator": "mass-matching", "alpha_max": None,
                     "law": "log-linear", "max_n": None,
                     "bootstrap": 200, "tool_version": __version__}
     assert stats.k_max >= 3 and 1.0 in stats.alpha_grid  # the grids are the arrays' own, not repeated in meta

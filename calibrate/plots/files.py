@@ -20,22 +20,28 @@ from pathlib import Path
 
 import numpy as np
 
+from sharpdraft_theory.distance import fit_distance
+from sharpdraft_theory.drift import decompose, verdict
 from sharpdraft_theory.estimators import fit_slopes
 from sharpdraft_theory.stats import RowStats
 
 from ..errors import UserError
 from ..preflight import load_stats_file
 from .budget import budget_curve, budget_figure
+from .drift import drift_figure
 from .measured import alpha_figure, measured_dilution_figure, slope_heatmap_figure
 from .style import save_figure
 
-__all__ = ["STANDARD_FIGURES", "BUDGET_FIGURE", "load_stats", "describe_stats", "write_standard_figures"]
+__all__ = ["STANDARD_FIGURES", "BUDGET_FIGURE", "DRIFT_FIGURE", "load_stats", "describe_stats", "write_standard_figures"]
 
 #: File names ``sharpdraft plot`` writes, in order.
 STANDARD_FIGURES = ("dilution.png", "alpha.png", "slope_heatmap.png")
 
 #: The attention budget's figure, written after them when the file holds the budget.
 BUDGET_FIGURE = "budget.png"
+
+#: Dilution or distance drift (``sharpdraft_theory.drift``), written last when the file holds a distance profile.
+DRIFT_FIGURE = "drift.png"
 
 DEFAULT_TOP_K = 4  # calibration's default --top-k, for files that do not store theirs
 _DESCRIBED = ("drafter", "drafter_path", "corpus", "sequences", "max_length", "dtype", "granularity", "estimator",
@@ -96,13 +102,15 @@ def _title(path: str | os.PathLike, meta: dict) -> str:
 
 
 def write_standard_figures(stats_path: str | os.PathLike, out: str | os.PathLike, *, n_ref: int | None = None,
-                           top_k: int | None = None, bootstrap: int = 200,
-                           seed: int = 0) -> tuple[list[Path], list[str]]:
-    """Write ``STANDARD_FIGURES`` (dilution curves, alpha versus n, slope heatmap) and ``BUDGET_FIGURE``.
+                           top_k: int | None = None, bootstrap: int = 200, seed: int = 0,
+                           trained_window: int | None = None) -> tuple[list[Path], list[str]]:
+    """Write ``STANDARD_FIGURES`` (dilution curves, alpha versus n, slope heatmap), ``BUDGET_FIGURE``, ``DRIFT_FIGURE``.
 
-    ``n_ref`` and ``top_k`` override the values stored in the file (``load_stats``). Returns the
-    paths written and notes for the user: a file without an attention budget (written before
-    calibration collected one) gets no ``BUDGET_FIGURE``, and a note saying so.
+    ``n_ref`` and ``top_k`` override the values stored in the file (``load_stats``);
+    ``trained_window`` the seen window ``W`` of the drift verdict (default: stored, else ``n_ref``).
+    Returns the paths written and lines for the user: the verdict, and a note for each figure
+    skipped (a file without an attention budget or a distance profile, written before
+    calibration collected them; a decomposition the rows cannot support).
     """
     stats, meta, n_ref, top_k = load_stats(stats_path, n_ref=n_ref, top_k=top_k)
     title = _title(stats_path, meta)
@@ -115,8 +123,28 @@ def write_standard_figures(stats_path: str | os.PathLike, out: str | os.PathLike
                alpha_figure(fit, n_ref=n_ref, title=title),
                slope_heatmap_figure(fit, title=title))
     paths = [save_figure(fig, out / name) for fig, name in zip(figures, STANDARD_FIGURES)]
+    notes = []
+    name = Path(stats_path).name
     if stats.budget is None:
-        return paths, [f"{Path(stats_path).name} holds no attention budget (written before calibration collected "
-                       f"it): {BUDGET_FIGURE} skipped; `sharpdraft calibrate --stats` records it"]
-    curve = budget_curve(stats, bootstrap=bootstrap, seed=seed)
-    return paths + [save_figure(budget_figure(curve, title=title), out / BUDGET_FIGURE)], []
+        notes.append(f"{name} holds no attention budget (written before calibration collected it): {BUDGET_FIGURE} "
+                     "skipped; `sharpdraft calibrate --stats` records it")
+    else:
+        curve = budget_curve(stats, bootstrap=bootstrap, seed=seed)
+        paths.append(save_figure(budget_figure(curve, title=title), out / BUDGET_FIGURE))
+    if stats.distance is None:
+        notes.append(f"{name} holds no distance profile: {DRIFT_FIGURE} and the dilution/drift verdict skipped; "
+                     "`sharpdraft calibrate --stats` records it")
+        return paths, notes
+    window = trained_window or meta.get("trained_window") or n_ref
+    try:
+        model = fit_distance(stats, n_ref=n_ref, top_k=top_k)
+        parts = decompose(model, window=int(window), granularity=("global", "head"), bootstrap=bootstrap, seed=seed)
+        found = verdict(model, window=int(window), bootstrap=bootstrap, seed=seed, parts=parts)
+    except ValueError as err:
+        notes.append(f"{DRIFT_FIGURE} and the dilution/drift verdict skipped: {err}")
+        return paths, notes
+    paths.append(save_figure(drift_figure(model, parts, found, title=title), out / DRIFT_FIGURE))
+    lines = [f"past n_ref (seen distances d <= {found.window:,}): {found.line()}; {found.advice}"]
+    if found.note:
+        lines.append(f"verdict: {found.note}")
+    return paths, lines + notes
