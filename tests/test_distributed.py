@@ -83,9 +83,9 @@ def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
 
 
 def test_a_killed_rank_resumes_to_the_same_spec_with_any_world_size(pard, one_process, tmp_path):
-    out = tmp_path / "killed.json"
+    out, stats = tmp_path / "killed.json", tmp_path / "killed.npz"
     partial = partial_dir(out)
-    proc = _torchrun(2, _args(pard, out))
+    proc = _torchrun(2, _args(pard, out, "--stats", str(stats)))
     deadline = time.monotonic() + 240
     while len(list(partial.glob("seq-*.npz"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -101,7 +101,7 @@ def test_a_killed_rank_resumes_to_the_same_spec_with_any_world_size(pard, one_pr
     # rank 0 alone says so, naming rank 1.
     victim = next(i for i in saved if i % 3 == 1)
     (partial / f"seq-{victim:05d}.npz").write_bytes(b"not an npz")
-    proc = _torchrun(3, _args(pard, out, "--resume"))
+    proc = _torchrun(3, _args(pard, out, "--stats", str(stats), "--resume"))
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0 and not out.exists()
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
@@ -109,11 +109,15 @@ def test_a_killed_rank_resumes_to_the_same_spec_with_any_world_size(pard, one_pr
 
     (partial / f"seq-{victim:05d}.npz").unlink()
     done = len(list(partial.glob("seq-*.npz")))  # the failed run's healthy ranks saved theirs
-    proc = _torchrun(3, _args(pard, out, "--resume"))
+    proc = _torchrun(3, _args(pard, out, "--stats", str(stats), "--resume"))
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     assert f"({done} resumed)" in " ".join(stdout.split()), stdout
-    assert out.read_text() == one_process[0].read_text()
+    assert out.read_text() == one_process[0].read_text()  # the verdict's distance profile survived the kill
+    with np.load(stats) as resumed, np.load(one_process[1]) as one:
+        assert sorted(resumed.files) == sorted(one.files)
+        for name in one.files:
+            assert np.array_equal(resumed[name], one[name]), name
     assert not partial.exists()
 
 
