@@ -68,6 +68,10 @@ Per bucket and variant:
     from ``none`` over the same rows (agreement: pooled over the bucket's rows; acceptance: mean
     over prompts), with a 95% percentile bootstrap interval that resamples **sequences** (rows of
     one sequence are not independent), :func:`paired_bootstrap`.
+``per_sequence`` and the bucket's ``rows_per_sequence``
+    the sums behind the means, per sequence (agreement and expected acceptance: sums over the
+    sequence's rows in the bucket; acceptance length: the prompt's value), so that any two
+    variants can be paired afterwards with the same bootstrap (``scripts/eval_table.py --versus``).
 ``recovered``
     where the reference gains (its own ``delta_vs_none`` interval lies above 0): the variant's mean
     delta over the reference's, the share of the long-trained head's gain the variant recovers
@@ -406,6 +410,7 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
             cell = buckets[b][variant]
             cell["acceptance_length"] = _round(float(lengths[variant].mean()))
             cell["acceptance_length_interval"] = _interval(paired_bootstrap(lengths[variant]))
+            cell.setdefault("per_sequence", {})["acceptance_length"] = lengths[variant].tolist()  # one prompt each
             rate = seconds[variant] / decoded[variant] if decoded[variant] else None
             cell["speedup"] = _round(base_rate / rate if base_rate and rate else None)
             if variant != "none":

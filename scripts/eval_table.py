@@ -1,33 +1,65 @@
-"""Markdown tables of a ``sharpdraft eval --json`` result, as the README shows them.
+"""Markdown tables of a ``sharpdraft eval --out`` result, as the README shows them.
 
     python scripts/eval_table.py out/table/eval.json > out/table/table.md
+    python scripts/eval_table.py out/table/eval.json --at 8192 --versus window
 
-One table per metric (acceptance length, when the eval ran ``--speculative``; teacher-forced
-agreement; top-k mass): a row per bucket of context length, a column per variant, each cell the
-value and, for every variant but ``none``, its paired difference from ``none`` with the 95%
-bootstrap interval over sequences. A difference whose interval excludes 0 is in bold.
+Without ``--at``: one table per metric (acceptance length, when the eval ran ``--speculative``;
+teacher-forced agreement; top-k mass), a row per bucket of context length, a column per variant,
+each cell the value and, for every variant but ``none``, its paired difference from ``none`` with
+the 95% bootstrap interval over sequences. A difference whose interval excludes 0 is in bold.
+
+With ``--at N``: one table for the bucket ``N``, a row per variant, each metric's value, its
+difference from ``none`` and from the ``--versus`` variant(s), each paired over the same rows and
+sequences (the per-sequence sums eval keeps, resampled as eval resamples them).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
+import numpy as np
 
-def _delta(triple) -> str:
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sharpdraft_theory.bootstrap import paired_bootstrap  # noqa: E402
+
+TITLES = {"acceptance_length": "acceptance length", "agreement": "agreement",
+          "expected_acceptance": "expected acceptance", "mass": "mass"}
+
+
+def _delta(triple, bracket: bool = True) -> str:
     if not triple or triple[0] is None:
         return ""
     mean, lo, hi = triple
     if lo is None:
-        return f" ({mean:+.3f})"
+        return f" ({mean:+.3f})" if bracket else f"{mean:+.3f}"
     text = f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-    return f" (**{text}**)" if lo > 0 or hi < 0 else f" ({text})"
+    if lo > 0 or hi < 0:
+        text = f"**{text}**"
+    return f" ({text})" if bracket else text
+
+
+def contrast(bucket: dict, variant: str, versus: str, metric: str) -> list[float] | None:
+    """``[mean, lo, hi]``: ``variant`` minus ``versus`` in ``metric`` at one bucket, paired over the same
+    rows (acceptance length: the same prompts), 95% bootstrap over sequences; None without per-sequence sums."""
+    try:
+        a = np.asarray(bucket[variant]["per_sequence"][metric], dtype=float)
+        b = np.asarray(bucket[versus]["per_sequence"][metric], dtype=float)
+    except KeyError:
+        return None
+    rows = None if metric == "acceptance_length" else np.asarray(bucket["rows_per_sequence"], dtype=float)
+    return paired_bootstrap(a - b, rows)
+
+
+def _variants(bucket: dict) -> list[str]:
+    return [v for v in bucket if isinstance(bucket[v], dict)]
 
 
 def tables(result: dict) -> str:
     buckets = result["buckets"]
-    variants = [v for v in buckets[0] if isinstance(buckets[0][v], dict)]
+    variants = _variants(buckets[0])
     metrics = [("acceptance_length", "acceptance length (tokens per target forward)")] if result["speculative"] else []
     metrics += [("agreement", "teacher-forced top-1 agreement"), ("mass", f"top-{result['top_k']} attention mass")]
     lines = [f"{result['sequences']} sequences of {result['sequence_length']} tokens of {result['corpus']}; "
@@ -49,10 +81,43 @@ def tables(result: dict) -> str:
     return "\n".join(lines)
 
 
+def table_at(result: dict, n: int, versus: list[str]) -> str:
+    """One bucket: a row per variant, each metric with its paired differences from none and ``versus``."""
+    bucket = next((b for b in result["buckets"] if b["n"] == n), None)
+    if bucket is None:
+        raise SystemExit(f"--at {n}: the eval has buckets {[b['n'] for b in result['buckets']]}")
+    variants = _variants(bucket)
+    for v in versus:
+        if v not in variants:
+            raise SystemExit(f"--versus {v}: the eval has variants {', '.join(variants)}")
+    metrics = [m for m in ("agreement", "expected_acceptance", "acceptance_length") if bucket["none"].get(m) is not None]
+    against = ["none", *[v for v in versus if v != "none"]]
+    head = ["variant"] + [f"{TITLES[m]}{'' if a is None else f' - {a}'}" for m in metrics for a in (None, *against)]
+    lines = [f"n = {n:,}: {result['sequences']} sequences of {result['corpus']}; drafter n_ref = "
+             f"{result['drafter']['n_ref']}; differences paired, 95% interval over sequences (bold: excludes 0)", "",
+             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for v in variants:
+        cells = [v]
+        for m in metrics:
+            value = bucket[v].get(m)
+            cells.append("" if value is None else f"{value:.3f}")
+            cells += ["" if a == v else _delta(contrast(bucket, v, a, m), bracket=False) for a in against]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python scripts/eval_table.py EVAL.json")
-    print(tables(json.loads(Path(sys.argv[1]).read_text())))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("eval_json", type=Path, help="an eval --out file")
+    ap.add_argument("--at", type=int, help="one table for this bucket n, a row per variant")
+    ap.add_argument("--versus", default="", help="with --at: comma-separated variants to pair every variant against "
+                                                 "besides none")
+    args = ap.parse_args()
+    result = json.loads(args.eval_json.read_text())
+    if args.at is None:
+        print(tables(result))
+    else:
+        print(table_at(result, args.at, [v for v in args.versus.split(",") if v]))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,6 +87,41 @@ def test_eagle3_result_shape(eagle3_result):
                     mean, lo, hi = cell["delta_vs_none"][metric]
                     assert lo <= mean <= hi
     json.dumps(r)  # JSON-ready
+
+
+def _eval_table():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "eval_table.py"
+    spec = importlib.util.spec_from_file_location("eval_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_per_sequence_sums_pair_any_two_variants(eagle3_result):
+    """The per-sequence sums eval keeps give back every mean and every difference from none it reports
+    (so eval_table's pairing against any other variant is the same statistic), and pair two variants."""
+    table = _eval_table()
+    for row in eagle3_result["buckets"]:
+        rows = np.asarray(row["rows_per_sequence"])
+        assert rows.sum() == row["rows"] and rows.size == 2
+        for variant in DEFAULT_VARIANTS:
+            cell = row[variant]
+            for metric in ("agreement", "expected_acceptance"):
+                assert sum(cell["per_sequence"][metric]) / row["rows"] == pytest.approx(cell[metric], abs=5e-5)
+            assert np.mean(cell["per_sequence"]["acceptance_length"]) == pytest.approx(cell["acceptance_length"],
+                                                                                       abs=5e-5)
+            if variant != "none":
+                for metric in ("agreement", "expected_acceptance", "acceptance_length"):
+                    assert table.contrast(row, variant, "none", metric) == pytest.approx(
+                        cell["delta_vs_none"][metric], abs=5e-5)  # 4 digits kept in the JSON
+        # pairing is antisymmetric and a variant against itself is exactly 0
+        ab = table.contrast(row, "spec", "window", "agreement")
+        ba = table.contrast(row, "window", "spec", "agreement")
+        assert ab[0] == pytest.approx(-ba[0], abs=1e-12) and table.contrast(row, "spec", "spec", "agreement")[0] == 0
+    text = table.table_at(eagle3_result, LENGTHS[-1], ["window"])
+    assert "| spec |" in text and "agreement - window" in text
+    with pytest.raises(SystemExit, match="--versus nope"):
+        table.table_at(eagle3_result, LENGTHS[-1], ["nope"])
 
 
 def test_no_change_at_or_below_n_ref(eagle3_result):

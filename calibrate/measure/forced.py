@@ -151,10 +151,14 @@ def tally_sequence(drafter, input_ids: torch.Tensor, arms: list[Arm], edges: np.
 
 
 def summarize(tallies: list[Tally], arms: list[Arm], edges: np.ndarray, *, base: str = "none") -> list[dict]:
-    """Per bucket: ``{"n", "rows", arm: {mass, agreement, agreement_interval, expected_acceptance,
-    expected_acceptance_interval, delta_vs_none: {metric: [mean, lo, hi]}}}``, intervals over sequences."""
+    """Per bucket: ``{"n", "rows", "rows_per_sequence", arm: {mass, agreement, agreement_interval,
+    expected_acceptance, expected_acceptance_interval, delta_vs_none: {metric: [mean, lo, hi]},
+    per_sequence: {metric: [sum over the sequence's rows, ...]}}}``, intervals over sequences."""
     rows = np.stack([t.rows for t in tallies])  # (sequences, buckets)
-    buckets = [{"n": int(n), "rows": int(rows[:, b].sum())} for b, n in enumerate(edges)]
+    # per sequence, the rows and each arm's metric sums too: any two arms can be paired later
+    # (scripts/eval_table.py --versus), with the same bootstrap over sequences
+    buckets = [{"n": int(n), "rows": int(rows[:, b].sum()), "rows_per_sequence": rows[:, b].astype(int).tolist()}
+               for b, n in enumerate(edges)]
     for arm in arms:
         mass = sum(t.mass[arm.name] for t in tallies)  # (2, buckets)
         for b, row in enumerate(buckets):
@@ -163,6 +167,7 @@ def summarize(tallies: list[Tally], arms: list[Arm], edges: np.ndarray, *, base:
                 values = np.array([t.sums[arm.name][metric][b] for t in tallies])  # (sequences,)
                 cell[metric] = _round(values.sum() / row["rows"] if row["rows"] else None)
                 cell[f"{metric}_interval"] = _interval(paired_bootstrap(values, rows[:, b]))
+                cell.setdefault("per_sequence", {})[metric] = [float(v) for v in values]
             if arm.name != base:
                 cell["delta_vs_none"] = {metric: _triple(paired_bootstrap(
                     np.array([t.sums[arm.name][metric][b] - t.sums[base][metric][b] for t in tallies]), rows[:, b]))
