@@ -280,3 +280,20 @@ def test_hook_may_return_a_replacement_query(head, target, input_ids):
         a = head(input_ids[:, 1:], feats[:, :-1], attention_hook=lambda l, q, k, s, n: 2 * q).logits
         b = head(input_ids[:, 1:], feats[:, :-1], attention_hook=lambda l, q, k, s, n: q.mul_(2)).logits
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name, n_ref", [("eagle3-smollm2", 256), ("eagle3-smollm2-far", 256),
+                                         ("eagle3-smollm2-long", 8192)])
+def test_packaged_heads_state_their_training_length(name, n_ref):
+    """Each packaged head ships its weights (under 15 MiB), a TRAINING.md and a training record whose
+    n_ref is what calibrate and eval read with no flag; the every-distance head keeps the demo head's."""
+    from calibrate.drafters.checkpoint import training_length
+
+    folder = eagle3.DEMO_HEAD_DIR.parent / name
+    assert (folder / "TRAINING.md").is_file()
+    assert (folder / "model.safetensors").stat().st_size < 15 * 2**20
+    config = json.loads((folder / "config.json").read_text())
+    length = training_length(folder, config["max_position_embeddings"], trust_mpe=True)
+    assert length.value == n_ref == config["max_position_embeddings"] and "training_log.json" in length.origin
+    tensors = load_file(folder / "model.safetensors")
+    assert "embed_tokens.weight" not in tensors and tensors["d2t"].numel() == config["draft_vocab_size"]
