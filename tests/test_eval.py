@@ -372,3 +372,14 @@ def test_cli_summary_at_80_columns(tmp_path):
     result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     _check_fits_80_columns(result.stdout, DEFAULT_VARIANTS, ["mass", "agreement", "acceptance_length", "speedup"])
+
+
+def test_the_summary_names_each_deployment_in_a_few_words():
+    from calibrate.eval_cmd import spec_label
+
+    clamp = {"fix": "clamp", "window": 255, "group": None, "n_ref": None}
+    assert spec_label({"law": "log-linear", "slope": 0.24718738599986925, "positions": clamp}) == \
+        "clamp W=255 + log-linear slope 0.2472"
+    assert spec_label({"law": "constant", "slope": 0.0, "window": 256, "sinks": 4}) == "window 256 + 4 sinks"
+    assert spec_label({"law": "log-linear", "slope": 0.2}) == "log-linear slope 0.2"
+    assert spec_label({"law": "constant", "slope": 0.0, "alpha": 1.25}) == "constant alpha 1.25"
