@@ -24,7 +24,13 @@ the per-sequence ratios (each sequence's two passes run back to back) moves less
 printed, with the ratio of process CPU time (which waiting for a core does not inflate; with one
 thread it is the work ratio itself).
 
+With ``--select`` (drafters with a teacher-forced pass: eagle3, hf and pard with a target), it
+then times ``calibrate --select``'s measurement of the candidates on the same sequences, as a
+ratio to the collection, and what sharing buys: one target pass per sequence for every candidate
+against one run per candidate (none and that candidate, a target pass each), on the first sequence.
+
     python benchmarks/bench_calibrate.py --max-length 2048 --sequences 3
+    python benchmarks/bench_calibrate.py --drafter eagle3 --max-length 1024 --sequences 4 --select
 """
 
 from __future__ import annotations
@@ -103,8 +109,10 @@ def main() -> None:
                     help="also collect the distance profile, as calibrate does when it writes --stats")
     ap.add_argument("--attention-budget", action="store_true",
                     help="also collect the attention budget (window n_ref), as calibrate does when it writes --stats")
+    ap.add_argument("--select", action="store_true",
+                    help="also time calibrate --select's candidates, against the collection and against separate runs")
     args = ap.parse_args()
-    n_ref = args.n_ref or args.max_length // 4
+    n_ref = args.n_ref or (256 if args.drafter == "eagle3" and args.drafter_path is None else args.max_length // 4)
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -187,6 +195,39 @@ def main() -> None:
     print(f"peak memory ratio, total:                  {total['calibrate'] / max(total['plain'], 1):.3f}")
     print(f"(not in the ratios: saving statistics {save_s:.2f} s, fit {fit_s:.2f} s; "
           f"mass-matching slope {fit.slopes['mass-matching']:.4f} at n_ref {n_ref})")
+    if args.select:
+        _select(drafter, sequences, float(fit.slopes["mass-matching"]), n_ref, args.max_length, times["calibrate"])
+
+
+def _select(drafter, sequences, slope: float, n_ref: int, max_length: int, collection_s: float) -> None:
+    """calibrate --select's cost: the candidates on every sequence (one target pass each), as a ratio to the
+    collection; then, on the first sequence, that shared pass against one run per candidate."""
+    import numpy as np
+
+    from calibrate.fit import MAX_N_PER_N_REF
+    from calibrate.measure import tally_sequence
+    from calibrate.select import candidates, select
+    from sharpdraft_theory import ScaleSpec
+
+    fitted = ScaleSpec(law="log-linear", n_ref=n_ref, slope=round(slope, 4), top_k=4)
+    t0 = time.perf_counter()
+    _, record = select(drafter, sequences, fitted, n_ref=n_ref, max_length=max_length,
+                       longest=MAX_N_PER_N_REF * n_ref)
+    select_s = time.perf_counter() - t0
+    arms = candidates(fitted, n_ref, MAX_N_PER_N_REF * n_ref)
+    print(f"\nselection: {len(arms)} candidates on {len(sequences)} sequences in {select_s:.1f} s, "
+          f"{select_s / collection_s:.2f} x the collection ({collection_s:.1f} s); chose {record['chosen']}")
+    ids, edges = torch.tensor([sequences[0]]), np.array(record["buckets"])
+    edges = np.concatenate([[n_ref], edges])
+    t0 = time.perf_counter()
+    tally_sequence(drafter, ids, arms, edges, top_k=4)
+    shared_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for arm in arms[1:]:
+        tally_sequence(drafter, ids, [arms[0], arm], edges, top_k=4)
+    separate_s = time.perf_counter() - t0
+    print(f"one sequence, every candidate on one target pass: {shared_s:.1f} s; one run per candidate "
+          f"({len(arms) - 1} target passes): {separate_s:.1f} s; ratio shared / separate {shared_s / separate_s:.2f}")
 
 
 if __name__ == "__main__":
