@@ -298,7 +298,11 @@ def _refit_hint(opts: CalibrateOptions) -> str:
 
 
 def _trained_window(drafter) -> int | None:
-    """The largest distance the drafter was trained on: its training length, when it states one."""
+    """The largest distance the drafter was trained on: the distance its training record states, else its
+    training length, when it states one."""
+    distance = getattr(getattr(drafter, "training", None), "distance", None)
+    if distance:
+        return int(distance) + 1  # W counts keys: distances 1 .. W - 1 past the query's own key
     try:
         return int(drafter.default_n_ref)
     except (UserError, AttributeError, TypeError):  # no trustworthy training length: W falls back to n_ref

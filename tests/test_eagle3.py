@@ -282,12 +282,14 @@ def test_hook_may_return_a_replacement_query(head, target, input_ids):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name, n_ref", [("eagle3-smollm2", 256), ("eagle3-smollm2-far", 256),
-                                         ("eagle3-smollm2-long", 8192)])
-def test_packaged_heads_state_their_training_length(name, n_ref):
+@pytest.mark.parametrize("name, n_ref, seen", [("eagle3-smollm2", 256, 256), ("eagle3-smollm2-far", 256, 8192),
+                                               ("eagle3-smollm2-long", 8192, 8192)])
+def test_packaged_heads_state_their_training_length(name, n_ref, seen):
     """Each packaged head ships its weights (under 15 MiB), a TRAINING.md and a training record whose
-    n_ref is what calibrate and eval read with no flag; the every-distance head keeps the demo head's."""
+    n_ref is what calibrate and eval read with no flag; the every-distance head keeps the demo head's
+    key count but states the distances it saw (8,191 back), the W of calibrate's drift verdict."""
     from calibrate.drafters.checkpoint import training_length
+    from calibrate.run import _trained_window
 
     folder = eagle3.DEMO_HEAD_DIR.parent / name
     assert (folder / "TRAINING.md").is_file()
@@ -295,5 +297,10 @@ def test_packaged_heads_state_their_training_length(name, n_ref):
     config = json.loads((folder / "config.json").read_text())
     length = training_length(folder, config["max_position_embeddings"], trust_mpe=True)
     assert length.value == n_ref == config["max_position_embeddings"] and "training_log.json" in length.origin
+
+    class Drafter:  # what _trained_window reads of a loaded drafter
+        training, default_n_ref = length, length.value
+
+    assert _trained_window(Drafter()) == seen
     tensors = load_file(folder / "model.safetensors")
     assert "embed_tokens.weight" not in tensors and tensors["d2t"].numel() == config["draft_vocab_size"]

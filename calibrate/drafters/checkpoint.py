@@ -158,6 +158,10 @@ class TrainingLength:
 
     value: int | None  # the length; None when nothing trustworthy states it
     origin: str  # one line: the file and field it was read from, or why none is used
+    # The largest query-key distance seen in training, where the record states it apart from the key count
+    # (training_log.json ``max_distance``: a head whose queries saw few keys drawn from far back). None: the
+    # length bounds the distances too, as when every query sees its last keys.
+    distance: int | None = None
 
 
 def training_length(path: Path, max_position_embeddings: int | None, *, trust_mpe: bool) -> TrainingLength:
@@ -165,7 +169,8 @@ def training_length(path: Path, max_position_embeddings: int | None, *, trust_mp
 
     First a training record beside the checkpoint (in its folder):
 
-    * ``training_log.json`` with ``n_ref`` (this project's demo head training script);
+    * ``training_log.json`` with ``n_ref`` (this project's demo head training script), and
+      ``max_distance`` when its queries saw keys farther back than ``n_ref`` (``distance``);
     * ``train_command.txt`` with ``--seq-length N`` (vLLM speculators' training command);
     * a ``*.yaml`` / ``*.yml`` recipe with ``data: {max_length: N}`` (SpecForge) or ``seq_length: N``
       (speculators' ``run.yaml``).
@@ -193,9 +198,11 @@ def training_length(path: Path, max_position_embeddings: int | None, *, trust_mp
 def _training_record(folder: Path) -> TrainingLength | None:
     log = folder / "training_log.json"
     if log.is_file():
-        value = _positive_int(json.loads(log.read_text()).get("n_ref"))
+        record = json.loads(log.read_text())
+        value, distance = _positive_int(record.get("n_ref")), _positive_int(record.get("max_distance"))
         if value:
-            return TrainingLength(value, f"n_ref {value} of {log}")
+            return TrainingLength(value, f"n_ref {value} of {log}"
+                                  + (f", distances up to {distance} (max_distance)" if distance else ""), distance)
     command = folder / "train_command.txt"
     if command.is_file():
         match = re.search(r"--seq[-_]length[ =](\d+)", command.read_text())
