@@ -33,7 +33,8 @@ import torch
 from .errors import UserError
 
 __all__ = ["SMOLLM2_GGUF", "SMOLLM2_N_REF", "smollm2_path", "load_smollm2", "load_smollm2_gguf",
-           "smollm2_cache_dir", "save_converted", "quiet_transformers"]
+           "smollm2_cache_dir", "save_converted", "load_converted",
+           "quiet_transformers"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2 was pre-trained at 2048 tokens; the GGUF config's max_position_embeddings (8192) is the
@@ -68,14 +69,35 @@ def _load_smollm2(device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = smollm2_cache_dir()
-    if folder is None or not (folder / "config.json").is_file():
+    loaded = None if folder is None else load_converted(folder, dtype)
+    if loaded is None:
         model, tokenizer = load_smollm2_gguf(torch.float32)
         if folder is None or not save_converted(folder, model, tokenizer):
             return model.to(device=device, dtype=dtype), tokenizer
-    with quiet_transformers():
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        loaded = load_converted(folder, dtype)
+        if loaded is None:  # written but unreadable (a full disk mid-way): the model in hand is as good
+            return model.to(device=device, dtype=dtype), tokenizer
+    model, tokenizer = loaded
     return model.to(device).eval(), tokenizer
+
+
+def load_converted(folder: Path, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` from a converted copy, or ``None`` when there is none or it cannot be read.
+
+    A copy that cannot be read (cut short, edited) is removed, so the next load writes it again.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (folder / "config.json").is_file():
+        return None
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception:  # any failure to read our own cache means: rebuild it from the GGUF file
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    return model, tokenizer
 
 
 def load_smollm2_gguf(dtype: torch.dtype = torch.float32):

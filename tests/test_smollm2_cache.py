@@ -31,15 +31,12 @@ def test_an_unwritable_cache_is_skipped_without_a_word(tmp_path):
 
 @pytest.mark.slow
 def test_the_converted_copy_is_the_gguf_model_exactly(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model, tokenizer = smollm2.load_smollm2_gguf(torch.float32)
     folder = tmp_path / "copy"
     assert smollm2.save_converted(folder, model, tokenizer)
     assert not [p for p in tmp_path.iterdir() if p != folder]  # no temporary folder left behind
-    with smollm2.quiet_transformers():
-        copy_tok = AutoTokenizer.from_pretrained(folder)
-        copy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    copy, copy_tok = smollm2.load_converted(folder, torch.float32)
+    copy.eval()
 
     text = pydoc_data.topics.topics["assert"][:4000]
     ids = tokenizer(text)["input_ids"]
@@ -49,3 +46,13 @@ def test_the_converted_copy_is_the_gguf_model_exactly(tmp_path):
     with torch.no_grad():
         # Same float32 weights, same kernels, same order: bit-identical logits, no tolerance needed.
         assert torch.equal(copy(x).logits, model(x).logits)
+
+
+def test_an_unreadable_copy_is_removed_so_the_next_load_rebuilds_it(tmp_path):
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    (folder / "config.json").write_text("{not json")
+    (folder / "model.safetensors").write_bytes(b"cut short")
+    assert smollm2.load_converted(folder) is None
+    assert not folder.exists()
+    assert smollm2.load_converted(tmp_path / "never-written") is None
