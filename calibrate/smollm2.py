@@ -66,17 +66,13 @@ def load_smollm2(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
 
 @functools.lru_cache(maxsize=2)
 def _load_smollm2(device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = smollm2_cache_dir()
     loaded = None if folder is None else load_converted(folder, dtype)
     if loaded is None:
         model, tokenizer = load_smollm2_gguf(torch.float32)
-        if folder is None or not save_converted(folder, model, tokenizer):
-            return model.to(device=device, dtype=dtype), tokenizer
-        loaded = load_converted(folder, dtype)
-        if loaded is None:  # written but unreadable (a full disk mid-way): the model in hand is as good
-            return model.to(device=device, dtype=dtype), tokenizer
+        if folder is not None:
+            save_converted(folder, model, tokenizer)  # for the next process; this one keeps what it has
+        return model.to(device=device, dtype=dtype), tokenizer
     model, tokenizer = loaded
     return model.to(device).eval(), tokenizer
 
