@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from calibrate.errors import UserError  # noqa: E402
 from calibrate.plots.files import load_stats  # noqa: E402
 from calibrate.predict import head_laws  # noqa: E402
 from sharpdraft_theory.bootstrap import paired_bootstrap  # noqa: E402
@@ -89,7 +90,10 @@ def main() -> None:
     ap.add_argument("--top-k", type=int)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    result = check(args.cal, args.meas, n_ref=args.n_ref, top_k=args.top_k)
+    try:
+        result = check(args.cal, args.meas, n_ref=args.n_ref, top_k=args.top_k)
+    except UserError as err:
+        raise SystemExit(f"error: {err}") from None
     if args.json:
         print(json.dumps(result, indent=1))
         return

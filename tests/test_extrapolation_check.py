@@ -63,3 +63,15 @@ def test_each_error_is_the_measurement_less_a_fixed_prediction(files):
         # a sanity bound, not an accuracy claim: on distance-free logits the distance model fitted at n <= 256
         # stays within 40% of the measured mass up to 4x that length (16% to 29% with these seeds)
         assert abs(b["distance"]["error"][0]) < 0.4 * b["measured"][0]
+
+
+def test_a_measurement_no_longer_than_the_fit_is_refused_in_one_line(files, tmp_path):
+    import subprocess
+    import sys
+
+    cal, _, _ = files
+    with pytest.raises(SystemExit, match="no row longer than the calibration's longest \\(256\\)"):
+        xc.check(cal, cal)
+    run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "missing.npz"), str(cal)],
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1 and "missing.npz" in run.stderr
