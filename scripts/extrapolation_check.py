@@ -26,9 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from calibrate.errors import UserError  # noqa: E402
 from calibrate.plots.files import load_stats  # noqa: E402
-from calibrate.predict import head_laws  # noqa: E402
+from calibrate.predict import predict_from_stats  # noqa: E402
 from sharpdraft_theory.bootstrap import paired_bootstrap  # noqa: E402
-from sharpdraft_theory.distance import fit_distance  # noqa: E402
 
 LAWS = ("distance", "power", "iid")
 
@@ -37,7 +36,6 @@ def check(cal_path, meas_path, *, n_ref: int | None = None, top_k: int | None = 
     """Per bucket past the calibrated lengths: measured mass and each law's error, with intervals."""
     cal, _, n_ref, top_k = load_stats(cal_path, n_ref=n_ref, top_k=top_k)
     meas, _, _, _ = load_stats(meas_path, n_ref=n_ref, top_k=top_k)
-    fit = fit_distance(cal, n_ref=n_ref, top_k=top_k)
     longest = int(cal.n.max())
 
     far = meas.n > longest
@@ -45,24 +43,20 @@ def check(cal_path, meas_path, *, n_ref: int | None = None, top_k: int | None = 
         raise SystemExit(f"{meas_path}: no row longer than the calibration's longest ({longest})")
     edges = longest * np.sqrt(2.0) ** np.arange(0, 2 * np.ceil(np.log2(meas.n.max() / longest)) + 2)
     bucket = np.searchsorted(edges, meas.n, side="left") - 1  # bucket b: edges[b] < n <= edges[b + 1]
+    buckets = np.unique(bucket[far])
+    lengths = [round(float(np.exp(np.log(meas.n[far & (bucket == b)]).mean()))) for b in buckets]  # geometric means
+    # the three laws exactly as `sharpdraft predict --stats` gives them (no alpha band needed)
+    laws = {r["n"]: r for r in predict_from_stats(cal_path, n=lengths, n_ref=n_ref, top_k=top_k, bootstrap=0)["rows"]}
     mass = meas.mass(top_k)[:, meas.index_of_one]
     seqs = np.unique(meas.seq)
 
     rows = []
-    for b in np.unique(bucket[far]):
+    for b, n in zip(buckets, lengths):
         sel = far & (bucket == b)
-        n_mid = float(np.exp(np.log(meas.n[sel]).mean()))
-        one = int(np.argmin(np.abs(fit.alpha - 1.0)))
-        laws = head_laws(fit, [n_mid])
-        weights = laws["rows"]
-        predicted = {
-            "distance": float(fit.mass([n_mid])[0, one]),
-            "power": float(np.average(np.nan_to_num(laws["power_law"][0]), weights=weights)),
-            "iid": float(np.average(np.nan_to_num(laws["iid"][0]), weights=weights)),
-        }
+        predicted = dict(zip(LAWS, (laws[n]["mass_unscaled"], laws[n]["mass_power_law"], laws[n]["mass_iid"])))
         per_seq = np.array([[mass[sel & (meas.seq == s)].sum(), (sel & (meas.seq == s)).sum()] for s in seqs])
         count = per_seq[:, 1]
-        row = {"n": round(n_mid), "rows": int(sel.sum()), "sequences": int((count > 0).sum()),
+        row = {"n": n, "rows": int(sel.sum()), "sequences": int((count > 0).sum()),
                "measured": paired_bootstrap(per_seq[:, 0], count)}
         errors = {}
         for law in LAWS:
