@@ -42,7 +42,7 @@ def test_distances_that_do_not_fit_are_skipped():
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match="no repeat distance fits sequences of 20"):
+    with pytest.raises(ValueError, match="fits sequences of 20 tokens"):
         recall_sequences(iter(range(100)), 20, 1)
     with pytest.raises(ValueError, match="ran out of text"):
         recall_sequences(iter(range(100)), 512, 1, distances=DISTANCES)
