@@ -10,9 +10,14 @@ run continues where it stopped. ``manifest.json`` records what the shards hold, 
 options into the same folder is refused rather than mixed in.
 
 Sources are taken in the order given, each packed on its own (documents joined with EOS, as
-``calibrate.corpus.pack`` packs calibration and evaluation text), up to ``--tokens`` in all::
+``calibrate.corpus.pack`` packs calibration and evaluation text), up to ``--tokens`` in all and
+at most ``--per-source`` sequences from each. A source ``recall:X`` is the split ``X`` made into
+recall sequences (``calibrate.recall``: passages recurring verbatim at distances from 48 to 7,936
+tokens); its shards also hold the ``copied`` mask::
 
     python scripts/target_features.py --sources pydoc:train,stdlib --seq-len 8192 --tokens 524288
+    python scripts/target_features.py --sources pydoc:train,stdlib,recall:stdlib --per-source 8 \
+        --tokens 196608 --out .cache/smollm2-features-recall
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 import torch
 
 from calibrate.corpus import pack
+from calibrate.recall import recall_sequences
 from calibrate.drafters.eagle3 import feature_layer_ids
 from calibrate.drafters.target import eos_token_id, hidden_state_features
 from calibrate.smollm2 import load_smollm2
@@ -38,24 +44,34 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def plan_sequences(tokenizer, sources: list[str], seq_len: int, tokens: int) -> list[tuple[str, list[int]]]:
-    """``(source, token ids)`` of every sequence to featurize: each source packed in turn, ``tokens`` in all."""
+def plan_sequences(tokenizer, sources: list[str], seq_len: int, tokens: int,
+                   per_source: int | None = None) -> list[tuple[str, list[int], list[bool] | None]]:
+    """``(source, token ids, copied mask or None)`` of every sequence to featurize: each source in turn,
+    ``tokens`` in all, at most ``per_source`` from each."""
     wanted = tokens // seq_len
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    planned: list[tuple[str, list[int]]] = []
+    eos = eos_token_id(tokenizer)
+    planned: list[tuple[str, list[int], list[bool] | None]] = []
     for source in sources:
-        left = wanted - len(planned)
+        left = min(wanted - len(planned), per_source or wanted)
         if left <= 0:
             break
-        planned += [(source, seq) for seq in pack(source, encode, eos_token_id(tokenizer), seq_len, left)]
+        if source.startswith("recall:"):
+            stream = (t for seq in pack(source.removeprefix("recall:"), encode, eos, 1024) for t in seq)
+            planned += [(source, r.ids, r.copied.tolist()) for r in recall_sequences(stream, seq_len, left)]
+        else:
+            planned += [(source, seq, None) for seq in pack(source, encode, eos, seq_len, left)]
     return planned
 
 
 def load_shards(folder: Path) -> dict[str, torch.Tensor]:
-    """All shards of a finished run: tokens (S, T) int64, features (S, T, 3H) fp16, final (S, T, H) fp16."""
+    """All shards of a finished run: tokens (S, T) int64, features (S, T, 3H) fp16, final (S, T, H) fp16,
+    copied (S, T) bool (all False in a sequence that is not a recall sequence)."""
     manifest = json.loads((folder / "manifest.json").read_text())
     shards = [torch.load(folder / f"seq-{i:05d}.pt", weights_only=True) for i in range(manifest["sequences"])]
-    return {key: torch.stack([s[key] for s in shards]) for key in ("tokens", "features", "final")}
+    for s in shards:
+        s.setdefault("copied", torch.zeros(len(s["tokens"]), dtype=torch.bool))
+    return {key: torch.stack([s[key] for s in shards]) for key in ("tokens", "features", "final", "copied")}
 
 
 def main() -> None:
@@ -64,17 +80,18 @@ def main() -> None:
     ap.add_argument("--sources", default="pydoc:train,stdlib", help="corpora, comma-separated, in order")
     ap.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (target context)")
     ap.add_argument("--tokens", type=int, default=524288, help="target tokens in all")
+    ap.add_argument("--per-source", type=int, default=None, help="at most this many sequences from each source")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     target, tokenizer = load_smollm2()
     sources = args.sources.split(",")
-    planned = plan_sequences(tokenizer, sources, args.seq_len, args.tokens)
+    planned = plan_sequences(tokenizer, sources, args.seq_len, args.tokens, args.per_source)
     num_layers = len(target.get_decoder().layers)
     ids = (*feature_layer_ids(num_layers), num_layers)  # the EAGLE-3 features, then the final normed state
     manifest = {"sources": sources, "seq_len": args.seq_len, "sequences": len(planned),
-                "per_source": {s: sum(src == s for src, _ in planned) for s in sources},
+                "per_source": {s: sum(src == s for src, *_ in planned) for s in sources},
                 "layers": list(ids), "dtype": "float16", "target": "SmolLM2-135M-Instruct (fp32)"}
     args.out.mkdir(parents=True, exist_ok=True)
     manifest_path = args.out / "manifest.json"
@@ -85,7 +102,7 @@ def main() -> None:
 
     started = time.time()
     done_now = 0
-    for i, (_, seq) in enumerate(planned):
+    for i, (_, seq, copied) in enumerate(planned):
         shard = args.out / f"seq-{i:05d}.pt"
         if shard.is_file():
             continue
@@ -94,8 +111,11 @@ def main() -> None:
             out = hidden_state_features(target, tokens, ids)[0]  # (T, 4H)
         width = out.shape[-1] // 4
         tmp = shard.with_suffix(".tmp")
-        torch.save({"tokens": tokens[0], "features": out[:, :3 * width].half().clone(),
-                    "final": out[:, 3 * width:].half().clone()}, tmp)
+        shard_data = {"tokens": tokens[0], "features": out[:, :3 * width].half().clone(),
+                      "final": out[:, 3 * width:].half().clone()}
+        if copied is not None:
+            shard_data["copied"] = torch.tensor(copied)
+        torch.save(shard_data, tmp)
         os.replace(tmp, shard)
         done_now += 1
         rate = (time.time() - started) / done_now

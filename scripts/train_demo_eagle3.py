@@ -97,7 +97,7 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.
 
 
 def sample_windows(gen: torch.Generator, data: dict, windows: int, rows: int, ttt: int, context: int,
-                   far: int = 0, reach: int | None = None):
+                   far: int = 0, reach: int | None = None, weights: torch.Tensor | None = None, match: int = 0):
     """``windows`` random windows of ``rows`` base rows with their true positions.
 
     Base row ``r`` at position ``p``: step 0 pairs feature ``p`` with token ``p + 1``; step ``s``
@@ -108,20 +108,28 @@ def sample_windows(gen: torch.Generator, data: dict, windows: int, rows: int, tt
     * ``context`` (one window only): the up to ``context`` rows just before the window;
     * ``far`` (any number of windows): ``far`` positions drawn uniformly without replacement from
       every earlier position of the sequence at most ``reach`` before the window's last row, sorted
-      (windows start at position ``far`` or later, so each has ``far`` to draw from).
+      (windows start at position ``far`` or later, so each has ``far`` to draw from). With
+      ``match`` > 0, up to ``match`` of them are **match keys** (:func:`match_positions`): earlier
+      positions whose bigram is one the window's rows read, the keys a copy needs (drawn at random
+      among them when there are more), the rest drawn uniformly from the other positions.
+
+    Sequences are drawn uniformly, or with probabilities ``weights`` (S,) when given.
 
     Returns features (W, C + rows, 3H), tokens (W, C + rows + ttt - 1), teacher states
     (W, rows + ttt - 1 after C leading rows, as tokens), positions (W, C + rows), and C.
     """
     S, T = data["tokens"].shape
-    seq = torch.randint(0, S, (windows,), generator=gen)
+    if weights is None:
+        seq = torch.randint(0, S, (windows,), generator=gen)
+    else:
+        seq = torch.multinomial(weights, windows, replacement=True, generator=gen)
     start = torch.randint(far, T - rows - ttt + 1, (windows,), generator=gen)
     window = start[:, None] + torch.arange(rows)  # (W, rows)
     if far:
         reach = T - 1 if reach is None else reach
         lowest = (start + rows - 1 - reach).clamp(min=0)  # (W,) the farthest key a window's last row may see
-        front = torch.stack([lo + torch.randperm(int(s - lo), generator=gen)[:far].sort().values
-                             for s, lo in zip(start, lowest)])  # (W, far)
+        front = torch.stack([_draw_far(gen, data["tokens"][q], int(a), int(lo), rows + ttt - 1, far, match)
+                             for q, a, lo in zip(seq, start, lowest)])  # (W, far)
     else:
         c = min(int(start[0]), context) if context else 0
         front = start[:, None] - c + torch.arange(c)  # (W, c): the rows just before the window
@@ -130,6 +138,64 @@ def sample_windows(gen: torch.Generator, data: dict, windows: int, rows: int, tt
     s = seq[:, None]
     return (data["features"][s, pos].float(), data["tokens"][s, ahead], data["final"][s, ahead].float(), pos,
             front.shape[1])
+
+
+def match_positions(tokens: torch.Tensor, start: int, lowest: int, rows: int) -> torch.Tensor:
+    """Positions ``j`` in ``[lowest, start)`` whose bigram ``(tokens[j - 1], tokens[j])`` equals a bigram
+    ``(tokens[p], tokens[p + 1])`` read by a row ``p`` in ``[start, start + rows)``.
+
+    Row ``p`` holds feature ``p`` and token ``p + 1`` and guesses token ``p + 2``; the key row ``j``
+    holds feature ``j`` and token ``j + 1``. Where the text repeats, the key whose own two tokens are
+    the row's two tokens carries, as its token, the one to copy (an induction match, the n-gram a
+    prompt lookup matches).
+
+    >>> match_positions(torch.tensor([5, 1, 2, 3, 9, 1, 2]), start=5, lowest=0, rows=1).tolist()
+    [2]
+    """
+    width = int(tokens.max()) + 1
+    bigram = tokens[:-1] * width + tokens[1:]  # (T - 1,): bigram[i] = (tokens[i], tokens[i + 1])
+    wanted = bigram[start:start + rows]
+    j = torch.arange(max(lowest, 1), start)
+    return j[torch.isin(bigram[j - 1], wanted)]
+
+
+def _draw_far(gen: torch.Generator, tokens: torch.Tensor, start: int, lowest: int, rows: int, far: int,
+              match: int) -> torch.Tensor:
+    """``far`` distinct positions in ``[lowest, start)``, sorted: up to ``match`` match keys, the rest uniform."""
+    picked = torch.empty(0, dtype=torch.long)
+    if match:
+        found = match_positions(tokens, start, lowest, rows)
+        picked = found[torch.randperm(len(found), generator=gen)[:match]]
+    others = torch.arange(lowest, start)
+    others = others[~torch.isin(others, picked)]
+    rest = others[torch.randperm(len(others), generator=gen)[:far - len(picked)]]
+    return torch.cat((picked, rest)).sort().values
+
+
+def copy_weights(data: dict, share: float, reach: int) -> torch.Tensor | None:
+    """Sequence probabilities that put ``share`` of the windows on the sequences with copies a head can
+    reach, in proportion to their copied tokens whose source lies at most ``reach`` back (the rest
+    uniform). None (uniform) when ``share`` is 0 or no sequence has such copies.
+
+    A recall sequence's distance (``calibrate.recall``) is read back from its tokens: the one of
+    ``DISTANCES`` at which every copied token repeats its source.
+    """
+    from calibrate.recall import DISTANCES
+
+    S, T = data["tokens"].shape
+    usable = torch.zeros(S, dtype=torch.float64)
+    for i in range(S):
+        t = torch.nonzero(data["copied"][i]).flatten()
+        if not len(t):
+            continue
+        d = next((d for d in DISTANCES
+                  if d <= int(t[0]) and torch.equal(data["tokens"][i, t], data["tokens"][i, t - d])), None)
+        if d is None:
+            raise SystemExit(f"features sequence {i}: its copied tokens repeat no distance of calibrate.recall")
+        usable[i] = len(t) / T if d <= reach else 0.0
+    if share == 0 or usable.sum() == 0:
+        return None
+    return (1 - share) / S + share * usable / usable.sum()
 
 
 def chain_attention(query, keys, values, chunk: int, context: int = 0) -> torch.Tensor:
@@ -238,6 +304,12 @@ def main() -> None:
     ap.add_argument("--reach", type=int, default=None,
                     help="with --far: the farthest distance a drawn key may lie from its window's last row "
                          "(default: the sequence length - 1)")
+    ap.add_argument("--match", type=int, default=0,
+                    help="with --far: up to this many of the drawn keys are match keys (earlier positions whose "
+                         "bigram a window row reads: the keys a copy needs), the rest uniform")
+    ap.add_argument("--copy-share", type=float, default=0.0,
+                    help="share of the windows drawn from recall sequences (features with a copied mask) in "
+                         "proportion to their copied tokens within the head's reach; the rest uniform")
     ap.add_argument("--rows", type=int, default=2048, help="head rows per optimiser step")
     ap.add_argument("--ttt", type=int, default=4, help="drafting steps unrolled (training-time test)")
     ap.add_argument("--steps", type=int, default=360)
@@ -251,6 +323,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--save-every", type=int, default=10)
+    ap.add_argument("--write-every-save", action="store_true",
+                    help="also write the checkpoint folder at every save, so that a run stopped early leaves a "
+                         "head (its training_log.json says after how many steps)")
     ap.add_argument("--init", type=Path, default=None,
                     help="continue from a head this script wrote (its folder): its weights, a fresh optimiser and "
                          "schedule of --steps more steps; its record is kept under 'init' in training_log.json")
@@ -272,6 +347,10 @@ def main() -> None:
     if not 0 <= args.far <= args.span - 2 * args.ttt:
         raise SystemExit(f"--far {args.far}: give 0 (no drawn keys) up to --span - 2 * --ttt = "
                          f"{args.span - 2 * args.ttt}, so windows keep at least --ttt rows of their own")
+    if not 0 <= args.match <= args.far:
+        raise SystemExit(f"--match {args.match}: give 0 up to --far {args.far}")
+    if not 0 <= args.copy_share <= 1:
+        raise SystemExit(f"--copy-share {args.copy_share}: give a share from 0 to 1")
     if args.reach is not None and (not args.far or args.reach < args.span):
         raise SystemExit(f"--reach {args.reach}: give it with --far, at least --span {args.span}")
     torch.set_num_threads(args.threads)
@@ -296,7 +375,12 @@ def main() -> None:
         raise SystemExit(f"--reach {args.reach}: give at most the sequence length - 1 = {seq_len - 1}")
     if context and windows != 1:
         raise SystemExit(f"--span {args.span} exceeds one window of --rows {args.rows}: give --rows <= --span")
-    draft_ids = draft_vocabulary(data["tokens"], tc.vocab_size, args.draft_vocab)
+    if args.init is not None:  # a continued head keeps its draft vocabulary, whatever the features
+        from safetensors import safe_open
+        with safe_open(str(args.init / "model.safetensors"), "pt") as f:
+            draft_ids = f.get_tensor("d2t").long() + torch.arange(args.draft_vocab)
+    else:
+        draft_ids = draft_vocabulary(data["tokens"], tc.vocab_size, args.draft_vocab)
     coverage = torch.isin(data["tokens"], draft_ids).float().mean().item()
     log(f"{data['tokens'].numel()} train tokens in {data['tokens'].shape[0]} sequences of {seq_len}; "
         f"draft vocabulary covers {coverage:.3f} of them")
@@ -330,6 +414,11 @@ def main() -> None:
         if not torch.equal(head.d2t, draft_ids - torch.arange(args.draft_vocab)):
             raise SystemExit(f"--init {args.init} has another draft vocabulary than these features")
         log(f"continuing from {args.init} ({_steps_of(previous)} steps)")
+    reach = args.span if not args.far else (args.reach or seq_len - 1)  # how far back a training query can see
+    weights = copy_weights(data, args.copy_share, reach)
+    if args.copy_share:
+        log("copy share: " + ("no sequence has copies within reach; windows drawn uniformly" if weights is None else
+                              f"{int((weights > weights.min()).sum())} sequences with copies within {reach} keys"))
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, args.steps // 20)
@@ -355,7 +444,8 @@ def main() -> None:
     ema = None
     for step in range(done + 1, args.steps + 1):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            batch = sample_windows(gen, data, windows, base, args.ttt, context, args.far, args.reach)
+            batch = sample_windows(gen, data, windows, base, args.ttt, context, args.far, args.reach, weights,
+                                   args.match)
             loss, agreement = unrolled_loss(head, teacher_w, batch,
                                             args.ttt, args.chunk)
         opt.zero_grad(set_to_none=True)
@@ -373,29 +463,49 @@ def main() -> None:
             atomic_save({"settings": settings, "head": head.state_dict(), "opt": opt.state_dict(),
                          "sched": sched.state_dict(), "gen": gen.get_state(), "history": history, "step": step,
                          "seconds": time.time() - t0}, progress)
+            if args.write_every_save or step == args.steps:
+                write_head(args, config, head, history, step, time.time() - t0, previous,
+                           {"seq_len": seq_len, "train_tokens": data["tokens"].numel(),
+                            "draft_vocab_coverage": round(coverage, 4)})
+    log(f"saved {args.out} ({(args.out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")
+
+
+def write_head(args, config: Eagle3Config, head: Eagle3Head, history: list[dict], step: int, seconds: float,
+               previous: dict | None, data_record: dict) -> None:
+    """The checkpoint folder after ``step`` optimiser steps: config.json, model.safetensors (fp16, no
+    ``embed_tokens``) and training_log.json, each written atomically."""
+    from safetensors.torch import save_file
 
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    from safetensors.torch import save_file
+    _atomic_text(args.out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
     state = {k: (v.half() if v.is_floating_point() else v).contiguous()
              for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
-    save_file(state, str(args.out / "model.safetensors"), metadata={"format": "pt"})
+    tmp = args.out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, args.out / "model.safetensors")
     manifest = json.loads((args.features / "manifest.json").read_text())
     record = {"command": "python scripts/train_demo_eagle3.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                  if k not in ("out", "features", "work", "save_every")) + f" --out {args.out.name}",
-              "n_ref": args.span, "seq_len": seq_len, "corpus": manifest["per_source"],
-              "train_tokens": data["tokens"].numel(), "draft_vocab_coverage": round(coverage, 4),
-              "train_seconds": round(time.time() - t0, 1),
-              "steps_total": args.steps + (_steps_of(previous) if previous else 0),
-              "train_seconds_total": round(time.time() - t0 + (
+                  if k not in ("out", "features", "work", "save_every", "write_every_save"))
+              + f" --out {args.out.name}",
+              "n_ref": args.span, "corpus": manifest["per_source"], **data_record,
+              "steps_done": step, "train_seconds": round(seconds, 1),
+              "steps_total": step + (_steps_of(previous) if previous else 0),
+              "train_seconds_total": round(seconds + (
                   previous.get("train_seconds_total", previous["train_seconds"]) if previous else 0), 1),
               "torch": torch.__version__, "threads": args.threads,
               "history": history[::10] + ([history[-1]] if len(history) % 10 != 1 else [])}
+    if args.far:
+        record["max_distance"] = args.reach or data_record["seq_len"] - 1
     if previous is not None:
         record["init"] = {"from": args.init.name, **previous}
-    (args.out / "training_log.json").write_text(json.dumps(record, indent=1) + "\n")
-    log(f"saved {args.out} ({(args.out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")
+    _atomic_text(args.out / "training_log.json", json.dumps(record, indent=1) + "\n")
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -162,3 +162,40 @@ def test_drawn_keys_are_the_true_tokens_and_features():
         assert torch.equal(features[..., 0].long(), seq * 100 + pos)
         assert torch.equal(tokens[:, :context + 6], seq * 100 + pos + 1)
         assert bool((pos[:, :context] >= 0).all()) and context == 5
+
+
+def _recall_data(length: int = 400):
+    """Two sequences: a recall sequence at distance 96 (distinct tokens but for its copies), then plain text."""
+    from calibrate.recall import recall_sequences
+
+    r = recall_sequences(iter(range(10_000)), length, 2, distances=(96, 7936))
+    tokens = torch.stack([torch.tensor(r[0].ids), 5000 + torch.arange(length)])
+    copied = torch.stack([torch.from_numpy(r[0].copied), torch.zeros(length, dtype=torch.bool)])
+    return {"tokens": tokens, "features": torch.zeros(2, length, 1), "final": torch.zeros(2, length, 1),
+            "copied": copied}, r[0]
+
+
+def test_match_keys_are_the_copy_sources():
+    """In a copy, row p's match key is p + 1 - D (its two tokens are the row's two tokens), and with room
+    for every match all of them are drawn, whatever the uniform keys."""
+    train = _script()
+    data, seq = _recall_data()
+    p = 96 + 10  # the second copy of the first block runs from 96 for 48 tokens
+    assert bool(seq.copied[p]) and bool(seq.copied[p + 1])
+    found = train.match_positions(data["tokens"][0], p, 0, 5)
+    assert found.tolist() == [q + 1 - 96 for q in range(p, p + 5) if seq.copied[q + 1]]
+    gen = torch.Generator().manual_seed(0)
+    drawn = train._draw_far(gen, data["tokens"][0], p, 0, 5, far=20, match=8)
+    assert set(found.tolist()) <= set(drawn.tolist()) and len(set(drawn.tolist())) == 20
+    assert bool((drawn < p).all()) and bool((drawn[1:] > drawn[:-1]).all())
+    plain = train._draw_far(gen, data["tokens"][1], 200, 0, 5, far=20, match=8)  # no repeats: no match keys
+    assert len(train.match_positions(data["tokens"][1], 200, 0, 5)) == 0 and len(plain) == 20
+
+
+def test_copy_share_weights_the_sequences_whose_copies_a_head_reaches():
+    train = _script()
+    data, _ = _recall_data()
+    w = train.copy_weights(data, 0.5, reach=256)
+    assert torch.allclose(w, torch.tensor([0.25 + 0.5, 0.25], dtype=torch.float64))
+    assert train.copy_weights(data, 0.5, reach=64) is None  # distance 96 is out of reach
+    assert train.copy_weights(data, 0.0, reach=256) is None
