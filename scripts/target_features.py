@@ -11,13 +11,13 @@ options into the same folder is refused rather than mixed in.
 
 Sources are taken in the order given, each packed on its own (documents joined with EOS, as
 ``calibrate.corpus.pack`` packs calibration and evaluation text), up to ``--tokens`` in all and
-at most ``--per-source`` sequences from each. A source ``recall:X`` is the split ``X`` made into
+at most ``--per-source`` sequences from each (one number, or one per source). A source ``recall:X`` is the split ``X`` made into
 recall sequences (``calibrate.recall``: passages recurring verbatim at distances from 48 to 7,936
 tokens); its shards also hold the ``copied`` mask::
 
     python scripts/target_features.py --sources pydoc:train,stdlib --seq-len 8192 --tokens 524288
-    python scripts/target_features.py --sources pydoc:train,stdlib,recall:stdlib --per-source 8 \
-        --tokens 196608 --out .cache/smollm2-features-recall
+    python scripts/target_features.py --sources recall:pydoc:train,recall:stdlib,pydoc:train,stdlib \
+        --per-source 16,16,13,51 --tokens 786432 --out .cache/smollm2-features-copy-mix
 """
 
 from __future__ import annotations
@@ -45,15 +45,16 @@ def log(msg: str) -> None:
 
 
 def plan_sequences(tokenizer, sources: list[str], seq_len: int, tokens: int,
-                   per_source: int | None = None) -> list[tuple[str, list[int], list[bool] | None]]:
+                   per_source: list[int] | None = None) -> list[tuple[str, list[int], list[bool] | None]]:
     """``(source, token ids, copied mask or None)`` of every sequence to featurize: each source in turn,
-    ``tokens`` in all, at most ``per_source`` from each."""
+    ``tokens`` in all, at most ``per_source[i]`` from source ``i`` (one value: the same for each)."""
     wanted = tokens // seq_len
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     eos = eos_token_id(tokenizer)
     planned: list[tuple[str, list[int], list[bool] | None]] = []
-    for source in sources:
-        left = min(wanted - len(planned), per_source or wanted)
+    caps = per_source * len(sources) if per_source and len(per_source) == 1 else per_source or [wanted] * len(sources)
+    for source, cap in zip(sources, caps):
+        left = min(wanted - len(planned), cap)
         if left <= 0:
             break
         if source.startswith("recall:"):
@@ -80,14 +81,23 @@ def main() -> None:
     ap.add_argument("--sources", default="pydoc:train,stdlib", help="corpora, comma-separated, in order")
     ap.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (target context)")
     ap.add_argument("--tokens", type=int, default=524288, help="target tokens in all")
-    ap.add_argument("--per-source", type=int, default=None, help="at most this many sequences from each source")
+    ap.add_argument("--per-source", default=None,
+                    help="at most this many sequences from each source: one number, or one per source (comma-separated)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="where the target runs: cpu, or cuda on a GPU machine (fp32 either "
+                                                     "way, so the shards do not depend on it beyond rounding)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    target, tokenizer = load_smollm2()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device here; give --device cpu")
+    target, tokenizer = load_smollm2(args.device)
     sources = args.sources.split(",")
-    planned = plan_sequences(tokenizer, sources, args.seq_len, args.tokens, args.per_source)
+    per_source = None if args.per_source is None else [int(v) for v in args.per_source.split(",")]
+    if per_source is not None and (len(per_source) not in (1, len(sources)) or min(per_source) < 1):
+        raise SystemExit(f"--per-source {args.per_source}: give one positive number or one per source "
+                         f"({len(sources)})")
+    planned = plan_sequences(tokenizer, sources, args.seq_len, args.tokens, per_source)
     num_layers = len(target.get_decoder().layers)
     ids = (*feature_layer_ids(num_layers), num_layers)  # the EAGLE-3 features, then the final normed state
     manifest = {"sources": sources, "seq_len": args.seq_len, "sequences": len(planned),
@@ -108,7 +118,7 @@ def main() -> None:
             continue
         tokens = torch.tensor([seq])
         with torch.no_grad():
-            out = hidden_state_features(target, tokens, ids)[0]  # (T, 4H)
+            out = hidden_state_features(target, tokens.to(args.device), ids)[0].cpu()  # (T, 4H)
         width = out.shape[-1] // 4
         tmp = shard.with_suffix(".tmp")
         shard_data = {"tokens": tokens[0], "features": out[:, :3 * width].half().clone(),

@@ -321,6 +321,9 @@ def main() -> None:
                     help="bf16: matmuls in bfloat16 under autocast (fp32 weights and optimiser; 8x faster on CPUs "
                          "with AVX-512 BF16)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu",
+                    help="where the head trains: cpu, or cuda on a GPU machine (features stay in host memory; each "
+                         "step's windows are moved over; bf16 autocast runs on the device)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--save-every", type=int, default=10)
     ap.add_argument("--write-every-save", action="store_true",
@@ -357,8 +360,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
     work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
     work.mkdir(parents=True, exist_ok=True)
-    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "work", "threads", "save_every")}
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "work", "threads", "save_every", "write_every_save", "device")}
 
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device here; give --device cpu")
     target, _ = load_smollm2()
     tc = target.config
     data = load_shards(args.features)
@@ -419,6 +425,8 @@ def main() -> None:
     if args.copy_share:
         log("copy share: " + ("no sequence has copies within reach; windows drawn uniformly" if weights is None else
                               f"{int((weights > weights.min()).sum())} sequences with copies within {reach} keys"))
+    head.to(device)
+    teacher_w = teacher_w.to(device)
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, args.steps // 20)
@@ -433,7 +441,7 @@ def main() -> None:
         state = torch.load(progress, weights_only=False)
         if state["settings"] != settings:
             raise SystemExit(f"{progress} was made with other options; delete it or use another --work")
-        head.load_state_dict(state["head"])
+        head.load_state_dict(state["head"])  # the head is on the device already: load_state_dict copies
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         gen.set_state(state["gen"])
@@ -443,9 +451,10 @@ def main() -> None:
     t0 = time.time() - seconds
     ema = None
     for step in range(done + 1, args.steps + 1):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             batch = sample_windows(gen, data, windows, base, args.ttt, context, args.far, args.reach, weights,
                                    args.match)
+            batch = (*(t.to(device) for t in batch[:4]), batch[4])
             loss, agreement = unrolled_loss(head, teacher_w, batch,
                                             args.ttt, args.chunk)
         opt.zero_grad(set_to_none=True)
@@ -478,7 +487,7 @@ def write_head(args, config: Eagle3Config, head: Eagle3Head, history: list[dict]
 
     args.out.mkdir(parents=True, exist_ok=True)
     _atomic_text(args.out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
-    state = {k: (v.half() if v.is_floating_point() else v).contiguous()
+    state = {k: (v.half() if v.is_floating_point() else v).cpu().contiguous()
              for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
     tmp = args.out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
