@@ -52,6 +52,7 @@ from .drafters import drafter_kind, load_drafter, resolve_device, resolve_dtype
 from .errors import UserError
 from .fit import (LAWS_WRITTEN, MAX_N_PER_N_REF, Collection, FitSettings, check_fit_options, check_max_n, fit_spec,
                   plausibility_notes, record_meta)
+from .measure.saved import check_params
 from .preflight import check_corpus, check_outputs, local_inputs
 from .smollm2 import SMOLLM2_N_REF
 
@@ -385,15 +386,7 @@ def _open_partial(folder: Path, params: dict, resume: bool, notes: list[str]) ->
     """Create (or, resuming, check) the partial folder; return it."""
     run_file = folder / "run.json"
     if run_file.is_file():  # _check_partial has refused it already without --resume
-        try:
-            before = json.loads(run_file.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"{run_file}: cannot read it ({err}); delete {folder} to start over") from None
-        for key, value in params.items():
-            if before.get(key) != value:
-                shown = "(differs)" if key in ("grid", "alpha_grid") else f"{before.get(key)!r}, now {value!r}"
-                raise UserError(f"--resume: {key} does not match the interrupted run in {folder}: was {shown}; "
-                                "rerun with the same options, or delete the folder to start over")
+        check_params(folder, params)
         return folder
     if resume:
         notes.append(f"nothing to resume at {folder}: started from the beginning")
