@@ -105,7 +105,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory import ScaleSpec, SpecError
 from sharpdraft_theory.positions import FIXES, PositionFix, default_group, default_neighbour_window
 from sharpdraft_theory.bootstrap import RESAMPLES, paired_bootstrap
 from sharpdraft_theory.stats import DEFAULT_SINKS
@@ -159,6 +159,12 @@ def check_variants(names: list[str], *, window: int | None, sinks: int, has_refe
         raise UserError(f"--sinks {sinks}: must be below --window {window} (the sinks variant keeps S sinks "
                         f"plus the last W - S keys)")
     _check_fix_options(neighbour_window, group, n_ref, longest)
+    for option, value, users in (("--neighbour-window", neighbour_window, ("clamp", "group")), ("--group", group,
+                                                                                                 ("group",))):
+        using = [f"{u}{plus}" for u in users for plus in ("", "+spec")]
+        if value is not None and not set(using) & set(names):
+            raise UserError(f"{option} {value}: no variant uses it (only {', '.join(using)} do); add one to --variants, "
+                            f"or drop {option}")
     names = tuple(names)
     return names if "none" in names else ("none", *names)  # every delta is against none
 
@@ -222,8 +228,16 @@ def variant_specs(spec: ScaleSpec, n_ref: int, variants=DEFAULT_VARIANTS, *, win
             elif spec.restricts():
                 raise UserError(f"--variants {name}: the spec has a window, which drops the far keys a distance fix "
                                 "remaps; give a spec without one")
+            elif spec.positions is not None:
+                raise UserError(f"--variants {name}: the spec already has a distance fix ({spec.positions.describe()}),"
+                                f" which {name} would replace with {name.removesuffix('+spec')}; give a spec without "
+                                "positions (the variant spec measures the one it has)")
             else:
-                made[name] = ScaleSpec.from_dict({**spec.to_dict(), "positions": fix.to_dict()})
+                try:
+                    made[name] = ScaleSpec.from_dict({**spec.to_dict(), "positions": fix.to_dict()})
+                except SpecError as err:  # the fix's neighbour window at or past the spec's own n_ref
+                    raise UserError(f"--variants {name}: {err}; pass a --neighbour-window below the spec's n_ref "
+                                    f"({spec.n_ref}), or a spec calibrated at the drafter's n_ref ({n_ref})") from None
     return {v: made[v] for v in variants if v != "reference"}
 
 

@@ -380,6 +380,10 @@ class ScaleSpec:
             if window is not None:
                 raise field_error("positions", "a window drops the far keys whose positions a distance fix remaps; "
                                                "use one or the other", positions.to_dict())
+            if positions.window is not None and n_ref is not None and positions.window >= n_ref:
+                raise field_error("positions.window", f"must be below n_ref={n_ref} (the neighbour window keeps "
+                                                      "trained distances exact; past n_ref a distance is itself "
+                                                      "untrained)", positions.window)
         # A table's values were checked one by one (> 0, finite in float32): they are its extremes, with 1.
         low, high = (1.0, 1.0) if law.has_table else law.bounds(
             n_ref=n_ref, values=None if slope is None else np.asarray(slope, dtype=np.float64))
