@@ -142,26 +142,29 @@ def _summary(result, out: Path) -> None:
     ranks = f" on {result.world_size} processes" if result.world_size > 1 else ""
     console.print(f"Collected {result.stats.rows:,} rows from {result.spec.calibration.sequences} sequences{ranks} "
                   f"in {result.seconds:.1f} s{rate}" + (f" ({result.resumed} resumed)" if result.resumed else ""))
-    print_fit(result.spec, result.fit, out)
+    print_fit(result.fitted, result.fit, out, chosen=None if result.selection is None else result.selection["chosen"])
     if result.selection is not None:
         print_selection(result.selection, result.seconds)
 
 
 def print_selection(record: dict, collection_seconds: float | None = None) -> None:
-    """The candidates' gains over none past n_ref, the decision in one line, and its cost."""
+    """The candidates' gains over none past n_ref (and from the best by mean), the decision and why, its cost."""
     from .select import decision_line
 
     table = Table(title=f"Candidates on the {record['sequences']} calibration sequences: gain over none, "
                         f"mean of n in {record['buckets']}")
-    for col in ("candidate", "agreement [95%]", "expected accept. [95%]"):
+    for col in ("candidate", "agreement [95%]", f"minus {record['best'] or 'the best'} [95%]",
+                "expected accept. [95%]"):
         table.add_column(col)
     for name, cell in record["candidates"].items():
         if name == "none":
             continue
         style = "bold green" if name == record["chosen"] else None
-        table.add_row(name, *(_triple(cell["gain"][m]) for m in ("agreement", "expected_acceptance")), style=style)
+        table.add_row(name, _triple(cell["gain"]["agreement"]), _triple(cell.get("versus_best")),
+                      _triple(cell["gain"]["expected_acceptance"]), style=style)
     console.print(table)
     console.print(f"[bold]{decision_line(record)}[/]")
+    console.print(f"Why: {record['reason']}")
     cost = (f" ({record['seconds'] / collection_seconds:.1f} x the collection)"
             if collection_seconds else "")
     console.print(f"Selection: {record['seconds']:.1f} s{cost}; rule: {record['rule']}")
@@ -173,8 +176,9 @@ def _triple(t) -> str:
     return f"{t[0]:+.4f}" + ("" if t[1] is None else f" [{t[1]:+.4f}, {t[2]:+.4f}]")
 
 
-def print_fit(spec, fit, out: Path) -> None:
-    """The fit's tables (mass by length, every estimator's slope) and where the spec went."""
+def print_fit(spec, fit, out: Path, *, chosen: str | None = None) -> None:
+    """The fit's tables (mass by length, every estimator's slope) of the fitted ``spec``, and what went to
+    ``out``: that spec, or the candidate ``--select`` ``chosen`` instead (which may have no n_ref)."""
     table = Table(title=f"Top-{spec.top_k} mass by context length (n_ref = {spec.n_ref}; "
                         f"reference mass {fit.mass_ref:.4f})")
     for col in ("n", "rows", f"mean top-{spec.top_k} mass", "fitted alpha"):
@@ -199,6 +203,9 @@ def print_fit(spec, fit, out: Path) -> None:
         console.print(verdict.numbers(), highlight=False, soft_wrap=True)
         if verdict.note:
             console.print(f"[yellow]note:[/] {verdict.note}", highlight=False)
+    if chosen not in (None, "spec"):
+        console.print(f"Wrote [bold]{out}[/]: {chosen}, the deployment --select chose (below), not the fitted law")
+        return
     what = "slopes" if spec.table is None else "table values"
     shape = "" if spec.granularity == "global" else f" ({spec.granularity} {what}, shape {spec.shape()})"
     console.print(f"Wrote [bold]{out}[/]{shape}")

@@ -75,8 +75,9 @@ def eval_command(
     sample: Annotated[bool, typer.Option("--sample", help="With --speculative: speculative sampling at --temperature "
                                          "(rejection-sampling verification; the output follows the target's "
                                          "distribution) instead of greedy decoding.")] = False,
-    seed: Annotated[int, typer.Option(help="With --sample: the random seed; each prompt's runs draw from a stream "
-                                      "seeded by it and the prompt, the same for every variant.")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="With --sample: the random seed (default 0); each prompt's runs "
+                                                "draw from a stream seeded by it and the prompt, the same for every "
+                                                "variant.")] = None,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per speculative prompt.")] = 32,
     num_draft: Annotated[int, typer.Option("--num-draft", help="Draft chain length K.")] = 4,
     variants: Annotated[str, typer.Option(help="Variants to compare, comma-separated: none, spec, qwen-logn, window, "
@@ -151,7 +152,10 @@ def eval_command(
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k {top_k}: need at least 1 (or leave it out for the spec's)")
     temperature = check_temperature(temperature)
-    seed = check_seed(seed)
+    if seed is not None and not sample:
+        raise UserError(f"--seed {seed}: seeds the draws of --sample only, and greedy decoding draws nothing; add "
+                        "--speculative --sample, or drop --seed")
+    seed = check_seed(0 if seed is None else seed)
     if sample and not speculative:
         raise UserError("--sample: samples in speculative decoding; add --speculative")
     if n_ref is not None and not 2 <= n_ref < edges[-1]:
@@ -197,6 +201,11 @@ def eval_command(
             loaded_spec.check_fits(d.info.num_layers, d.info.num_heads, what=f"the {drafter} drafter")
         except SpecError as err:
             raise UserError(f"--spec {spec}: {err}") from None
+        fix = loaded_spec.positions
+        if fix is not None and fix.window is not None and fix.window >= n_ref:
+            raise UserError(f"--spec {spec}: positions.window {fix.window} must be below the drafter's n_ref ({n_ref}), "
+                            "as --neighbour-window: past n_ref a distance is itself untrained; write a smaller "
+                            "window, or pass --n-ref if the drafter's training length is larger")
         progress = None if as_json else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
         result = evaluate(d, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,

@@ -105,7 +105,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory import ScaleSpec, SpecError
 from sharpdraft_theory.positions import FIXES, PositionFix, default_group, default_neighbour_window
 from sharpdraft_theory.bootstrap import RESAMPLES, paired_bootstrap
 from sharpdraft_theory.stats import DEFAULT_SINKS
@@ -159,6 +159,12 @@ def check_variants(names: list[str], *, window: int | None, sinks: int, has_refe
         raise UserError(f"--sinks {sinks}: must be below --window {window} (the sinks variant keeps S sinks "
                         f"plus the last W - S keys)")
     _check_fix_options(neighbour_window, group, n_ref, longest)
+    for option, value, users in (("--neighbour-window", neighbour_window, ("clamp", "group")), ("--group", group,
+                                                                                                 ("group",))):
+        using = [f"{u}{plus}" for u in users for plus in ("", "+spec")]
+        if value is not None and not set(using) & set(names):
+            raise UserError(f"{option} {value}: no variant uses it (only {', '.join(using)} do); add one to --variants, "
+                            f"or drop {option}")
     names = tuple(names)
     return names if "none" in names else ("none", *names)  # every delta is against none
 
@@ -222,8 +228,16 @@ def variant_specs(spec: ScaleSpec, n_ref: int, variants=DEFAULT_VARIANTS, *, win
             elif spec.restricts():
                 raise UserError(f"--variants {name}: the spec has a window, which drops the far keys a distance fix "
                                 "remaps; give a spec without one")
+            elif spec.positions is not None:
+                raise UserError(f"--variants {name}: the spec already has a distance fix ({spec.positions.describe()}),"
+                                f" which {name} would replace with {name.removesuffix('+spec')}; give a spec without "
+                                "positions (the variant spec measures the one it has)")
             else:
-                made[name] = ScaleSpec.from_dict({**spec.to_dict(), "positions": fix.to_dict()})
+                try:
+                    made[name] = ScaleSpec.from_dict({**spec.to_dict(), "positions": fix.to_dict()})
+                except SpecError as err:  # the fix's neighbour window at or past the spec's own n_ref
+                    raise UserError(f"--variants {name}: {err}; pass a --neighbour-window below the spec's n_ref "
+                                    f"({spec.n_ref}), or a spec calibrated at the drafter's n_ref ({n_ref})") from None
     return {v: made[v] for v in variants if v != "reference"}
 
 
@@ -305,15 +319,13 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
                         "lower --skip or the largest length")
     tallies = []
     for i, text in enumerate(texts):
-        kept = saved.get(f"forced-{i:05d}")
-        if kept is None:
+        tally = saved.get(f"forced-{i:05d}", lambda d: Tally.from_dict(d, [a.name for a in arms], len(edges)))
+        if tally is None:
             if progress:
                 progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {len(arms)} arms")
             tally = tally_sequence(drafter, torch.tensor([text]), arms, edges, top_k=spec.top_k,
                                    temperature=temperature, rows_per_bucket=rows_per_bucket, other=reference)
             saved.put(f"forced-{i:05d}", tally.to_dict())
-        else:
-            tally = Tally.from_dict(kept)
         tallies.append(tally)
     buckets = summarize(tallies, arms, edges)
     names = [a.name for a in arms if a not in grid]
@@ -390,7 +402,7 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
         seconds, decoded = defaultdict(float), defaultdict(int)  # per variant: decode time and tokens
         base_seconds, base_decoded = 0.0, 0
         for i, text in enumerate(texts):
-            unit = saved.get(f"speculative-{int(n)}-{i:05d}")
+            unit = saved.get(f"speculative-{int(n)}-{i:05d}", lambda u: _prompt_unit(u, [v for v, _, _ in runs]))
             if unit is None:
                 if progress:
                     progress(f"speculative decoding ({loop}): n = {n}, prompt {i + 1}/{len(texts)}")
@@ -417,6 +429,20 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
                 cell["delta_vs_none"]["acceptance_length"] = _triple(paired_bootstrap(lengths[variant]
                                                                                       - lengths["none"]))
     return identical
+
+
+def _prompt_unit(unit, variants: list[str]) -> dict:
+    """A saved prompt (``_prompt``'s value) checked against the run's ``variants``: a ``ValueError`` otherwise."""
+    if not isinstance(unit, dict) or set(unit) != {"identical", "base", "runs"} or not isinstance(unit["identical"],
+                                                                                                     bool):
+        raise ValueError("expected an object with identical (true or false), base and runs")
+    if not isinstance(unit["runs"], dict) or set(unit["runs"]) != set(variants):
+        raise ValueError(f"runs: expected one entry per variant ({', '.join(variants)})")
+    for where, value, size in [("base", unit["base"], 2)] + [(f"runs[{v!r}]", r, 3) for v, r in unit["runs"].items()]:
+        if not (isinstance(value, list) and len(value) == size and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in value)):
+            raise ValueError(f"{where}: expected {size} finite numbers >= 0")
+    return unit
 
 
 def _prompt(loop: str, drafter, runs, prompt: list[int], new_tokens: int, num_draft: int, rule) -> dict:

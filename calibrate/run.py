@@ -52,6 +52,7 @@ from .drafters import drafter_kind, load_drafter, resolve_device, resolve_dtype
 from .errors import UserError
 from .fit import (LAWS_WRITTEN, MAX_N_PER_N_REF, Collection, FitSettings, check_fit_options, check_max_n, fit_spec,
                   plausibility_notes, record_meta)
+from .measure.saved import check_params
 from .preflight import check_corpus, check_outputs, local_inputs
 from .smollm2 import SMOLLM2_N_REF
 
@@ -101,6 +102,7 @@ class Progress(Protocol):
 @dataclass
 class CalibrateResult:
     spec: ScaleSpec  # what was written to ``out``
+    fitted: ScaleSpec  # the fit's spec: ``spec`` itself, unless --select wrote another deployment
     fit: SlopeFit  # every estimator's result, per-bucket details
     stats: RowStats  # all rows
     seconds: float  # wall time of collection in this run (resumed sequences excluded; the slowest rank's)
@@ -162,8 +164,8 @@ def _run(opts: CalibrateOptions, ranks: Ranks, device, dtype, drafter, progress)
     shutil.rmtree(folder, ignore_errors=True)
     if not ranks.main:
         return None
-    spec, fit, stats = done
-    return CalibrateResult(spec=spec, fit=fit, stats=stats, seconds=max(s.seconds for s in shards),
+    spec, fitted, fit, stats = done
+    return CalibrateResult(spec=spec, fitted=fitted, fit=fit, stats=stats, seconds=max(s.seconds for s in shards),
                            tokens=sum(s.tokens for s in shards), resumed=sum(s.resumed for s in shards),
                            world_size=ranks.world_size, notes=setup.notes,
                            selection=spec.calibration.selection if spec.calibration else None)
@@ -250,8 +252,10 @@ def _collect(opts: CalibrateOptions, setup: _Setup, mine: list[int], folder: Pat
     return shard
 
 
-def _finish(opts: CalibrateOptions, setup: _Setup, shards: list[_Shard]) -> tuple[ScaleSpec, SlopeFit, RowStats]:
-    """Rank 0: join the shards in sequence order, save the statistics, fit, write the spec."""
+def _finish(opts: CalibrateOptions, setup: _Setup,
+            shards: list[_Shard]) -> tuple[ScaleSpec, ScaleSpec, SlopeFit, RowStats]:
+    """Rank 0: join the shards in sequence order, save the statistics, fit, write the spec; return the
+    written spec, the fitted one, the fit and the rows."""
     parts = {i: part for shard in shards for i, part in shard.parts.items()}
     stats = RowStats.concat([parts[i] for i in sorted(parts)])
     collection = Collection(drafter=opts.drafter, drafter_path=opts.drafter_path, target_path=opts.target_path,
@@ -265,26 +269,22 @@ def _finish(opts: CalibrateOptions, setup: _Setup, shards: list[_Shard]) -> tupl
         meta = record_meta(collection, settings)
         _write(f"--stats {opts.stats}", lambda: stats.save(opts.stats, **meta), "then --resume to finish")
     try:
-        spec, fit, notes = fit_spec(stats, collection, settings)
+        fitted, fit, notes = fit_spec(stats, collection, settings)
     except UserError as err:
         raise UserError(f"{err}; {_refit_hint(opts)}") from None
     setup.notes.extend(notes)
-    if opts.select:
-        spec = _selected(spec, setup)
+    spec = _selected(fitted, setup) if opts.select else fitted
     _write(f"--out {opts.out}", lambda: spec.save(opts.out), "then --resume to finish")
-    return spec, fit, stats
+    return spec, fitted, fit, stats
 
 
 def _selected(fitted: ScaleSpec, setup: _Setup) -> ScaleSpec:
-    """``--select``: the winning deployment (``calibrate.select``) with the fitted spec's drafter and calibration
-    record, the selection added to it."""
-    from .select import select
+    """``--select``: the winning deployment (``calibrate.select``), as the file to write."""
+    from .select import deployed, select
 
     chosen, record = select(setup.drafter, setup.sequences, fitted, n_ref=setup.n_ref, max_length=setup.max_length,
                             longest=MAX_N_PER_N_REF * setup.n_ref)
-    d = fitted.to_dict()
-    return ScaleSpec.from_dict({**chosen.to_dict(), "drafter": d["drafter"],
-                                "calibration": {**d["calibration"], "selection": record}})
+    return deployed(fitted, chosen, record)
 
 
 def _refit_hint(opts: CalibrateOptions) -> str:
@@ -386,15 +386,7 @@ def _open_partial(folder: Path, params: dict, resume: bool, notes: list[str]) ->
     """Create (or, resuming, check) the partial folder; return it."""
     run_file = folder / "run.json"
     if run_file.is_file():  # _check_partial has refused it already without --resume
-        try:
-            before = json.loads(run_file.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"{run_file}: cannot read it ({err}); delete {folder} to start over") from None
-        for key, value in params.items():
-            if before.get(key) != value:
-                shown = "(differs)" if key in ("grid", "alpha_grid") else f"{before.get(key)!r}, now {value!r}"
-                raise UserError(f"--resume: {key} does not match the interrupted run in {folder}: was {shown}; "
-                                "rerun with the same options, or delete the folder to start over")
+        check_params(folder, params)
         return folder
     if resume:
         notes.append(f"nothing to resume at {folder}: started from the beginning")

@@ -13,17 +13,27 @@ every candidate on the rows of one target pass per sequence (``calibrate.measure
 
 **The rule.** A candidate's score is its paired gain in top-1 agreement over ``none``, averaged
 with equal weights over the length buckets past n_ref (edges n_ref * 2^j up to the calibration
-length), with a 95% bootstrap interval over the calibration sequences. The candidate with the
-largest mean gain *whose interval lies above 0* is written; when none qualifies, the identity
-(``none``) is, and the summary says so. Equal bucket weights keep the longest bucket from being
-drowned by the shorter ones, which hold fewer rows per sequence but are where dilution and drift
-bite hardest. The choice is made on the calibration text; check it on held-out text with
-``sharpdraft eval``.
+length), with a 95% bootstrap interval over the calibration sequences. A candidate *qualifies*
+when its interval lies above 0; among them the *best by mean* has the largest mean gain. Every
+qualifying candidate's paired difference from the best (its gain minus the best's, the same
+bootstrap over sequences) is measured too, and among the candidates whose difference does not
+exclude 0 (within noise of the best, the best included) the simplest deployment is written, in the
+order ``SIMPLICITY``:
+
+    none < scale (spec, slope s, qwen-logn) < window < sinks < lookup < distance fix (clamp, group, pi)
+         < fix+scale (clamp+spec, ...) < lookup+head
+
+(the larger mean breaks a tie within a kind). So more machinery is deployed only when it wins by
+more than the noise. When no candidate qualifies, the identity (``none``) is written, and the
+summary says so. Equal bucket weights keep the longest bucket from being drowned by the shorter
+ones, which hold fewer rows per sequence but are where dilution and drift bite hardest. The choice
+is made on the calibration text; check it on held-out text with ``sharpdraft eval``.
 
 The written spec is the candidate's own (a window is a spec; the runtime applies it), with the
 drafter's identity and the calibration record, whose ``selection`` holds every candidate's
-deployment, gains per bucket and overall (agreement and expected acceptance at T = 1), and the
-rule, the choice and its reason.
+deployment, gains per bucket and overall (agreement and expected acceptance at T = 1) and, for a
+qualifying one, its difference from the best; and the rule, the simplicity order, the best by mean,
+the choice and its reason.
 """
 
 from __future__ import annotations
@@ -38,12 +48,32 @@ from sharpdraft_theory.positions import FIXES
 
 from .errors import UserError
 from .evaluate import describe_spec, variant_specs
-from .measure import METRICS, Arm, gain, slope_arm, tally_sequence
+from .measure import METRICS, Arm, Tally, gain, slope_arm, tally_sequence
 
-__all__ = ["candidates", "select", "choose", "decision_line", "RULE"]
+__all__ = ["SIMPLICITY", "kind_of", "candidates", "select", "judge", "choose", "deployed", "decision_line", "RULE"]
 
-RULE = ("largest mean agreement gain over none, equal weights over the buckets past n_ref, among the candidates "
-        "whose 95% interval over sequences lies above 0; none when no candidate qualifies")
+#: Deployments from simplest to most machinery: the tie-break among candidates within noise of the best.
+SIMPLICITY = ("none", "scale", "window", "sinks", "lookup", "fix", "fix+scale", "lookup+head")
+
+RULE = ("among the candidates whose agreement gain over none (equal weights over the buckets past n_ref) has a 95% "
+        "interval over sequences above 0, the simplest whose paired difference from the largest mean gain does not "
+        f"exclude 0, simplest first: {' < '.join(SIMPLICITY)}; none when no candidate qualifies")
+
+
+def kind_of(name: str) -> str:
+    """A candidate's kind in ``SIMPLICITY``: ``spec``, ``slope 0.2`` and ``qwen-logn`` are ``scale``,
+    ``window 128`` a ``window``, ``clamp`` a ``fix``, ``clamp+spec`` a ``fix+scale``."""
+    if name in ("spec", "qwen-logn") or name.startswith("slope "):
+        return "scale"
+    if name.startswith("window "):
+        return "window"
+    if name in FIXES:
+        return "fix"
+    if name.endswith("+spec") and name.removesuffix("+spec") in FIXES:
+        return "fix+scale"
+    if name in SIMPLICITY:  # none, sinks, lookup, lookup+head
+        return name
+    raise ValueError(f"candidate {name!r}: no kind in the simplicity order {SIMPLICITY}")
 
 
 def candidates(fitted: ScaleSpec, n_ref: int, longest: int) -> list[Arm]:
@@ -64,9 +94,9 @@ def candidates(fitted: ScaleSpec, n_ref: int, longest: int) -> list[Arm]:
 
 
 def select(drafter, sequences: list[list[int]], fitted: ScaleSpec, *, n_ref: int, max_length: int, longest: int,
-           progress=None) -> tuple[ScaleSpec, dict]:
-    """Measure the candidates on ``sequences`` and return the deployment to write (its spec, without the
-    drafter and calibration record the caller attaches) and the ``selection`` record."""
+           progress=None) -> tuple[ScaleSpec | None, dict]:
+    """Measure the candidates on ``sequences`` and return the chosen deployment (its spec, None for the
+    identity; ``deployed`` makes the file) and the ``selection`` record."""
     if not getattr(drafter, "teacher_forced", None):
         raise UserError(f"--select: the {drafter.kind} drafter has no teacher-forced pass to measure candidates "
                         "with; drop --select and check the spec with sharpdraft eval")
@@ -74,8 +104,7 @@ def select(drafter, sequences: list[list[int]], fitted: ScaleSpec, *, n_ref: int
     while edges[-1] < max_length:
         edges.append(min(2 * edges[-1], max_length))
     edges = np.asarray(edges)
-    past = np.flatnonzero(edges > n_ref)
-    if not len(past):
+    if not (edges > n_ref).any():
         raise UserError(f"--select: no length past n_ref={n_ref} below --max-length {max_length} to measure")
     arms = candidates(fitted, n_ref, longest)
     started = time.perf_counter()
@@ -84,44 +113,96 @@ def select(drafter, sequences: list[list[int]], fitted: ScaleSpec, *, n_ref: int
         if progress:
             progress(f"selection: sequence {i + 1}/{len(sequences)}, {len(arms)} candidates")
         tallies.append(tally_sequence(drafter, torch.tensor([ids]), arms, edges, top_k=fitted.top_k))
-    record = {"rule": RULE, "metric": "agreement", "weights": "equal", "sequences": len(sequences),
-              "buckets": [int(edges[b]) for b in past], "seconds": round(time.perf_counter() - started, 1),
-              "candidates": {}}
+    record = judge(tallies, arms, edges, n_ref)
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    return next(a.spec for a in arms if a.name == record["chosen"]), record
+
+
+def judge(tallies: list[Tally], arms: list[Arm], edges: np.ndarray, n_ref: int) -> dict:
+    """The ``selection`` record (all but its ``seconds``) from the sequences' tallies: every candidate's
+    gains over none, each qualifying one's paired difference from the best by mean, and the choice."""
+    past = np.flatnonzero(edges > n_ref)
+    record = {"rule": RULE, "simplicity": list(SIMPLICITY), "metric": "agreement", "weights": "equal",
+              "sequences": len(tallies), "buckets": [int(edges[b]) for b in past], "candidates": {}}
+    cells = record["candidates"]
     for arm in arms:
-        cell = {"deployment": describe_spec(arm.spec)}
+        cells[arm.name] = {"deployment": describe_spec(arm.spec)}
         if arm.name != "none":
-            cell["gain"] = {m: gain(tallies, arm.name, past, metric=m) for m in METRICS}
-            cell["per_bucket"] = {str(int(edges[b])): {m: gain(tallies, arm.name, np.array([b]), metric=m)
-                                                       for m in METRICS} for b in past}
-        record["candidates"][arm.name] = cell
-    chosen, record["reason"] = choose(record["candidates"])
-    record["chosen"] = chosen
-    spec = next(a.spec for a in arms if a.name == chosen)
-    if spec is None:  # the identity, as a spec the runtime reads
-        spec = ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=fitted.top_k)
-    return spec, record
+            cells[arm.name]["gain"] = {m: gain(tallies, arm.name, past, metric=m) for m in METRICS}
+            cells[arm.name]["per_bucket"] = {str(int(edges[b])): {m: gain(tallies, arm.name, np.array([b]), metric=m)
+                                                                  for m in METRICS} for b in past}
+    record["best"] = best = _best(cells)
+    for name in _qualified(cells):  # the same bootstrap as the gains: resamples of the sequences, paired
+        cells[name]["versus_best"] = gain(tallies, name, past, base=best)
+    record["chosen"], record["reason"] = choose(cells)
+    return record
+
+
+def _qualified(cells: dict) -> dict[str, float]:
+    """The candidates whose agreement gain over none has an interval above 0: name -> mean gain."""
+    out = {}
+    for name, c in cells.items():
+        g = c.get("gain", {}).get("agreement")
+        if name != "none" and g is not None and g[1] is not None and g[1] > 0:
+            out[name] = g[0]
+    return out
+
+
+def _best(cells: dict) -> str | None:
+    """The qualifying candidate with the largest mean agreement gain (None: none qualifies)."""
+    qualified = _qualified(cells)
+    return max(qualified, key=qualified.get) if qualified else None
 
 
 def choose(cells: dict) -> tuple[str, str]:
-    """The rule (``RULE``) on the candidates' cells: the chosen name and the reason, in words."""
-    qualified = {name: c["gain"]["agreement"] for name, c in cells.items()
-                 if name != "none" and c["gain"]["agreement"] is not None and c["gain"]["agreement"][1] is not None
-                 and c["gain"]["agreement"][1] > 0}
-    if not qualified:
+    """The rule (``RULE``) on the candidates' cells (``judge``'s): the chosen name and the reason, in words."""
+    qualified, best = _qualified(cells), _best(cells)
+    if best is None:
         return "none", "no candidate's agreement gain has an interval above 0: the drafter is left as it is"
-    chosen = max(qualified, key=lambda name: qualified[name][0])
-    return chosen, f"{chosen}: the largest agreement gain whose interval excludes 0"
+
+    def within_noise(name):
+        d = cells[name]["versus_best"]
+        return name == best or d is None or d[1] is None or d[1] <= 0 <= d[2]
+
+    tied = [name for name in qualified if within_noise(name)]
+    chosen = min(tied, key=lambda name: (SIMPLICITY.index(kind_of(name)), -qualified[name]))
+    if chosen == best:
+        rivals = [n for n in qualified if SIMPLICITY.index(kind_of(n)) < SIMPLICITY.index(kind_of(best))]
+        return chosen, (f"{chosen}: the largest agreement gain whose interval excludes 0"
+                        + (f"; every simpler qualifying candidate ({', '.join(rivals)}) is below it beyond the noise"
+                           if rivals else ""))
+    d = cells[chosen]["versus_best"]
+    return chosen, (f"{chosen}: within noise of the best by mean, {best} (difference {_shown(d)}), and simpler "
+                    f"({kind_of(chosen)} before {kind_of(best)} in the simplicity order)")
+
+
+def deployed(fitted: ScaleSpec, chosen: ScaleSpec | None, record: dict) -> ScaleSpec:
+    """The spec ``--select`` writes: the ``chosen`` deployment (None: the identity, as a spec the runtime
+    reads) with the fitted spec's drafter and calibration record, the selection ``record`` added to it."""
+    if chosen is None:
+        chosen = ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=fitted.top_k)
+    d = fitted.to_dict()
+    return ScaleSpec.from_dict({**chosen.to_dict(), "drafter": d["drafter"],
+                                "calibration": {**d["calibration"], "selection": record}})
+
+
+def _shown(t) -> str:
+    return "n/a" if t is None or t[1] is None else f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}]"
 
 
 def decision_line(record: dict) -> str:
-    """One line: what to deploy and by how much it wins, against the fitted spec."""
-    chosen, c = record["chosen"], record["candidates"]
+    """One line: what to deploy and by how much it wins, against the best by mean (when the tie-break chose a
+    simpler one) and the fitted spec."""
+    chosen, best, c = record["chosen"], record["best"], record["candidates"]
     last = record["buckets"][-1]
 
     def at_last(name):
-        t = c[name]["per_bucket"][str(last)]["agreement"]
-        return "n/a" if t is None or t[1] is None else f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}]"
+        return _shown(c[name]["per_bucket"][str(last)]["agreement"])
 
-    head = (f"deploy {chosen}: {at_last(chosen)} agreement at {last}" if chosen != "none"
-            else "deploy none (no candidate beats the drafter as it is)")
-    return head + (f"; the fitted spec: {at_last('spec')}" if "spec" in c and chosen != "spec" else "")
+    if chosen == "none":
+        return "deploy none (no candidate beats the drafter as it is)" + (
+            f"; the fitted spec: {at_last('spec')} agreement at {last}" if "spec" in c else "")
+    line = f"deploy {chosen}: {at_last(chosen)} agreement at {last}"
+    if best != chosen:
+        line += f"; the best by mean, {best}: {at_last(best)}, is within noise of it and more machinery"
+    return line + (f"; the fitted spec: {at_last('spec')}" if "spec" in c and "spec" not in (chosen, best) else "")

@@ -10,8 +10,13 @@ De-quantizing and converting the GGUF tokenizer takes about 30 s on CPU, every p
 therefore keeps the de-quantized float32 weights (safetensors) and the converted tokenizer in a cache
 folder (``$SHARPDRAFT_CACHE``, else ``$XDG_CACHE_HOME/sharpdraft``, else ``~/.cache/sharpdraft``;
 about 540 MB), keyed by the GGUF file's size and modification time and the transformers version,
-written atomically; later loads read it in about a second. The cached model's logits equal the GGUF
-load's exactly (a test). ``SHARPDRAFT_CACHE=off`` disables it; an unwritable cache is skipped.
+written atomically with a fingerprint of what was written (``fingerprint.json``: each file's SHA-256,
+the weights' header of names, shapes and offsets for ``model.safetensors``); later loads read it in
+about a second, after checking the fingerprint: a copy edited since (a ``config.json`` cut to 2
+layers) is removed and rebuilt from the GGUF file. The cached model's logits equal the GGUF load's
+exactly (a test). ``SHARPDRAFT_CACHE`` takes ``off`` (no cache) or a folder path (absolute, ``~/...``
+or ``./...``); any other word (``false``, ``0``, ``no``) is refused, since it would silently become a
+folder of that name. An unwritable cache is skipped.
 
 Shape: 30 layers, 9 query heads, 3 key/value heads, head_dim 64, vocabulary 49152.
 """
@@ -86,6 +91,9 @@ def load_converted(folder: Path, dtype: torch.dtype = torch.float32):
 
     if not (folder / "config.json").is_file():
         return None
+    if _read_fingerprint(folder) != _fingerprint(folder):  # edited, cut short, or from before fingerprints
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
     try:
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -112,12 +120,17 @@ def smollm2_cache_dir() -> Path | None:
     import transformers
 
     root = os.environ.get("SHARPDRAFT_CACHE", "")
-    if root.lower() in {"off", "0", "none"}:
+    if root == "off":
         return None
+    if root and not (os.path.isabs(root) or root.startswith(("~", "./", "../")) or os.sep in root):
+        raise UserError(f"SHARPDRAFT_CACHE={root}: expected off (no cache) or a folder path (absolute, ~/... or "
+                        f"./{root} for a folder here)")
     if not root:
         root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sharpdraft")
     stat = smollm2_path().stat()
-    key = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode()).hexdigest()[:12]
+    # "fingerprinted": copies written before fingerprints live under other names and are left alone
+    source = f"{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}:fingerprinted"
+    key = hashlib.sha256(source.encode()).hexdigest()[:12]
     return Path(root).expanduser() / f"smollm2-135m-instruct-f32-{key}"
 
 
@@ -139,13 +152,41 @@ def save_converted(folder: Path, model, tokenizer) -> bool:
         config.pop("quantization_config", None)  # the copy is plain float32
         save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / head
         tokenizer.save_pretrained(tmp)
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))  # last: its presence marks a whole copy
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))  # its presence marks a whole copy
+        (tmp / FINGERPRINT).write_text(json.dumps(_fingerprint(tmp), indent=1))
         os.replace(tmp, folder)
     except OSError:
         pass  # unwritable, full, or another process won the rename
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return (folder / "config.json").is_file()
+
+
+FINGERPRINT = "fingerprint.json"  # beside the copy: what save_converted wrote
+
+
+def _fingerprint(folder: Path) -> dict[str, str]:
+    """SHA-256 of each file of the copy but the fingerprint; of ``model.safetensors``, its size and header
+    (every tensor's name, dtype, shape and offsets: reading 540 MB at every load would cost more than the load)."""
+    out = {}
+    for path in sorted(p for p in folder.iterdir() if p.name != FINGERPRINT):
+        digest = hashlib.sha256()
+        if path.name == "model.safetensors":
+            size = path.stat().st_size
+            with path.open("rb") as f:
+                head = f.read(8)  # the header's length, then the header (at most the rest of a cut-short file)
+                digest.update(f"{size}:".encode() + head + f.read(min(int.from_bytes(head, "little"), size)))
+        elif path.is_file():
+            digest.update(path.read_bytes())
+        out[path.name] = digest.hexdigest()
+    return out
+
+
+def _read_fingerprint(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / FINGERPRINT).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from .estimators import ESTIMATORS, Bucket, EstimatorResult
 from .laws import LAWS, MAX_N, alpha_law, get_law
 from .positions import PositionFix
 
-__all__ = ["SCHEMA", "GRANULARITIES", "DRAFTER_KIND_PATTERN", "DrafterInfo", "Bucket", "EstimatorResult",
+__all__ = ["SCHEMA", "GRANULARITIES", "SELECTION_FIELDS", "CANDIDATE_FIELDS", "DRAFTER_KIND_PATTERN", "DrafterInfo", "Bucket", "EstimatorResult",
            "Calibration", "AlphaTable", "PositionFix", "ScaleSpec", "SpecError", "schema_path"]
 
 SCHEMA = "sharpdraft.scale-spec/v1"
@@ -129,15 +129,99 @@ class Calibration:
         )
 
 
+#: ``calibration.selection``'s fields (calibrate.select.judge writes them; all required) and a candidate's
+#: (``deployment`` always; ``gain`` and ``per_bucket`` for every candidate but none; ``versus_best`` for one that
+#: qualified). The JSON Schema's ``selection`` names the same (tests/test_spec.py keeps them in sync).
+SELECTION_FIELDS = ("rule", "simplicity", "metric", "weights", "sequences", "buckets", "seconds", "candidates", "best",
+                    "chosen", "reason")
+CANDIDATE_FIELDS = ("deployment", "gain", "per_bucket", "versus_best")
+
+
 def _selection(where: str, value) -> dict | None:
-    """``calibration.selection``: null, or an object naming its ``chosen`` candidate among its ``candidates``."""
+    """``calibration.selection``: null, or the record of ``calibrate --select`` (``SELECTION_FIELDS``): every
+    candidate's gains as ``[mean, lo, hi]`` triples (finite, the bounds both null or both numbers), one per
+    bucket of ``buckets``, and ``best`` and ``chosen`` among the candidates."""
     if value is None:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("candidates"), dict):
-        raise field_error(where, "expected an object with its candidates", value)
-    if value.get("chosen") not in value["candidates"]:
-        raise field_error(f"{where}.chosen", "expected the name of one of its candidates", value.get("chosen"))
+    if not isinstance(value, dict):
+        raise field_error(where, "expected an object", value)
+    extra = sorted(set(value) - set(SELECTION_FIELDS))
+    if extra:
+        raise field_error(f"{where}.{extra[0]}", f"unknown field (known: {', '.join(SELECTION_FIELDS)})",
+                          value[extra[0]])
+    missing = [f for f in SELECTION_FIELDS if f not in value]
+    if missing:
+        raise SpecError(f"spec field '{where}.{missing[0]}': required field is missing")
+    for name in ("rule", "metric", "weights", "reason"):
+        check_str(f"{where}.{name}", value[name])
+    if not isinstance(value["simplicity"], list) or not value["simplicity"]:
+        raise field_error(f"{where}.simplicity", "expected a non-empty list of kinds", value["simplicity"])
+    for i, kind in enumerate(value["simplicity"]):
+        check_str(f"{where}.simplicity[{i}]", kind)
+    check_int(f"{where}.sequences", value["sequences"], 0)
+    check_num(f"{where}.seconds", value["seconds"], 0.0)
+    buckets = value["buckets"]
+    if not isinstance(buckets, list) or not buckets:
+        raise field_error(f"{where}.buckets", "expected a non-empty list of bucket lengths", buckets)
+    for i, n in enumerate(buckets):
+        check_int(f"{where}.buckets[{i}]", n, 2, maximum=MAX_N)
+    cells = value["candidates"]
+    if not isinstance(cells, dict) or "none" not in cells:
+        raise field_error(f"{where}.candidates", "expected an object of candidates, none among them", cells)
+    for name, cell in cells.items():
+        _candidate(f"{where}.candidates.{name}", cell, name != "none", value["metric"], [str(n) for n in buckets])
+    if value["best"] is not None and value["best"] not in cells:
+        raise field_error(f"{where}.best", "expected null or the name of one of its candidates", value["best"])
+    if value["chosen"] not in cells:
+        raise field_error(f"{where}.chosen", "expected the name of one of its candidates", value["chosen"])
     return value
+
+
+def _candidate(where: str, cell, measured: bool, metric: str, buckets: list[str]) -> None:
+    """One candidate's cell; ``measured``: it has gains over none (every candidate but none itself)."""
+    if not isinstance(cell, dict):
+        raise field_error(where, "expected an object", cell)
+    extra = sorted(set(cell) - set(CANDIDATE_FIELDS))
+    if extra:
+        raise field_error(f"{where}.{extra[0]}", f"unknown field (known: {', '.join(CANDIDATE_FIELDS)})",
+                          cell[extra[0]])
+    for name in ("deployment", "gain", "per_bucket") if measured else ("deployment",):
+        if name not in cell:
+            raise SpecError(f"spec field '{where}.{name}': required field is missing")
+    if cell["deployment"] is not None and not isinstance(cell["deployment"], dict):
+        raise field_error(f"{where}.deployment", "expected an object or null", cell["deployment"])
+    if not measured:
+        return
+    _gains(f"{where}.gain", cell["gain"], metric)
+    per_bucket = cell["per_bucket"]
+    if not isinstance(per_bucket, dict) or sorted(per_bucket) != sorted(buckets):
+        raise field_error(f"{where}.per_bucket", f"expected an object with one entry per bucket ({', '.join(buckets)})",
+                          per_bucket)
+    for n, gains in per_bucket.items():
+        _gains(f"{where}.per_bucket.{n}", gains, metric)
+    if "versus_best" in cell:
+        _triple(f"{where}.versus_best", cell["versus_best"])
+
+
+def _gains(where: str, value, metric: str) -> None:
+    """``{metric: [mean, lo, hi] or null, ...}`` holding at least the record's ``metric``."""
+    if not isinstance(value, dict) or metric not in value:
+        raise field_error(where, f"expected an object of gains with {metric}", value)
+    for name, t in value.items():
+        _triple(f"{where}.{name}", t)
+
+
+def _triple(where: str, value) -> None:
+    """null, or ``[mean, lo, hi]``: finite numbers, the bounds both null (no interval) or both numbers."""
+    if value is None:
+        return
+    if not isinstance(value, list) or len(value) != 3:
+        raise field_error(where, "expected [mean, lo, hi] or null", value)
+    check_num(f"{where}[0]", value[0])
+    if (value[1] is None) != (value[2] is None):
+        raise field_error(where, "expected both bounds or neither", value)
+    for i in (1, 2):
+        check_num(f"{where}[{i}]", value[i], nullable=True)
 
 
 @dataclass(frozen=True)
@@ -296,6 +380,10 @@ class ScaleSpec:
             if window is not None:
                 raise field_error("positions", "a window drops the far keys whose positions a distance fix remaps; "
                                                "use one or the other", positions.to_dict())
+            if positions.window is not None and n_ref is not None and positions.window >= n_ref:
+                raise field_error("positions.window", f"must be below n_ref={n_ref} (the neighbour window keeps "
+                                                      "trained distances exact; past n_ref a distance is itself "
+                                                      "untrained)", positions.window)
         # A table's values were checked one by one (> 0, finite in float32): they are its extremes, with 1.
         low, high = (1.0, 1.0) if law.has_table else law.bounds(
             n_ref=n_ref, values=None if slope is None else np.asarray(slope, dtype=np.float64))

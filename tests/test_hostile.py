@@ -401,7 +401,112 @@ FIT = [
     Case("fit-max-n-without-tabulated", "fit {fx}/stats.npz --out {w}/f.json --max-n 4096", "--max-n 4096"),
 ]
 
-CASES = PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT
+def _calibration(selection) -> dict:
+    """A calibration record holding ``selection`` (the rest minimal but valid)."""
+    return {"estimator": "mass-matching", "corpus": "pydoc", "sequences": 2, "max_length": 256, "rows": 10,
+            "buckets": [], "results": [], "tool_version": "0.1.0", "selection": selection}
+
+
+def _selection(**over) -> dict:
+    """A valid ``calibrate --select`` record over buckets 128 and 256, ``spec`` chosen."""
+    def gains(g):
+        return {"agreement": g, "expected_acceptance": g}
+
+    return {"rule": "r", "simplicity": ["none", "scale"], "metric": "agreement", "weights": "equal", "sequences": 2,
+            "buckets": [128, 256], "seconds": 1.0, "best": "spec", "chosen": "spec", "reason": "spec: best",
+            "candidates": {"none": {"deployment": None},
+                           "spec": {"deployment": {"law": "log-linear"}, "gain": gains([0.02, 0.01, 0.03]),
+                                    "per_bucket": {"128": gains([0.01, 0.0, 0.02]), "256": gains([0.03, 0.01, 0.05])},
+                                    "versus_best": [0.0, 0.0, 0.0]}}, **over}
+
+
+def _with_gain(agreement) -> dict:
+    record = _selection()
+    record["candidates"]["spec"]["gain"]["agreement"] = agreement
+    return record
+
+
+SPEC_CLAMP_AT_N_REF = _spec(positions={"fix": "clamp", "window": 64})  # n_ref 64: the window must lie below it
+SPEC_CLAMP_ONLY = _spec(law="constant", n_ref=None, slope=0.0, positions={"fix": "clamp", "window": 64})
+SPEC_WITH_CLAMP = _spec(positions={"fix": "clamp", "window": 32})
+
+SELECTION_CASES = [
+    _inspect("selection-minimal", _spec(calibration=_calibration({"chosen": "none", "candidates": {"none": {}}})),
+             "calibration.selection.rule': required field is missing"),
+    _inspect("selection-empty-buckets", _spec(calibration=_calibration(_selection(buckets=[]))),
+             "calibration.selection.buckets"),
+    _inspect("selection-gain-string", _spec(calibration=_calibration(_with_gain("0.02"))),
+             "calibration.selection.candidates.spec.gain.agreement"),
+    _inspect("selection-nan-bound", _spec(calibration=_calibration(_with_gain([0.02, float("nan"), 0.03]))),
+             "calibration.selection.candidates.spec.gain.agreement[1]"),
+    _inspect("selection-chosen-unknown", _spec(calibration=_calibration(_selection(chosen="window 64"))),
+             "calibration.selection.chosen"),
+    _inspect("positions-window-at-n-ref", SPEC_CLAMP_AT_N_REF, "positions.window"),
+    Case("eval-spec-positions-window-at-n-ref", EVAL + " --spec {w}/s.json", "positions.window",
+         (("s.json", SPEC_CLAMP_AT_N_REF),)),
+    Case("eval-spec-positions-window-past-drafter-n-ref", EVAL + " --n-ref 32 --spec {w}/s.json --variants spec",
+         "positions.window 64 must be below the drafter's n_ref (32)", (("s.json", SPEC_CLAMP_ONLY),)),
+    Case("eval-pi-spec-on-a-clamp", EVAL + " --n-ref 64 --spec {w}/s.json --variants pi+spec",
+         "the spec already has a distance fix (clamp", (("s.json", SPEC_WITH_CLAMP),)),
+    Case("eval-clamp-spec-past-the-spec-n-ref", EVAL + " --n-ref 100 --spec {w}/s.json --variants clamp+spec",
+         "pass a --neighbour-window below the spec's n_ref (64)", (("s.json", _spec()),)),
+    Case("eval-slopes-underscore", EVAL + " --slopes 1_0", "--slopes 1_0: '1_0' is not a number"),
+    Case("eval-slopes-commas", EVAL + " --slopes ,,,", "--slopes ,,,: an empty value"),
+    Case("eval-alphas-empty-item", EVAL + " --alphas 1.1,,1.2", "--alphas 1.1,,1.2: an empty value"),
+    Case("eval-seed-without-sample", EVAL + " --seed 7", "--seed 7: seeds the draws of --sample only"),
+    Case("eval-seed-zero-without-sample", EVAL + " --speculative --seed 0", "--seed 0"),
+    Case("eval-neighbour-window-unused", EVAL + " --neighbour-window 8", "--neighbour-window 8: no variant uses it"),
+    Case("eval-group-unused", EVAL + " --variants clamp --group 4", "--group 4: no variant uses it (only group, "
+                                                                    "group+spec do)"),
+]
+
+EVAL_RESUME = EVAL + " --out {w}/r.json --resume"
+_EP, _UNIT = "r.json.partial", "r.json.partial/forced-00000.json"
+CAL_RESUME = CAL + " --out {w}/spec.json --resume"
+_CP = "spec.json.partial"
+
+
+def _eval_unit(case_id, content, fragment=_UNIT.split("/")[1]):
+    return Case(f"eval-resume-{case_id}", EVAL_RESUME, fragment, ((_EP, "@evalpartial"), (_UNIT, content)))
+
+
+def _eval_run_json(case_id, content, fragment="run.json"):
+    return Case(f"eval-resume-run-json-{case_id}", EVAL_RESUME, fragment, ((_EP, "@evalpartial"),
+                                                                          (_EP + "/run.json", content)))
+
+
+def _cal_run_json(case_id, content, fragment="run.json"):
+    return Case(f"calibrate-resume-run-json-{case_id}", CAL_RESUME, fragment, ((_CP, "@calpartial"),
+                                                                              (_CP + "/run.json", content)))
+
+
+RESUME_CASES = [
+    _eval_unit("unit-array", "[1, 2]"),
+    _eval_unit("unit-empty-object", "{}"),
+    _eval_unit("unit-wrong-shapes", '{"rows": [1, 2], "sums": {}, "mass": {}}'),
+    _eval_unit("unit-strings", '{"rows": "abc", "sums": {"none": 1}, "mass": {"none": 1}}'),
+    _eval_unit("unit-not-utf8", b"\xff\xfe{\x81}"),
+    _eval_unit("unit-deep", _DEEP_LIST, "nested too deeply"),
+    _eval_run_json("array", "[1, 2]", "was not written by this command"),
+    _eval_run_json("empty-object", "{}", "was not written by this command"),
+    _eval_run_json("not-utf8", b"\xff\xfe{\x81}"),
+    _eval_run_json("deep", _DEEP_OBJECT, "nested too deeply"),
+    Case("eval-resume-calibrate-partial", EVAL_RESUME, "was not written by this command", ((_EP, "@calpartial"),)),
+    Case("eval-resume-other-lengths", EVAL_RESUME.replace("--lengths 32,64,128", "--lengths 32,128"),
+         "lengths does not match", ((_EP, "@evalpartial"),)),
+    Case("eval-resume-other-variants", EVAL_RESUME + " --variants spec", "variants does not match",
+         ((_EP, "@evalpartial"),)),
+    _cal_run_json("array", "[1, 2]", "was not written by this command"),
+    _cal_run_json("empty-object", "{}", "was not written by this command"),
+    _cal_run_json("wrong-shapes", '{"drafter": ["pard"], "grid": {}}', "was not written by this command"),
+    _cal_run_json("not-utf8", b"\xff\xfe{\x81}"),
+    _cal_run_json("deep", _DEEP_LIST, "nested too deeply"),
+    Case("calibrate-resume-eval-partial", CAL_RESUME, "was not written by this command", ((_CP, "@evalpartial"),)),
+    Case("calibrate-resume-sequence-json", CAL_RESUME, "seq-00000.npz", ((_CP, "@calpartial"),
+                                                                        (_CP + "/seq-00000.npz", "[1, 2]"))),
+]
+
+CASES = PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES
 
 
 # -- fixtures -------------------------------------------------------------------------------------
@@ -455,7 +560,17 @@ def fx(tmp_path_factory) -> Path:
                            corpus=str(root / "corpus.txt"), max_length=256, sequences=2, n_ref=64, device="cpu")
     with pytest.raises(KeyboardInterrupt):
         run_calibration(cal, progress=_StopAfterOne())
+    shutil.copytree(partial_dir(cal.out), root / "cal-partial")  # intact, for cases that damage another file
     _truncate(partial_dir(cal.out) / "seq-00000.npz")
+    # an eval run of EVAL with --out whose progress is kept (as an interrupted run leaves it)
+    from unittest import mock
+
+    from calibrate.measure import SavedUnits
+
+    argv = [a.format(fx=root, w=root) for a in (EVAL + " --out {w}/eval/r.json").split(" ")]
+    with mock.patch.object(SavedUnits, "finish", lambda self: None):
+        code, _, err, escaped = _run_main(argv)
+    assert code == 0 and escaped is None, err
     return root
 
 
@@ -474,6 +589,10 @@ def _make_files(w: Path, fx: Path, files) -> None:
             path.mkdir(parents=True, exist_ok=True)
         elif content == "@partial":
             shutil.copytree(partial_dir(fx / "partial" / "spec.json"), path)
+        elif content == "@calpartial":
+            shutil.copytree(fx / "cal-partial", path)
+        elif content == "@evalpartial":
+            shutil.copytree(fx / "eval" / "r.json.partial", path)
         elif content == "@pard":
             shutil.copytree(fx / "pard", path)
         elif content == "@stats":

@@ -179,14 +179,15 @@ SPEC = ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=2)
 
 
 def test_variant_specs_defaults_and_composition():
-    specs = variant_specs(SPEC, 16, POSITION_VARIANTS, longest=256)
+    spec = ScaleSpec(law="log-linear", n_ref=16, slope=0.5, top_k=2)  # the drafter's n_ref: clamp's W lies below it
+    specs = variant_specs(spec, 16, POSITION_VARIANTS, longest=256)
     assert specs["clamp"].positions == PositionFix("clamp", window=15)
     assert specs["group"].positions == PositionFix("group", window=8, group=default_group(16, 256, 8))
     assert specs["pi"].positions == PositionFix("pi", n_ref=16)
     for fix in ("clamp", "group", "pi"):
         assert (specs[fix].law, specs[fix].slope) == ("constant", 0.0)
-        assert specs[f"{fix}+spec"] == ScaleSpec.from_dict({**SPEC.to_dict(), "positions": specs[fix].positions})
-    assert variant_specs(SPEC, 16, ["group"], neighbour_window=4, group=5, longest=256)["group"].positions == \
+        assert specs[f"{fix}+spec"] == ScaleSpec.from_dict({**spec.to_dict(), "positions": specs[fix].positions})
+    assert variant_specs(spec, 16, ["group"], neighbour_window=4, group=5, longest=256)["group"].positions == \
         PositionFix("group", window=4, group=5)
 
 

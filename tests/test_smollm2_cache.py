@@ -56,3 +56,55 @@ def test_an_unreadable_copy_is_removed_so_the_next_load_rebuilds_it(tmp_path):
     assert smollm2.load_converted(folder) is None
     assert not folder.exists()
     assert smollm2.load_converted(tmp_path / "never-written") is None
+
+
+def _tiny_copy(folder):
+    """A converted copy of a tiny Llama and a byte tokenizer, written as the SmolLM2 copy is."""
+    from test_calibrate import _write_causal_lm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = _write_causal_lm(folder.parent / "source")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(source), AutoTokenizer.from_pretrained(source)
+    assert smollm2.save_converted(folder, model, tokenizer)
+    return model
+
+
+def test_an_edited_copy_is_not_trusted_but_rebuilt(tmp_path):
+    """A config.json edited after the copy was written (2 layers cut to 1) fails the fingerprint: the copy is
+    removed, so the next load converts the GGUF file again, instead of loading another model under its name."""
+    import json
+
+    folder = tmp_path / "copy"
+    model = _tiny_copy(folder)
+    loaded, _ = smollm2.load_converted(folder)
+    assert loaded.config.num_hidden_layers == model.config.num_hidden_layers == 2  # an intact copy is read
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    assert smollm2.load_converted(folder) is None
+    assert not folder.exists()
+
+
+def test_a_copy_with_other_weights_is_not_trusted(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "copy"
+    _tiny_copy(folder)
+    weights = load_file(folder / "model.safetensors")
+    weights.pop(sorted(weights)[-1])  # one tensor fewer: another header
+    save_file(weights, folder / "model.safetensors")
+    assert smollm2.load_converted(folder) is None
+
+
+@pytest.mark.parametrize("value", ["false", "no", "0", "none", "true", "cache"])
+def test_the_cache_variable_takes_only_off_or_a_path(monkeypatch, value):
+    from calibrate.errors import UserError
+
+    monkeypatch.setenv("SHARPDRAFT_CACHE", value)
+    with pytest.raises(UserError, match=f"SHARPDRAFT_CACHE={value}: expected off .* or a folder path"):
+        smollm2.smollm2_cache_dir()
+
+
+@pytest.mark.parametrize("value", ["./cache", "~/cache", "a/b"])
+def test_a_relative_path_is_a_path(monkeypatch, value):
+    monkeypatch.setenv("SHARPDRAFT_CACHE", value)
+    assert smollm2.smollm2_cache_dir().parent.name in ("cache", "b")

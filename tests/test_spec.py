@@ -12,7 +12,7 @@ from sharpdraft_theory import SCHEMA, Bucket, Calibration, DrafterInfo, Estimato
 from sharpdraft_theory.estimators import ESTIMATORS
 from sharpdraft_theory.laws import LAWS, REGISTRY
 from sharpdraft_theory.positions import FIXES, PositionFix
-from sharpdraft_theory.spec import DRAFTER_KIND_PATTERN, AlphaTable, schema_path
+from sharpdraft_theory.spec import CANDIDATE_FIELDS, DRAFTER_KIND_PATTERN, SELECTION_FIELDS, AlphaTable, schema_path
 
 
 def full_spec(**over) -> ScaleSpec:
@@ -39,6 +39,27 @@ def tabulated_spec(**over) -> ScaleSpec:
     return full_spec(**{"law": "tabulated", "slope": None, "table": table, **over})
 
 
+def _selection() -> dict:
+    """A ``calibrate --select`` record of two candidates over buckets 512 and 1024 (as ``calibrate.select.judge``
+    writes it, with its seconds)."""
+    def gains(g):
+        return {"agreement": g, "expected_acceptance": g}
+
+    return {"rule": "the rule", "simplicity": ["none", "scale", "window"], "metric": "agreement", "weights": "equal",
+            "sequences": 4, "buckets": [512, 1024], "seconds": 12.5,
+            "candidates": {"none": {"deployment": None},
+                           "spec": {"deployment": {"law": "log-linear"}, "gain": gains([0.02, 0.01, 0.03]),
+                                    "per_bucket": {"512": gains([0.01, None, None]), "1024": gains(None)},
+                                    "versus_best": [0.0, 0.0, 0.0]}},
+            "best": "spec", "chosen": "spec", "reason": "spec: the largest agreement gain whose interval excludes 0"}
+
+
+def selected_spec(**over) -> ScaleSpec:
+    """``full_spec`` with a selection record in its calibration."""
+    spec = full_spec()
+    return full_spec(calibration=Calibration(**{**spec.calibration.__dict__, "selection": _selection()}), **over)
+
+
 # A table for a spec with n_ref = 64, as each law's parameter test needs one.
 TABLE_64 = {"n": [96, 128], "alpha": [1.1, 1.3]}
 
@@ -46,6 +67,12 @@ TABLE_64 = {"n": [96, 128], "alpha": [1.1, 1.3]}
 @pytest.fixture(scope="module")
 def schema():
     return json.loads(schema_path().read_text())
+
+
+def test_a_selection_record_round_trips_and_passes_the_schema(schema):
+    spec = selected_spec()
+    assert ScaleSpec.from_json(spec.to_json()) == spec
+    jsonschema.validate(spec.to_dict(), schema)
 
 
 def test_round_trip_through_json_and_file(tmp_path):
@@ -110,6 +137,9 @@ def test_schema_names_every_dataclass_field(schema):
     positions = schema["properties"]["positions"]["anyOf"][1]
     assert set(positions["properties"]) == {f.name for f in fields(PositionFix)}
     assert set(positions["properties"]["fix"]["enum"]) == set(FIXES)
+    selection = calibration["properties"]["selection"]["anyOf"][1]
+    assert set(selection["properties"]) == set(selection["required"]) == set(SELECTION_FIELDS)
+    assert set(selection["properties"]["candidates"]["additionalProperties"]["properties"]) == set(CANDIDATE_FIELDS)
     table = schema["properties"]["table"]["anyOf"][1]
     assert set(table["properties"]) == {f.name for f in fields(AlphaTable)}
     assert set(table["required"]) == {f.name for f in fields(AlphaTable) if f.default is f.default_factory}
@@ -202,7 +232,42 @@ MALFORMED_TABULATED = [
     (("table", "alpha"), _DELETE, "table.alpha", "required field is missing", True),
     (("drafter", "num_heads"), 6, "table.alpha[0]", "one entry per head (6)", False),
 ]
-CASES = [(full_spec, m) for m in MALFORMED] + [(tabulated_spec, m) for m in MALFORMED_TABULATED]
+# The same, on a spec with a selection record (``selected_spec``): what `inspect` and the summary read.
+_S = ("calibration", "selection")
+MALFORMED_SELECTION = [
+    (_S, {"chosen": "none", "candidates": {"none": {}}}, "calibration.selection.rule", "required field is missing",
+     True),
+    (_S, [], "calibration.selection", "expected an object", True),
+    (_S + ("buckets",), [], "calibration.selection.buckets", "non-empty list of bucket lengths", True),
+    (_S + ("buckets", 0), 512.5, "calibration.selection.buckets[0]", "expected an integer", True),
+    (_S + ("sequences",), -1, "calibration.selection.sequences", "expected an integer >= 0", True),
+    (_S + ("seconds",), "fast", "calibration.selection.seconds", "expected a finite number", True),
+    (_S + ("simplicity",), [], "calibration.selection.simplicity", "non-empty list of kinds", True),
+    (_S + ("reason",), None, "calibration.selection.reason", "expected a string", True),
+    (_S + ("extra",), 1, "calibration.selection.extra", "unknown field", True),
+    (_S + ("chosen",), "window", "calibration.selection.chosen", "one of its candidates", False),
+    (_S + ("best",), "window", "calibration.selection.best", "one of its candidates", False),
+    (_S + ("candidates",), {}, "calibration.selection.candidates", "none among them", True),
+    (_S + ("candidates", "spec", "gain", "agreement"), "0.02", "calibration.selection.candidates.spec.gain.agreement",
+     "expected [mean, lo, hi] or null", True),
+    (_S + ("candidates", "spec", "gain", "agreement"), [0.02, float("nan"), 0.03],
+     "calibration.selection.candidates.spec.gain.agreement[1]", "expected a finite number", False),
+    (_S + ("candidates", "spec", "gain", "agreement"), [0.02, None, 0.03],
+     "calibration.selection.candidates.spec.gain.agreement", "both bounds or neither", False),
+    (_S + ("candidates", "spec", "gain"), {"expected_acceptance": None}, "calibration.selection.candidates.spec.gain",
+     "gains with agreement", True),
+    (_S + ("candidates", "spec", "per_bucket"), {}, "calibration.selection.candidates.spec.per_bucket",
+     "one entry per bucket (512, 1024)", False),
+    (_S + ("candidates", "spec", "per_bucket", "512", "agreement"), [0.1, 0.2],
+     "calibration.selection.candidates.spec.per_bucket.512.agreement", "expected [mean, lo, hi] or null", True),
+    (_S + ("candidates", "spec", "versus_best"), [float("inf"), 0.0, 0.0],
+     "calibration.selection.candidates.spec.versus_best[0]", "expected a finite number", False),
+    (_S + ("candidates", "spec", "gain"), _DELETE, "calibration.selection.candidates.spec.gain",
+     "required field is missing", False),
+    (_S + ("candidates", "none"), "x", "calibration.selection.candidates.none", "expected an object", True),
+]
+CASES = ([(full_spec, m) for m in MALFORMED] + [(tabulated_spec, m) for m in MALFORMED_TABULATED]
+         + [(selected_spec, m) for m in MALFORMED_SELECTION])
 
 
 @pytest.mark.parametrize("base,case", CASES,

@@ -12,6 +12,7 @@ spec a user can deploy as it is.
 from __future__ import annotations
 
 import math
+import re
 
 from sharpdraft_theory import ScaleSpec, SpecError
 from sharpdraft_theory.spec import AlphaTable
@@ -24,14 +25,21 @@ __all__ = ["parse_grid", "slope_arm", "alpha_arm", "scale_grid"]
 MAX_GRID = 64  # arms per grid: each is one more drafter pass per sequence
 
 
+# A number as it is written: digits with an optional point and exponent (Python's float() also reads 1_0 as 10)
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(nan|inf|infinity)", re.IGNORECASE)
+
+
 def parse_grid(option: str, text: str | None) -> list[float]:
-    """Comma-separated finite numbers, distinct, at most :data:`MAX_GRID` (None or empty: none)."""
-    if text is None or not text.strip():
+    """Comma-separated finite numbers, distinct, at most :data:`MAX_GRID` (None: none); an empty item
+    (``0.1,,0.2``, ``,,,``) or anything but digits with a point and exponent (``1_0``) is refused."""
+    if text is None:
         return []
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{option} {text}: expected comma-separated numbers, e.g. 0.05,0.1,0.2") from None
+    items = [x.strip() for x in text.split(",")]
+    bad = next((x for x in items if not _NUMBER.fullmatch(x)), None)
+    if bad is not None:
+        shown = f"{bad!r} is not a number" if bad else "an empty value"
+        raise UserError(f"{option} {text}: {shown}; expected comma-separated numbers, e.g. 0.05,0.1,0.2")
+    values = [float(x) for x in items]
     bad = [v for v in values if not math.isfinite(v)]
     if bad:
         raise UserError(f"{option} {text}: {bad[0]} is not a finite number")

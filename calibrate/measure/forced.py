@@ -109,10 +109,32 @@ class Tally:
                 "mass": {a: m.tolist() for a, m in self.mass.items()}}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Tally":
-        return cls(rows=np.asarray(d["rows"], dtype=float),
-                   sums={a: {m: np.asarray(v, dtype=float) for m, v in s.items()} for a, s in d["sums"].items()},
-                   mass={a: np.asarray(m, dtype=float) for a, m in d["mass"].items()})
+    def from_dict(cls, d, arms: list[str], buckets: int) -> "Tally":
+        """The tally ``to_dict`` wrote, checked against the run's ``arms`` (names) and number of ``buckets``:
+        a ``ValueError`` saying what is wrong for any other value (a damaged file of a resumed run)."""
+        if not isinstance(d, dict) or set(d) != {"rows", "sums", "mass"}:
+            raise ValueError("expected an object with rows, sums and mass")
+        for name in ("sums", "mass"):
+            if not isinstance(d[name], dict) or set(d[name]) != set(arms):
+                raise ValueError(f"{name}: expected one entry per arm ({', '.join(arms)})")
+        for arm, s in d["sums"].items():
+            if not isinstance(s, dict) or set(s) != set(METRICS):
+                raise ValueError(f"sums[{arm!r}]: expected {', '.join(METRICS)}")
+        return cls(rows=_counts("rows", d["rows"], (buckets,)),
+                   sums={a: {m: _counts(f"sums[{a!r}][{m!r}]", v, (buckets,)) for m, v in s.items()}
+                         for a, s in d["sums"].items()},
+                   mass={a: _counts(f"mass[{a!r}]", m, (2, buckets)) for a, m in d["mass"].items()})
+
+
+def _counts(where: str, value, shape: tuple[int, ...]) -> np.ndarray:
+    """``value`` as a float array of ``shape`` whose entries are finite and >= 0; else a ``ValueError``."""
+    try:
+        array = np.asarray(value, dtype=float)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: expected numbers") from None
+    if array.shape != shape or not (np.isfinite(array) & (array >= 0)).all():
+        raise ValueError(f"{where}: expected finite numbers >= 0 of shape {shape}")
+    return array
 
 
 def _per_bucket(edges: np.ndarray, n: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -4,7 +4,10 @@ A run writing ``<out>`` keeps each finished unit (a sequence's :class:`~calibrat
 one speculative prompt) as one JSON file in ``<out>.partial/``, written atomically, next to
 ``run.json`` holding the run's parameters. Rerun with ``resume=True`` (``--resume``), the saved
 units are read instead of measured again, so the result is the same JSON as an uninterrupted run;
-with other parameters the run is refused, naming the first that differs. The folder is created
+with other parameters the run is refused, naming the first that differs (a folder another command
+left, with other parameters altogether, is refused as such). A damaged file (not UTF-8 JSON, nested
+past reading, or a unit of the wrong shape: each unit's reader checks it) is refused in one line
+naming it, never trusted. The folder is created
 with the first saved unit (a run refused before measuring anything leaves nothing behind) and
 removed once the result is written.
 """
@@ -14,12 +17,45 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any, Callable
 
 from sharpdraft_theory.atomic import atomic_write_text
 
 from ..errors import UserError
 
-__all__ = ["SavedUnits", "partial_dir"]
+__all__ = ["SavedUnits", "partial_dir", "read_json"]
+
+
+def read_json(path: Path, delete: str) -> Any:
+    """The JSON value in ``path``; a file that cannot be read, is not UTF-8 or not JSON, or is nested too
+    deeply to read is a ``UserError`` naming it and saying to delete ``delete``."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        why = "nested too deeply to read" if isinstance(err, RecursionError) else (
+            getattr(err, "strerror", None) or f"not UTF-8 JSON: {err}")
+        raise UserError(f"--resume: cannot read {path} ({why}); delete {delete}") from None
+
+
+def check_params(folder: Path, params: dict) -> None:
+    """The interrupted run in ``folder`` (its ``run.json``) has the parameters ``params``; else a ``UserError``
+    naming the first that differs, or saying that another command (other parameters altogether) left it."""
+    run_file = folder / "run.json"
+    before = read_json(run_file, f"{folder} to start over")
+    if not isinstance(before, dict) or set(before) != set(params):
+        raise UserError(f"--resume: {run_file} was not written by this command (its parameters are "
+                        f"{_keys(before)}); delete {folder} to start over, or pass another --out")
+    for key, value in params.items():
+        if before[key] != value:
+            shown = "(differs)" if isinstance(value, list) and len(value) > 8 else f"{before[key]!r}, now {value!r}"
+            raise UserError(f"--resume: {key} does not match the interrupted run in {folder}: was {shown}; "
+                            "rerun with the same options, or delete the folder to start over")
+
+
+def _keys(value) -> str:
+    if not isinstance(value, dict):
+        return f"not an object but {type(value).__name__}"
+    return ", ".join(sorted(value)[:6]) + (", ..." if len(value) > 6 else "") if value else "none"
 
 
 def partial_dir(out: Path) -> Path:
@@ -51,27 +87,23 @@ class SavedUnits:
         if not resume:
             raise UserError(f"{folder} holds an interrupted run: pass --resume to continue it, "
                             "or delete the folder to start over")
-        try:
-            before = json.loads(run_file.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"{run_file}: cannot read it ({err}); delete {folder} to start over") from None
-        for key, value in self.params.items():
-            if before.get(key) != value:
-                raise UserError(f"--resume: {key} does not match the interrupted run in {folder}: was "
-                                f"{before.get(key)!r}, now {value!r}; rerun with the same options, or delete "
-                                "the folder to start over")
+        check_params(folder, self.params)
 
-    def get(self, key: str) -> dict | None:
-        """The saved unit ``key``, or None when it is not saved."""
+    def get(self, key: str, read: Callable[[Any], Any]):
+        """The saved unit ``key`` as ``read`` makes it from its JSON value, or None when it is not saved.
+
+        ``read`` raises ``ValueError`` for a value of the wrong shape: the unit is damaged, and refused."""
         if self.folder is None or not (self.folder / f"{key}.json").is_file():
             return None
         path = self.folder / f"{key}.json"
+        again = "it to measure that unit again"
+        value = read_json(path, again)
         try:
-            value = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"--resume: cannot read {path} ({err}); delete it to measure that unit again") from None
+            unit = read(value)
+        except ValueError as err:
+            raise UserError(f"--resume: {path} is damaged ({err}); delete {again}") from None
         self.resumed += 1
-        return value
+        return unit
 
     def put(self, key: str, value: dict) -> None:
         """Save unit ``key`` atomically (the folder and its ``run.json`` first, if this is the first)."""
