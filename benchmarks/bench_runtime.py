@@ -1,31 +1,35 @@
-"""Cost of the SharpDraft runtime: attention and a SmolLM2 forward, with and without it.
+"""Cost of the SharpDraft runtime: every deployable kind of spec against the unmodified drafter.
 
 Run ``python benchmarks/bench_runtime.py`` (``--help`` for options). It prints one table and writes
-nothing. Every case uses a spec that is active (``n_ref = 256 < n``), so the runtime really scales:
-log-linear (slope 0.16) by default; ``--law tabulated`` a table with knots every half octave up to
-64 n_ref (the shape ``sharpdraft calibrate --law tabulated`` writes); ``--granularity head`` one
-slope or table per head of SmolLM2's 30 x 9. Running both laws at one granularity compares their cost.
+nothing. Two drafters, as deployed: the demo EAGLE-3 head's drafting step (``calibrate/assets/
+eagle3-smollm2``: the head's forward with the arguments ``Eagle3ChainDrafter`` gives it, target
+features from SmolLM2) and SmolLM2-135M itself as a drafter through :func:`sharpdraft_runtime.enable`.
+Each case runs both arms over the same input: a prefill of 1,024 rows, a decoding step (one row over
+a 1,024-row cache: the drafting step) and a block of 16 rows over that cache (the head's commit of
+verified tokens, a draft block). The kinds are eval's variants at ``n_ref = 256`` (the demo head's
+trained length), so every kind is active past 256 keys: ``spec`` (query scaling, log-linear slope
+0.16 by default; ``--law tabulated`` a table with knots every half octave up to 64 n_ref, the shape
+``sharpdraft calibrate --law tabulated`` writes; ``--granularity head`` one slope or table per head),
+``window`` (W = 256), ``sinks`` (252 + 4), the distance fixes ``clamp`` (W = 255), ``group``
+(W = 128, G from the longest length, 1,040) and ``pi``, and ``clamp+spec``.
 
 * Time: the two arms alternate call by call (A B B A ...) to cancel drift; the ratio is the median of
   per-pair ratios ``runtime / plain``.
 * Peak memory: bytes allocated during one call above what was allocated before it; on CUDA from
   ``torch.cuda.max_memory_allocated``, on CPU from the PyTorch profiler's memory timeline (every
   tensor allocation and free inside the call); the smaller of two calls per arm, measured A B B A.
-  ``delta`` is runtime minus plain.
-
-Attention cases call transformers' ``sdpa_attention_forward`` directly and through
-:func:`sharpdraft_runtime.sharpdraft_attention` with SmolLM2's attention shape (9 query heads,
-3 key/value heads, head_dim 64) over ``n`` cached keys: ``q_len = 1`` is a decoding step (no mask),
-``q_len = 16`` a draft block (a 4D mask, whose visible keys the runtime counts). Model cases run SmolLM2-135M: a prefill of 1024 tokens,
-then a decoding step and a 16-token block over a 1024-token cache.
+  ``+peak`` is runtime minus plain. ``kept`` is the same for the bytes still allocated when the call
+  returns, beyond what the call returns itself (both arms return the same shapes): persistent state.
+* Floor: a distance fix must re-rotate the far keys, ``O(n d)`` per layer and call, the order of the
+  attention itself. Below the table, per drafter, the plain decoding step's attention call is timed
+  alone (the drafter's kernel over a 1,024-key cache) and the step ratio that one more such call per
+  layer would give is printed: the floor the fixes are measured against.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
-import itertools
 import os
 import statistics
 import time
@@ -43,24 +47,36 @@ import numpy as np
 import torch
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import AlphaTable
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import sharpdraft_runtime as sr
+from calibrate.drafters.eagle3 import Eagle3ChainDrafter, load
+from calibrate.drafters.layers import attention
+from calibrate.drafters.target import hidden_state_features
+from calibrate.evaluate import variant_specs
 
 LAWS = ("log-linear", "tabulated")
+KINDS = ("spec", "window", "sinks", "clamp", "group", "pi", "clamp+spec")  # eval's variants a user deploys
+N_REF, CONTEXT, BLOCK = 256, 1024, 16
+CASES = ("prefill", "decode", "block")
 
 
 def bench_spec(law: str, granularity: str, layers: int = 30, heads: int = 9) -> ScaleSpec:
-    """The benchmarked spec: slope 0.16 (per head: 0.16 (1 + h / 20)), or the same law tabulated at
-    knots ``256 * 2^(j/2)`` up to 64 n_ref."""
+    """The benchmarked scaling spec: slope 0.16 (per head: 0.16 (1 + h / 20)), or the same law tabulated at
+    knots ``256 * 2^(j/2)`` up to 64 n_ref. ``layers`` and ``heads``: the drafter's."""
     slopes = np.array(0.16) if granularity == "global" else np.tile(0.16 * (1 + np.arange(heads) / 20), (layers, 1))
     if law == "log-linear":
-        return ScaleSpec(law=law, n_ref=256, slope=slopes.tolist(), top_k=4, granularity=granularity)
-    knots = np.array([round(256 * 2 ** (j / 2)) for j in range(1, 13)])
-    alpha = 1 + slopes[..., None] * np.log(knots / 256)
-    return ScaleSpec(law=law, n_ref=256, slope=None, top_k=4, granularity=granularity,
+        return ScaleSpec(law=law, n_ref=N_REF, slope=slopes.tolist(), top_k=4, granularity=granularity)
+    knots = np.array([round(N_REF * 2 ** (j / 2)) for j in range(1, 13)])
+    alpha = 1 + slopes[..., None] * np.log(knots / N_REF)
+    return ScaleSpec(law=law, n_ref=N_REF, slope=None, top_k=4, granularity=granularity,
                      table=AlphaTable(n=tuple(knots.tolist()), alpha=alpha.tolist()))
+
+
+def kind_specs(spec: ScaleSpec) -> dict[str, ScaleSpec]:
+    """Each deployable kind's spec, as eval builds its variants (``calibrate.evaluate.variant_specs``)."""
+    return variant_specs(spec, N_REF, KINDS, longest=CONTEXT + BLOCK)
 
 
 def sync(device: torch.device) -> None:
@@ -68,29 +84,33 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_bytes(fn, device: torch.device) -> int:
-    """Peak bytes allocated while ``fn()`` runs, above those allocated when it starts."""
+def memory(fn, device: torch.device) -> tuple[int, int]:
+    """(peak, kept): bytes allocated at the peak of ``fn()`` and when it returns, above those allocated
+    when it starts (``fn``'s result released first, so ``kept`` is what outlives the call besides it)."""
     if device.type == "cuda":
         sync(device)
         start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        fn()
+        result = fn()
         sync(device)
-        return torch.cuda.max_memory_allocated(device) - start
+        peak = torch.cuda.max_memory_allocated(device) - start
+        del result
+        return peak, torch.cuda.memory_allocated(device) - start
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        fn()
+        result = fn()
+        del result
     live = peak = 0
     for _, action, _, size in prof._memory_profile().timeline:
         live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
         peak = max(peak, live)
-    return peak
+    return peak, live
 
 
 def compare(plain, runtime, reps: int, device: torch.device, prepare=lambda: None) -> dict:
-    """Interleaved timing and peak memory of two zero-argument callables; ``prepare()`` runs before each call."""
+    """Interleaved timing and memory of two zero-argument callables; ``prepare()`` runs before each call."""
     for fn in (plain, runtime):  # warm-up: allocator caches, lazy initialisation
         prepare()
         fn()
@@ -104,108 +124,158 @@ def compare(plain, runtime, reps: int, device: torch.device, prepare=lambda: Non
             sync(device)
             seconds[fn].append(time.perf_counter() - start)
     ratios = [r / p for p, r in zip(seconds[plain], seconds[runtime])]
-    peaks = {plain: [], runtime: []}
+    used = {plain: [], runtime: []}
     for fn in (plain, runtime, runtime, plain):  # A B B A: a one-off allocation cannot favour either arm
         prepare()
-        peaks[fn].append(peak_bytes(fn, device))
-    peak_plain, peak_runtime = min(peaks[plain]), min(peaks[runtime])
-    return dict(plain_ms=1e3 * statistics.median(seconds[plain]), runtime_ms=1e3 * statistics.median(seconds[runtime]),
-                ratio=statistics.median(ratios), peak_plain=peak_plain, delta=peak_runtime - peak_plain)
+        used[fn].append(memory(fn, device))
+    (peak_plain, kept_plain), (peak_runtime, kept_runtime) = (min(used[fn]) for fn in (plain, runtime))
+    return dict(plain_ms=1e3 * statistics.median(seconds[plain]), ratio=statistics.median(ratios),
+                peak=peak_runtime - peak_plain, kept=kept_runtime - kept_plain)
 
 
-def attention_cases(spec: ScaleSpec, device: torch.device, dtype: torch.dtype, reps: int):
-    """(name, result) for n in 1k, 4k, 16k and q_len in 1, 16."""
-    config = LlamaConfig(vocab_size=8, hidden_size=576, intermediate_size=8, num_hidden_layers=1, num_attention_heads=9,
-                         num_key_value_heads=3, attn_implementation="sdpa")
-    model = sr.enable(LlamaForCausalLM(config).to(device, dtype).eval(), _layers(spec, 1))
+def time_call(fn, reps: int, device: torch.device) -> float:
+    """Median seconds of ``fn()``."""
+    fn()
+    seconds = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def eagle3_cases(drafter, ids: torch.Tensor, law: str, granularity: str, reps: int, device: torch.device,
+                 cases=CASES):
+    """(kind, case, result) for the demo head: prefill (``Eagle3ChainDrafter.start``), a drafting step
+    (one row, the head's own hidden state, over the cache), a block (a commit of 16 verified rows)."""
+    head = drafter.head
+    c = head.config
+    features = hidden_state_features(drafter.target, ids, drafter.feature_ids)  # (1, T, 3H)
+    context = head(ids[:, 1:CONTEXT + 1], features[:, :CONTEXT])
+    past, hidden = context.past_key_values, context.hidden_states[:, -1:]
+    after = torch.arange(CONTEXT, CONTEXT + BLOCK, device=device)[None]  # the rows after the cache
+    specs = kind_specs(bench_spec(law, granularity, 1, c.num_attention_heads))
+
+    def run(chain):
+        arguments = dict(attention_hook=chain.hook, **chain.restriction)
+        return {"prefill": lambda: head(ids[:, 1:CONTEXT + 1], features[:, :CONTEXT], **arguments),
+                "decode": lambda: head(ids[:, CONTEXT + 1:CONTEXT + 2], hidden, position_ids=after[:, :1],
+                                       past_key_values=past, **arguments),
+                "block": lambda: head(ids[:, CONTEXT + 1:CONTEXT + BLOCK + 1], features[:, CONTEXT:CONTEXT + BLOCK],
+                                      position_ids=after, past_key_values=past, **arguments)}
+
+    plain = run(Eagle3ChainDrafter(head, drafter.feature_ids, None))
+    for kind, spec in specs.items():
+        fixed = run(Eagle3ChainDrafter(head, drafter.feature_ids, spec))
+        for case in cases:
+            yield kind, case, compare(plain[case], fixed[case], max(3, reps // 4) if case == "prefill" else reps,
+                                      device)
+    if "decode" not in cases:
+        return
+    query = torch.randn(1, c.num_attention_heads, 1, c.head_dim, device=device, dtype=past[0].dtype)
+    yield "attention", "decode", time_call(lambda: attention(query, *past, head.midlayer.self_attn.scaling,
+                                                             None, "sdpa"), reps, device)
+
+
+def smollm2_cases(model, ids: torch.Tensor, law: str, granularity: str, reps: int, device: torch.device,
+                  cases=CASES):
+    """(kind, case, result) for SmolLM2 through ``enable``: prefill, one token and 16 over a 1,024-token cache."""
+    text = model.config
+    specs = kind_specs(bench_spec(law, granularity, text.num_hidden_layers, text.num_attention_heads))
+    enabled = copy.deepcopy(model)  # the runtime's arm; the plain model stays untouched
+    context, more = ids[:, :CONTEXT], ids[:, CONTEXT:]
+    caches = {}
+    for arm in (model, enabled):
+        caches[arm] = DynamicCache(config=arm.config)
+        arm(context, cache=caches[arm])  # the context at its true positions, the same in both arms
+
+    def prepare():
+        for cache in caches.values():
+            cache.crop(CONTEXT - cache.get_seq_length())  # drop what the last call added (crop takes -tokens)
+
+    def run(arm):
+        return {"prefill": lambda: arm(context), "decode": lambda: arm(more[:, :1], cache=caches[arm]),
+                "block": lambda: arm(more[:, :BLOCK], cache=caches[arm])}
+
+    plain, fixed = run(model), run(enabled)
+    for kind, spec in specs.items():
+        sr.enable(enabled, spec)
+        for case in cases:
+            yield kind, case, compare(plain[case], fixed[case], max(3, reps // 4) if case == "prefill" else reps,
+                                      device, prepare)
+        sr.disable(enabled)
+    if "decode" not in cases:
+        return
+    prepare()
     module = model.model.layers[0].self_attn
-    gen = torch.Generator(device).manual_seed(0)
-    for n in (1024, 4096, 16384):
-        key, value = (torch.randn(1, 3, n, 64, generator=gen, device=device, dtype=dtype) for _ in range(2))
-        for q_len in (1, 16):
-            query = torch.randn(1, 9, q_len, 64, generator=gen, device=device, dtype=dtype)
-            # What transformers' sdpa_mask builds: none for one token, lower-right causal for a block over a cache.
-            mask = None if q_len == 1 else (torch.arange(n, device=device)[None, :]
-                                            <= torch.arange(n - q_len, n, device=device)[:, None])[None, None]
-            fresh = {}
-
-            def prepare():
-                fresh["query"] = query.clone()  # the runtime scales in place: every call gets the same input
-
-            def plain():
-                sdpa_attention_forward(module, fresh["query"], key, value, mask, scaling=0.125)
-
-            def runtime():
-                sr.sharpdraft_attention(module, fresh["query"], key, value, mask, scaling=0.125)
-
-            with torch.inference_mode():
-                yield f"attention n={n // 1024}k q_len={q_len}", compare(plain, runtime, reps, device, prepare)
+    key, value = caches[model].layers[0].keys, caches[model].layers[0].values
+    query = torch.randn(1, text.num_attention_heads, 1, key.shape[-1], device=device, dtype=key.dtype)
+    yield "attention", "decode", time_call(lambda: sdpa_attention_forward(module, query, key, value, None,
+                                                                          scaling=module.scaling), reps, device)
 
 
-def _layers(spec: ScaleSpec, layers: int) -> ScaleSpec:
-    """``spec`` cut to its first ``layers`` layers (a global spec as it is)."""
-    if spec.granularity == "global":
-        return spec
-    table = spec.table
-    return dataclasses.replace(spec, slope=None if spec.slope is None else spec.slope[:layers],
-                               table=None if table is None else dataclasses.replace(table, alpha=table.alpha[:layers]))
-
-
-def model_cases(spec: ScaleSpec, device: torch.device, dtype: torch.dtype, reps: int):
-    """(name, result) for SmolLM2-135M: prefill 1024 tokens, then 1 and 16 tokens over that cache."""
-    from pydoc_data.topics import topics
-
-    from calibrate.smollm2 import load_smollm2
-
-    model, tokenizer = load_smollm2(device, dtype)
-    plain_model, scaled_model = model, sr.enable(copy.deepcopy(model), spec)  # two arms, no switching in between
-    ids = tokenizer("\n\n".join(topics.values()), return_tensors="pt").input_ids[:, :1040].to(device)
-    context, more = ids[:, :1024], ids[:, 1024:]
-    with torch.inference_mode():
-        yield "SmolLM2 prefill 1024", compare(lambda: plain_model(context), lambda: scaled_model(context),
-                                              max(3, reps // 4), device)
-        caches = {}
-        for arm in (plain_model, scaled_model):
-            caches[arm] = DynamicCache(config=arm.config)
-            arm(context, cache=caches[arm])
-        for q_len in (1, 16):
-            def prepare():
-                for cache in caches.values():
-                    cache.crop(1024 - cache.get_seq_length())  # drop what the last call added (crop takes -tokens)
-
-            def step(arm, q_len=q_len):
-                return lambda: arm(more[:, :q_len], cache=caches[arm])
-
-            name = "decode 1" if q_len == 1 else f"block {q_len}"
-            yield f"SmolLM2 {name} @1k", compare(step(plain_model), step(scaled_model), reps, device, prepare)
+def report(name: str, layers: int, cases, shown=CASES) -> None:
+    """Print the drafter's rows (one per kind, as soon as its cases are measured) and its floor line."""
+    print(name, flush=True)
+    rows, decode_ms = {}, []
+    for kind, case, result in cases:
+        if kind == "attention":
+            floor = 1 + layers * result * 1e3 / statistics.median(decode_ms)
+            print(f"  floor: the plain decoding step {statistics.median(decode_ms):.2f} ms, its attention call "
+                  f"{1e3 * result:.3f} ms x {layers} layer(s); one more such call per layer: {floor:.3f}", flush=True)
+            continue
+        rows.setdefault(kind, {})[case] = result
+        if case == "decode":
+            decode_ms.append(result["plain_ms"])
+        r = rows[kind]
+        if len(r) == len(shown):
+            print(f"  {kind:<12}" + "".join(f"{r[c]['ratio']:>9.3f}" for c in shown)
+                  + "".join(f"{r[c]['peak']:>15,}" for c in shown)
+                  + f"{max((r[c]['kept'] for c in shown), key=abs):>8,}"
+                  + "".join(f"{r[c]['plain_ms']:>10.2f}" for c in shown), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per arm (prefill: a quarter, at least 3)")
-    parser.add_argument("--skip-model", action="store_true", help="attention cases only (no SmolLM2)")
-    parser.add_argument("--law", choices=LAWS, default="log-linear", help="the spec's law (see the docstring)")
+    parser.add_argument("--drafters", default="eagle3,smollm2", help="comma-separated: eagle3 (the demo head), smollm2")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of " + ", ".join(CASES))
+    parser.add_argument("--law", choices=LAWS, default="log-linear", help="the scaling spec's law (see the docstring)")
     parser.add_argument("--granularity", choices=("global", "head"), default="global",
                         help="one slope (or table), or one per head")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (1 by default: on a shared CPU, a stalled thread holds up the others)")
     args = parser.parse_args()
+    drafters, cases = args.drafters.split(","), tuple(c for c in CASES if c in args.cases.split(","))
+    if not drafters or any(d not in ("eagle3", "smollm2") for d in drafters):
+        parser.error(f"--drafters {args.drafters}: give eagle3, smollm2 or both, comma-separated")
+    if len(cases) != len(args.cases.split(",")):
+        parser.error(f"--cases {args.cases}: give some of {', '.join(CASES)}, comma-separated, each once")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    spec = bench_spec(args.law, args.granularity)
-    shown = f"{spec.granularity} " + ("slopes" if spec.table is None else f"table of {len(spec.table.n)} knots")
+    from pydoc_data.topics import topics
+
+    drafter = load("eagle3", None, None, device, dtype)  # the demo head and its target, SmolLM2
+    model = drafter.target
+    ids = drafter.tokenizer("\n\n".join(topics.values()), return_tensors="pt").input_ids[:, :CONTEXT + BLOCK + 1]
+    ids = ids.to(device)
     print(f"device {device}, {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"spec: {spec.law} n_ref={spec.n_ref} {shown}")
-    print(f"{'case':<28}{'plain ms':>10}{'runtime ms':>12}{'ratio':>8}{'peak plain B':>15}{'delta B':>10}")
-    cases = attention_cases(spec, device, dtype, args.reps)
-    if not args.skip_model:
-        cases = itertools.chain(cases, model_cases(spec, device, dtype, args.reps))
-    for name, r in cases:
-        print(f"{name:<28}{r['plain_ms']:>10.3f}{r['runtime_ms']:>12.3f}{r['ratio']:>8.3f}{r['peak_plain']:>15,}"
-              f"{r['delta']:>10,}", flush=True)
+          f"spec: {args.law} n_ref={N_REF} {args.granularity}; ratios runtime / plain, bytes runtime - plain")
+    print(f"  {'kind':<12}" + "".join(f"{case:>9}" for case in cases)
+          + "".join(f"{'+peak ' + case:>15}" for case in cases) + f"{'kept':>8}"
+          + "".join(f"{case + ' ms':>10}" for case in cases))
+    with torch.inference_mode():
+        if "eagle3" in drafters:
+            report("EAGLE-3 demo head (drafting step)", 1,
+                   eagle3_cases(drafter, ids, args.law, args.granularity, args.reps, device, cases), cases)
+        if "smollm2" in drafters:
+            report("SmolLM2-135M through enable", model.config.num_hidden_layers,
+                   smollm2_cases(model, ids, args.law, args.granularity, args.reps, device, cases), cases)
 
 
 if __name__ == "__main__":

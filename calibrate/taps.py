@@ -66,9 +66,10 @@ def _tap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         query = query if replaced is None else replaced
     restrict, inv_freq = _RESTRICT.get(), _INV_FREQ.get()
     if inv_freq is not None:
-        out = positions_attention(module, query, key, value, attention_mask, scaling, restrict, inv_freq, **kwargs)
+        out = positions_attention(module, query, key, value, attention_mask, scaling, restrict, inv_freq,
+                                  sdpa_attention_forward, dropout=dropout, **kwargs)
         if out is not None:
-            return out, None
+            return out
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 

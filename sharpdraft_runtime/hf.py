@@ -47,7 +47,7 @@ from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .core import QueryScaler
-from .positions import remapped_attention, slot_positions
+from .positions import decode_keys, remapped_attention, slot_positions
 from .visible import IMPLEMENTATIONS, first_key, visible_keys, window_overlay
 
 __all__ = ["NAME", "WRAPPABLE", "REMAPPABLE_ROPE", "enable", "disable", "is_enabled", "sharpdraft_attention",
@@ -154,9 +154,10 @@ def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         else:
             query = scaler.scale_query_(query, n, layer)
     if binding.inv_freq is not None:
-        out = positions_attention(module, query, key, value, attention_mask, scaling, spec, binding.inv_freq, **kwargs)
+        out = positions_attention(module, query, key, value, attention_mask, scaling, spec, binding.inv_freq, attend,
+                                  dropout=dropout, **kwargs)
         if out is not None:
-            return out, None
+            return out
     return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
@@ -191,14 +192,17 @@ def model_inv_freq(model) -> torch.Tensor:
 
 def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, scaling: float | None, spec: ScaleSpec,
-                        inv_freq: torch.Tensor, **kwargs) -> torch.Tensor | None:
-    """Attention of one transformers call at the spec's remapped positions, shape (batch, q_len, heads, head_dim);
-    None when the call is within the fix's identity limit (the caller's kernel runs instead).
+                        inv_freq: torch.Tensor, attend, dropout: float = 0.0, **kwargs) -> tuple | None:
+    """Attention of one transformers call at the spec's remapped positions, as a kernel returns it
+    (output (batch, q_len, heads, head_dim), weights or None); None when the call is within the fix's
+    identity limit (the caller's kernel runs instead).
 
     Queries sit at positions ``k_len - q_len ..`` and keys at their cache slots; ``position_ids``, when
     the model passes them, must say so (a ``ValueError`` otherwise: left padding or packed sequences).
-    The mask the call received selects the keys (none: causal by position); a call without a mask
-    that is not causal (a draft block) is refused.
+    A decoding step (``q_len = 1``) is ``attend``, the wrapped kernel, over the keys of
+    :func:`~sharpdraft_runtime.positions.decode_keys` with everything else as the call gave it; more rows
+    run :func:`~sharpdraft_runtime.positions.remapped_attention`, the mask the call received selecting
+    the keys (none: causal by position). A call without a mask that is not causal (a draft block) is refused.
     """
     q_len, k_len = query.shape[2], key.shape[2]
     fix = spec.positions
@@ -207,19 +211,23 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if attention_mask is None and not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise ValueError(f"the spec's positions ({fix.fix}) remap causal attention; this call is a non-causal block "
                          "without a mask")
-    q_pos, k_pos = slot_positions(q_len, k_len, query.device)
     position_ids = kwargs.get("position_ids")
-    if position_ids is not None and not torch.equal(position_ids.to(q_pos.device),
-                                                    q_pos.expand(position_ids.shape[0], q_len)):
-        raise ValueError(f"the spec's positions ({fix.fix}) need each key at its cache slot (unpadded sequences); "
-                         "this call's position_ids differ")
+    if position_ids is not None:
+        q_pos, _ = slot_positions(q_len, k_len, position_ids.device)
+        if not torch.equal(position_ids, q_pos.expand(position_ids.shape[0], q_len)):
+            raise ValueError(f"the spec's positions ({fix.fix}) need each key at its cache slot (unpadded sequences); "
+                             "this call's position_ids differ")
+    inv_freq = inv_freq.to(query.device)
+    if q_len == 1:
+        return attend(module, query, decode_keys(key, fix, inv_freq), value, attention_mask, dropout=dropout,
+                      scaling=scaling, **kwargs)
     visible = None
     if attention_mask is not None:
         mask = attention_mask[..., :k_len]
         visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = remapped_attention(query, key, value, scaling, fix, inv_freq.to(query.device), q_pos, k_pos, visible)
-    return out.transpose(1, 2).contiguous()  # (B, q_len, H, D), as transformers' kernels return
+    out = remapped_attention(query, key, value, scaling, fix, inv_freq, visible)
+    return out.transpose(1, 2).contiguous(), None  # (B, q_len, H, D), as transformers' kernels return
 
 
 def restrict_mask_kwargs(spec: ScaleSpec | None, kwargs: dict) -> dict:

@@ -11,46 +11,107 @@ difference gives the remapped one exactly::
 so :func:`rotate` turns a post-RoPE tensor into the same tensor rotated at the remapped positions,
 with the model's own ``inv_freq`` and no knowledge of ``a``. The logits of a row are those of the
 neighbour keys (``i - j < W``, unchanged) beside those of the far keys (both sides re-rotated):
-:func:`remapped_logits`. :func:`remapped_attention` is softmax over them, the mask and ``scaling``
-applied as the plain kernel would, in chunks of query rows so no (q_len x k_len) matrix for all
-heads is held at once. A query scaled by ``alpha(n)`` beforehand (``+spec``) scales both kinds of
-logits of its row, since rotations are linear.
+:func:`remapped_logits` is that definition in plain math, for any positions. A query scaled by
+``alpha(n)`` beforehand (``+spec``) scales both kinds of logits of its row, since rotations are linear.
 
-Cost, only when a fix is set and a call has a key past the fix's identity limit (else the model's own
-kernel runs untouched, with nothing allocated): one re-rotation of the keys per group of rows (one
-group for clamp and group; one per power of two for pi, a handful), one of the queries, and the
-logits as a plain matmul: clamp and group compute two logit matrices (neighbour and far), pi one.
-The attention itself runs in eager math (fp32 softmax) instead of a fused kernel, chunked by rows.
+The fast paths assume what a causal cache gives: keys at their slots ``0 .. k_len - 1`` and the
+``q_len`` queries at the last ones (:func:`slot_positions`).
+
+* A decoding step (one query row, at ``i = k_len - 1``): a rotation moves from the query to the key,
+  ``R(u) q . R(v) k = q . R(v - u) k``, so each far key rotated once by its own
+  ``(p_k - j) - (p_q - i)`` gives, against the query as it is, that row's remapped logit
+  (:func:`decode_keys`). The caller's own kernel (sdpa, eager) then attends over those keys: the cost
+  is one rotation of the far keys, ``O(k_len d)`` elementwise, the order of the logits themselves.
+* Several rows (a draft block, a prefill): :func:`remapped_attention` in eager math (fp32 softmax),
+  chunked by rows. Per row group (one for clamp and group; one per power of two for pi, a handful)
+  the far keys are rotated once, and per chunk the queries once; the far logits cover only the
+  columns some row of the chunk sees as far, the neighbour logits only those some row sees as near
+  (the two overlap on a band as wide as the chunk), and GQA query heads share their key head by a
+  reshape, never a copy of the keys.
+
+Angles are formed in float64 (``shift * inv_freq``, a shift of thousands of positions keeps full
+precision) and applied in the working precision (float32 at least). Nothing outlives a call.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from sharpdraft_theory.positions import PositionFix
 
-__all__ = ["rotate", "remapped_logits", "remapped_attention", "slot_positions"]
+__all__ = ["rotate", "cos_sin", "slot_positions", "remapped_logits", "decode_keys", "remapped_attention"]
 
 _CHUNK_ELEMENTS = 1 << 24  # logits held at once per chunk of query rows (64 MiB in float32)
 
 
-def rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, shift: np.ndarray, inv_freq: torch.Tensor, out: torch.Tensor | None = None,
+           period: int = 1) -> torch.Tensor:
     """``x`` (B, heads, T, D), rotate-half RoPE, rotated further by ``shift`` (T,) positions.
 
-    The angles ``shift * inv_freq`` are formed in float64 (a shift of thousands of positions keeps
-    full precision), then applied in ``x``'s precision (float32 at least). ``inv_freq`` (R/2,) may
-    cover only the first ``R < D`` dimensions (partial rotary: the rest are not rotated, as RoPE left
-    them). Returns a new tensor.
+    One cos and sin table (T, R/2) serves every batch row and head (:func:`cos_sin`; ``period`` as
+    there). ``inv_freq`` (R/2,) may cover only the first ``R < D`` dimensions (partial rotary: the
+    rest are not rotated, as RoPE left them). The rotation runs in ``x``'s precision (float32 at least)
+    and is written to ``out`` (shape of ``x``, any floating dtype; a new tensor in ``x``'s dtype when
+    None), which is returned.
     """
-    angles = shift.to(torch.float64)[:, None] * inv_freq.to(device=shift.device, dtype=torch.float64)  # (T, R/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (T, R)
     dtype = torch.promote_types(x.dtype, torch.float32)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    width = angles.shape[-1]
-    half = width // 2
-    y = x.to(dtype)
-    r = y[..., :width]  # (B, heads, T, R) the rotated part
-    rotated = torch.cat((-r[..., half:], r[..., :half]), dim=-1)
-    return torch.cat((r * cos + rotated * sin, y[..., width:]), dim=-1).to(x.dtype)
+    cos, sin = cos_sin(np.asarray(shift, dtype=np.float64), inv_freq, dtype, x.device, period)
+    half = cos.shape[-1]
+    width = 2 * half
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = out if out.dtype == dtype else torch.empty(x.shape, dtype=dtype, device=x.device)
+    x1, x2, y1, y2 = x[..., :half], x[..., half:width], y[..., :half], y[..., half:width]
+    torch.mul(x1, cos, out=y1)
+    y1.addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=y2)
+    y2.addcmul_(x1, sin)  # x2 cos + x1 sin
+    if width < x.shape[-1]:
+        y[..., width:] = x[..., width:]
+    if y is not out:
+        out.copy_(y)
+    return out
+
+
+def cos_sin(shift: np.ndarray, inv_freq: torch.Tensor, dtype: torch.dtype, device, period: int = 1
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of the angles ``shift * inv_freq``, shape (T, R/2) each, in ``dtype`` on ``device``.
+
+    The angles are formed in float64 (a shift of thousands of positions keeps full precision). Shifts
+    that add up over a period ``M``, ``shift[M u + v] = shift[M u] + shift[v] - shift[0]`` exactly (an
+    arithmetic progression for any ``M``; Self-Extend's ``j // G - j`` for ``M`` a multiple of ``G``:
+    ``period``), take their cos and sin from two small float64 tables, over ``u`` and over ``v``, by
+    angle addition ``cos(a + b) = cos a cos b - sin a sin b``, ``sin(a + b) = sin a cos b + cos a sin b``:
+    ``T / M + M`` rows of trigonometry instead of ``T``, the products in ``dtype`` (a few ulps of it). Any
+    other shifts take theirs directly.
+    """
+    T = shift.shape[0]
+    freq = inv_freq.detach().cpu().double().numpy()
+    M = period * max(1, round(T ** 0.5 / period))
+    U = -(-T // M)
+    if T > 2 * M and _adds_up(shift, M):
+        a = shift[::M, None] * freq  # (U, R/2): the angles at u M
+        b = (shift[:M, None] - shift[0]) * freq  # (M, R/2): the angles added at u M + v
+        small = torch.from_numpy(np.stack((np.cos(a), np.sin(a)))).to(device, dtype)[:, :, None]  # (2, U, 1, R/2)
+        fine = torch.from_numpy(np.stack((np.cos(b), np.sin(b)))).to(device, dtype)  # (2, M, R/2)
+        cos = torch.mul(small[0], fine[0])
+        cos.addcmul_(small[1], fine[1], value=-1)
+        sin = torch.mul(small[1], fine[0])
+        sin.addcmul_(small[0], fine[1])
+        return cos.view(U * M, -1)[:T], sin.view(U * M, -1)[:T]  # (T, R/2) each
+    angles = torch.from_numpy(shift[:, None] * freq).to(device)  # (T, R/2), float64
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _adds_up(shift: np.ndarray, M: int) -> bool:
+    """Whether ``shift[M u + v] == shift[M u] + shift[v] - shift[0]`` for every index (exactly, in float64)."""
+    T = shift.shape[0]
+    U = -(-T // M)
+    padded = np.full(U * M, np.nan)
+    padded[:T] = shift
+    grid = padded.reshape(U, M)
+    want = grid[:, :1] + (shift[:M] - shift[0])
+    return bool(np.all((grid == want) | np.isnan(grid)))
 
 
 def slot_positions(q_len: int, k_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,15 +119,18 @@ def slot_positions(q_len: int, k_len: int, device=None) -> tuple[torch.Tensor, t
     return torch.arange(k_len - q_len, k_len, device=device), torch.arange(k_len, device=device)
 
 
-def _far_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor, i: torch.Tensor,
-              k_pos: torch.Tensor) -> torch.Tensor:
-    """Keys (B, kv, k_len, D) rotated to their far positions for query rows like ``i`` (a scalar tensor)."""
-    return rotate(key, fix.key_position(k_pos, i, torch) - k_pos, inv_freq)
+def _shifts(fix: PositionFix, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rotations (in positions) that take queries at ``i`` and keys at ``j`` to their far positions; ``j``'s
+    are those of rows like ``i[0]`` (one row group)."""
+    return fix.query_position(i) - i, fix.key_position(j, i[:1]) - j
 
 
 def remapped_logits(query: torch.Tensor, key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor,
-                    q_pos: torch.Tensor, k_pos: torch.Tensor, far_keys: dict | None = None) -> torch.Tensor:
-    """``q . k`` of every pair at its remapped positions (no ``scaling``, no mask).
+                    q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """``q . k`` of every pair at its remapped positions (no ``scaling``, no mask): the plain definition.
+
+    Both logit matrices in full (neighbour and far), merged by :meth:`PositionFix.near`, one row group
+    at a time; :func:`remapped_attention` computes the same, faster, for keys at their slots.
 
     Parameters
     ----------
@@ -78,63 +142,131 @@ def remapped_logits(query: torch.Tensor, key: torch.Tensor, fix: PositionFix, in
     inv_freq : Tensor of shape (head_dim / 2,)
         The rotation frequencies the model applied (its RoPE scaling included).
     q_pos, k_pos : Tensor of shape (q_len,), (k_len,), integers
-    far_keys : dict, optional
-        Keys already rotated to far positions, by key group; filled as computed (reuse across chunks).
 
     Returns
     -------
     Tensor of shape (batch, heads, q_len, k_len), in ``query``'s dtype (float32 at least)
     """
     groups = query.shape[1] // key.shape[1]
-    far_keys = {} if far_keys is None else far_keys
-    row_group = fix.key_group(q_pos, torch)  # (q_len,)
+    i_all, j = q_pos.cpu().numpy(), k_pos.cpu().numpy()
+    row_group = fix.key_group(i_all)  # (q_len,)
     dtype = torch.promote_types(query.dtype, torch.float32)
     logits = torch.empty(*query.shape[:3], key.shape[2], dtype=dtype, device=query.device)
-    near_keys = None if fix.fix == "pi" else key.to(dtype).repeat_interleave(groups, dim=1)  # (B, H, k_len, D)
-    for g in row_group.unique().tolist():
-        rows = (row_group == g).nonzero().flatten()  # (r,)
-        i = q_pos[rows]
-        if g not in far_keys:
-            far_keys[g] = _far_keys(key, fix, inv_freq, i[0], k_pos).repeat_interleave(groups, dim=1)
-        q_far = rotate(query[:, :, rows], fix.query_position(i, torch) - i, inv_freq)  # (B, H, r, D)
-        part = q_far.to(dtype) @ far_keys[g].to(dtype).transpose(-1, -2)  # (B, H, r, k_len)
-        near = fix.near(i[:, None], k_pos[None])  # (r, k_len) or None
+    near_keys = key.to(dtype).repeat_interleave(groups, dim=1)  # (B, H, k_len, D)
+    for g in np.unique(row_group):
+        rows = np.flatnonzero(row_group == g)
+        q_shift, k_shift = _shifts(fix, i_all[rows], j)
+        far_keys = rotate(key.to(dtype), k_shift, inv_freq).repeat_interleave(groups, dim=1)
+        q_far = rotate(query[:, :, rows].to(dtype), q_shift, inv_freq)  # (B, H, r, D)
+        part = q_far @ far_keys.transpose(-1, -2)  # (B, H, r, k_len)
+        near = fix.near(i_all[rows, None], j[None])  # (r, k_len) or None
         if near is not None:
             plain = query[:, :, rows].to(dtype) @ near_keys.transpose(-1, -2)
-            part = torch.where(near, plain, part)
+            part = torch.where(torch.as_tensor(near, device=query.device), plain, part)
         logits[:, :, rows] = part
     return logits
 
 
-def remapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                       fix: PositionFix, inv_freq: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                       visible: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(scaling * remapped_logits + mask) value``, chunked by query rows; returns (B, heads, q_len, D).
+def _far_columns(fix: PositionFix, first: int, last: int, k_len: int) -> tuple[int, int]:
+    """``(near_from, far_to)`` for query rows ``first .. last`` over keys at slots ``0 .. k_len - 1``: keys
+    below ``near_from`` are far for every row, keys from ``far_to`` on near for every row (between: a band).
+
+    A key is near while ``i - j < W`` (:meth:`PositionFix.near`), so the far keys of row ``i`` are
+    ``j <= i - W``: a prefix. pi keeps no key apart: every key is far.
+    """
+    if fix.near(first, 0) is None:
+        return k_len, k_len
+    clip = lambda far: min(max(far, 0), k_len)  # noqa: E731
+    return clip(first - fix.window + 1), clip(last - fix.window + 1)
+
+
+def decode_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor) -> torch.Tensor:
+    """The keys whose plain logits with a decoding step's query are its remapped logits.
+
+    The query sits at the last slot ``i = k_len - 1`` and key ``j`` at slot ``j``. Its far logit is
+    ``R(p_q - i) q . R(p_k - j) k = q . R((p_k - j) - (p_q - i)) k``: each far key is rotated once by
+    its own shift, the neighbour keys are copied as they are.
 
     Parameters
     ----------
-    query, key, fix, inv_freq, q_pos, k_pos
+    key : Tensor of shape (batch, kv_heads, k_len, head_dim)
+        Post-RoPE keys at their slots.
+    fix, inv_freq
         As for :func:`remapped_logits`.
-    value : Tensor of shape (batch, kv_heads, k_len, head_dim)
+
+    Returns
+    -------
+    Tensor of shape (batch, kv_heads, k_len, head_dim), in ``key``'s dtype: a new tensor, attended by
+    the caller's kernel with the query, the values, the mask and the scaling unchanged.
+    """
+    k_len = key.shape[2]
+    far, _ = _far_columns(fix, k_len - 1, k_len - 1, k_len)
+    q_shift, k_shift = _shifts(fix, np.array([k_len - 1]), np.arange(far))
+    keys = torch.empty_like(key)
+    keys[:, :, far:] = key[:, :, far:]
+    rotate(key[:, :, :far], k_shift - q_shift, inv_freq, out=keys[:, :, :far], period=fix.group or 1)
+    return keys
+
+
+def remapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                       fix: PositionFix, inv_freq: torch.Tensor,
+                       visible: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(scaling * remapped_logits + mask) value`` for queries at the last ``q_len`` slots, keys at
+    theirs; chunked by query rows. Returns (batch, heads, q_len, head_dim) in ``query``'s dtype.
+
+    Parameters
+    ----------
+    query : Tensor of shape (batch, heads, q_len, head_dim)
+        Post-RoPE queries at slots ``k_len - q_len ..`` (scaled by ``alpha`` or not).
+    key, value : Tensor of shape (batch, kv_heads, k_len, head_dim)
+        Post-RoPE keys and the values, at slots ``0 .. k_len - 1``.
     scaling : float
         The softmax scale the kernel would apply (``head_dim ** -0.5`` or the model's).
+    fix, inv_freq
+        As for :func:`remapped_logits`.
     visible : Tensor of bool, broadcastable to (batch, heads, q_len, k_len), optional
-        The keys each row may attend (True: visible); None: causal by position (``k_pos <= q_pos``).
+        The keys each row may attend (True: visible); None: causal by position (``j <= i``).
         A row that sees no key gets the plain kernel's uniform weights over a finfo.min row.
     """
     B, H, q_len, D = query.shape
-    k_len = key.shape[2]
-    groups = H // key.shape[1]
+    kv, k_len = key.shape[1], key.shape[2]
+    groups = H // kv
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    rows_at = np.arange(k_len - q_len, k_len)  # query positions
+    row_group = fix.key_group(rows_at)  # (q_len,), constant on runs of rows
     if visible is None:
-        visible = (k_pos[None, :] <= q_pos[:, None])[None, None]  # (1, 1, q_len, k_len)
-    values = value.repeat_interleave(groups, dim=1)  # (B, H, k_len, D)
+        visible = torch.arange(k_len, device=query.device) <= torch.as_tensor(rows_at, device=query.device)[:, None]
+    visible = visible.expand(B, H, q_len, k_len).view(B, kv, groups, q_len, k_len)  # a view, no copy
     out = torch.empty_like(query)
     step = max(1, _CHUNK_ELEMENTS // max(1, B * H * k_len))
-    far_keys = {}
-    for start in range(0, q_len, step):
-        rows = slice(start, min(start + step, q_len))
-        logits = remapped_logits(query[:, :, rows], key, fix, inv_freq, q_pos[rows], k_pos, far_keys) * scaling
-        logits = logits.masked_fill(~visible[..., rows, :], torch.finfo(logits.dtype).min)
-        weights = torch.softmax(logits, dim=-1).to(values.dtype)  # (B, H, r, k_len), float32 at least
-        out[:, :, rows] = (weights @ values).to(out.dtype)
+    for g in np.unique(row_group):
+        group_rows = np.flatnonzero(row_group == g)  # contiguous: the exponent grows with the position
+        _, far_to = _far_columns(fix, rows_at[group_rows[0]], rows_at[group_rows[-1]], k_len)
+        _, k_shift = _shifts(fix, rows_at[group_rows], np.arange(far_to))
+        far_keys = rotate(key[:, :, :far_to], k_shift, inv_freq, period=fix.group or 1,
+                          out=torch.empty(B, kv, far_to, D, dtype=dtype, device=key.device))  # (B, kv, far, D)
+        for start in range(group_rows[0], group_rows[-1] + 1, step):
+            rows = slice(start, min(start + step, group_rows[-1] + 1))
+            out[:, :, rows] = _chunk(query[:, :, rows].to(dtype) * scaling, key, value, far_keys, fix, inv_freq,
+                                     rows_at[rows], visible[..., rows, :], dtype)
     return out
+
+
+def _chunk(query, key, value, far_keys, fix, inv_freq, rows_at, visible, dtype) -> torch.Tensor:
+    """Attention of one chunk of rows (one row group), (B, H, r, D); ``query`` (B, H, r, D) is in the working
+    dtype and already times ``scaling``, ``far_keys`` (B, kv, >= far_to, D) the group's far keys."""
+    B, H, r, D = query.shape
+    kv, k_len = key.shape[1], key.shape[2]
+    near_from, far_to = _far_columns(fix, rows_at[0], rows_at[-1], k_len)
+    q_shift, _ = _shifts(fix, rows_at, np.arange(0))
+    per_key = lambda x: x.reshape(B, kv, -1, D)  # noqa: E731  (B, H, r, D) -> (B, kv, groups * r, D), GQA
+    q_far = per_key(rotate(query, q_shift, inv_freq, out=torch.empty(query.shape, dtype=dtype, device=query.device)))
+    far = q_far @ far_keys[:, :, :far_to].transpose(-1, -2)  # (B, kv, groups * r, far_to)
+    if near_from < k_len:
+        near = per_key(query) @ key[:, :, near_from:].to(dtype).transpose(-1, -2)  # (.., k_len - near_from)
+        band = torch.as_tensor(fix.near(rows_at[:, None], np.arange(near_from, far_to)[None]), device=query.device)
+        band = torch.where(band.repeat(H // kv, 1), near[..., :far_to - near_from], far[..., near_from:])
+        far = torch.cat((far[..., :near_from], band, near[..., far_to - near_from:]), dim=-1)
+    logits = far.view(B, kv, H // kv, r, k_len).masked_fill_(~visible, torch.finfo(dtype).min)
+    weights = torch.softmax(logits, dim=-1).to(value.dtype).view(B, kv, -1, k_len)  # float32 at least
+    return (weights @ value).view(B, H, r, D)

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sharpdraft_runtime as sr
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
@@ -17,7 +19,8 @@ from calibrate.drafters.target import hidden_state_features
 from calibrate.errors import UserError
 from calibrate.speculative import GREEDY
 from calibrate.evaluate import POSITION_VARIANTS, check_variants, position_fix, variant_specs
-from sharpdraft_runtime.positions import remapped_attention, remapped_logits, rotate
+from sharpdraft_runtime import positions
+from sharpdraft_runtime.positions import cos_sin, decode_keys, remapped_attention, remapped_logits, rotate
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.positions import PositionFix, default_group, max_distance, pi_exponent
 
@@ -99,28 +102,59 @@ def _raw(T: int, heads: int = 4, kv_heads: int = 2, D: int = 16, seed: int = 0):
             torch.randn(1, kv_heads, T, D, generator=g, dtype=torch.float64))
 
 
+def _post_rope(T: int, rope, D: int = 16, seed: int = 0):
+    """float64 (query, key, q_raw, k_raw, inv_freq, factor): raw vectors, and what the model hands the
+    attention call, rotated at the true positions 0 .. T-1 and times the attention factor."""
+    inv_freq, factor = rope_inv_freq(D, 10000.0, rope)
+    inv_freq = inv_freq.double()
+    q_raw, k_raw = _raw(T, D=D, seed=seed)
+    pos = np.arange(T).astype(float)
+    query, key = (factor * torch.as_tensor(_rot64(x.numpy(), pos, inv_freq.numpy())) for x in (q_raw, k_raw))
+    return query, key, q_raw, k_raw, inv_freq, factor
+
+
+def _direct_logits(q_raw, k_raw, fix: PositionFix, inv_freq, factor) -> np.ndarray:
+    """(H, T, T) float64 logits of every pair rotated straight at its remapped positions (keys at 0 .. T-1)."""
+    T = q_raw.shape[2]
+    groups = q_raw.shape[1] // k_raw.shape[1]
+    p_q, p_k = fix.remap(np.arange(T)[:, None].astype(float), np.arange(T)[None].astype(float))  # (T, T) each
+    q = _rot64(q_raw.numpy()[0][:, :, None, :], p_q, inv_freq.numpy())  # (H, T, T, D): query i rotated for key j
+    k = _rot64(np.repeat(k_raw.numpy()[0], groups, axis=0)[:, None, :, :], p_k, inv_freq.numpy())
+    return factor ** 2 * (q * k).sum(-1)
+
+
 @pytest.mark.parametrize("rope", ROPES, ids=["default", "llama3", "yarn"])
 @pytest.mark.parametrize("fix", FIXES, ids=[f.fix for f in FIXES])
 def test_remapped_logits_match_a_direct_float64_computation(fix, rope):
-    T, D = 40, 16
-    inv_freq, factor = rope_inv_freq(D, 10000.0, rope)
-    inv_freq = inv_freq.double()
-    q_raw, k_raw = _raw(T, D=D)
+    T = 40
+    query, key, q_raw, k_raw, inv_freq, factor = _post_rope(T, rope)
     pos = torch.arange(T)
-    # what the model hands the attention call: rotated at the true positions, times the attention factor
-    query = factor * torch.as_tensor(_rot64(q_raw.numpy(), pos.numpy().astype(float), inv_freq.numpy()))
-    key = factor * torch.as_tensor(_rot64(k_raw.numpy(), pos.numpy().astype(float), inv_freq.numpy()))
     got = remapped_logits(query, key, fix, inv_freq, pos, pos)[0].numpy()  # (H, T, T)
-    p_q, p_k = fix.remap(np.arange(T)[:, None].astype(float), np.arange(T)[None].astype(float))  # (T, T) each
-    q = _rot64(q_raw.numpy()[0][:, :, None, :], p_q, inv_freq.numpy())  # (H, T, T, D): query i rotated for key j
-    k = _rot64(np.repeat(k_raw.numpy()[0], 2, axis=0)[:, None, :, :], p_k, inv_freq.numpy())
-    want = factor ** 2 * (q * k).sum(-1)
+    want = _direct_logits(q_raw, k_raw, fix, inv_freq, factor)
     causal = np.tril(np.ones((T, T), dtype=bool))
     np.testing.assert_allclose(got[:, causal], want[:, causal], rtol=0, atol=ATOL_LOGITS64)
     plain = (query @ key.repeat_interleave(2, dim=1).transpose(-1, -2))[0].numpy()
     inside = causal & (np.arange(T)[:, None] + 1 <= fix.identity_limit)
     np.testing.assert_allclose(got[:, inside], plain[:, inside], rtol=0, atol=ATOL_LOGITS64)  # identity there
     assert np.abs(got - plain)[:, causal].max() > 1e3 * ATOL_LOGITS64  # this test can fail
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["default", "llama3", "yarn"])
+@pytest.mark.parametrize("fix", FIXES, ids=[f.fix for f in FIXES])
+def test_decode_keys_give_the_last_row_its_remapped_logits(fix, rope):
+    """A decoding step's query against :func:`decode_keys` has the direct float64 logits of its row, for
+    every cache length past the identity limit (the first far key, a few, most of them)."""
+    T = 40
+    query, key, q_raw, k_raw, inv_freq, factor = _post_rope(T, rope, seed=4)
+    want = _direct_logits(q_raw, k_raw, fix, inv_freq, factor)  # (H, T, T)
+    for n in (fix.identity_limit + 1, fix.identity_limit + 3, T):
+        keys = decode_keys(key[:, :, :n], fix, inv_freq)  # (1, kv, n, D)
+        got = (query[:, :, n - 1:n] @ keys.repeat_interleave(2, dim=1).transpose(-1, -2))[0, :, 0].numpy()  # (H, n)
+        np.testing.assert_allclose(got, want[:, n - 1, :n], rtol=0, atol=ATOL_LOGITS64)
+    plain = (query[:, :, T - 1:] @ key.repeat_interleave(2, dim=1).transpose(-1, -2))[0, :, 0].numpy()
+    assert np.abs(got - plain).max() > 1e3 * ATOL_LOGITS64  # the far keys really move (this test can fail)
+    if fix.window is not None:  # the neighbour keys are copied as they are
+        assert torch.equal(keys[:, :, T - fix.window:], key[:, :, T - fix.window:])
 
 
 @pytest.mark.parametrize("fix", FIXES, ids=[f.fix for f in FIXES])
@@ -155,7 +189,7 @@ def test_remapped_attention_is_softmax_of_the_remapped_logits(fix, monkeypatch):
     value = torch.randn(1, 2, T, D, dtype=torch.float64)
     pos = torch.arange(T)
     monkeypatch.setattr("sharpdraft_runtime.positions._CHUNK_ELEMENTS", 4 * T * 7)  # several chunks of rows
-    got = remapped_attention(query, key, value, 0.25, fix, inv_freq, pos, pos)
+    got = remapped_attention(query, key, value, 0.25, fix, inv_freq)
     logits = remapped_logits(query, key, fix, inv_freq, pos, pos) * 0.25
     logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf)
     want = torch.softmax(logits, -1) @ value.repeat_interleave(2, dim=1)
@@ -166,6 +200,38 @@ def test_remapped_attention_is_softmax_of_the_remapped_logits(fix, monkeypatch):
     rows = slice(0, fix.identity_limit)  # rows whose keys all lie within the identity limit: the plain kernel's
     torch.testing.assert_close(got[:, :, rows], plain[:, :, rows], rtol=0, atol=1e-13)
     assert (got - plain).abs().max() > 1e-3  # this test can fail
+
+
+# cos_sin against numpy's float64 cos and sin of the product: angles up to ~1e4 rad carry ~1e-12 of rounding in
+# either computation (the angle addition rounds two partial angles instead of one); float32 tables: the products
+# of two rounded float32 values, a few ulps of numbers <= 1.
+ATOL_TABLE64 = 1e-11
+ATOL_TABLE32 = 1e-6
+
+
+@settings(derandomize=True, deadline=None, max_examples=20)
+@given(length=st.integers(1, 2000), first=st.integers(-3000, 3000), fix=st.sampled_from(["clamp", "group", "pi"]),
+       group=st.integers(2, 70), k=st.integers(1, 5))
+def test_cos_sin_by_angle_addition_matches_the_direct_tables(length, first, fix, group, k):
+    """The far keys' shifts of each fix (an arithmetic progression; Self-Extend's j // G - j; pi's multiples of
+    1 - 2^-k) take the angle-addition path, and a shuffled copy (which adds up over no period) the direct one:
+    both equal the float64 definition."""
+    j = np.arange(length)
+    shift = {"clamp": first - j, "group": j // group - j + first, "pi": (first - j) * (1 - 2.0 ** -k)}[fix]
+    inv_freq = rope_inv_freq(16, 10000.0)[0]
+    angles = shift[:, None] * inv_freq.double().numpy()
+    period = group if fix == "group" else 1
+    M = period * max(1, round(length ** 0.5 / period))  # the period cos_sin tries
+    shuffled = shift[::-1][np.argsort(j % 7, kind="stable")]
+    assert positions._adds_up(shift, M)  # the fast path is taken (this test can fail)
+    assert length < 16 or not positions._adds_up(shuffled, M)
+    for shifts, angle in ((shift, angles), (shuffled, None)):
+        angle = shifts[:, None] * inv_freq.double().numpy() if angle is None else angle
+        for dtype, atol in ((torch.float64, ATOL_TABLE64), (torch.float32, ATOL_TABLE32)):
+            cos, sin = cos_sin(np.ascontiguousarray(shifts), inv_freq, dtype, "cpu", period)
+            assert cos.dtype == sin.dtype == dtype and cos.shape == angle.shape
+            np.testing.assert_allclose(cos.double().numpy(), np.cos(angle), rtol=0, atol=atol)
+            np.testing.assert_allclose(sin.double().numpy(), np.sin(angle), rtol=0, atol=atol)
 
 
 def test_rotate_by_zero_is_exact():
@@ -228,6 +294,33 @@ def test_eagle3_chain_drafter_drafts_what_eval_measured(eagle3, variant):
     assert not torch.equal(forced.drafted[0], forced.drafted[1])  # the fix changes drafts (this test can fail)
 
 
+@pytest.mark.parametrize("variant", POSITION_VARIANTS)
+def test_eagle3_decoding_steps_equal_the_full_pass(eagle3, variant):
+    """The head's one-row steps over its cache (decode_keys, then the head's kernel) give the logits of its
+    full pass (remapped_attention) row by row, in float32, for sdpa and eager; and differ from the unfixed head."""
+    spec = variant_specs(SPEC, 8, [variant], longest=40)[variant]
+    head, hook = eagle3.head, sr.query_hook(spec)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        features = hidden_state_features(eagle3.target, ids, eagle3.feature_ids)
+        full = head(ids, features, attention_hook=hook, positions=spec.positions)
+        unfixed = head(ids, features, attention_hook=hook)
+        for implementation in ("sdpa", "eager"):
+            head.set_attn_implementation(implementation)
+            try:
+                out = head(ids[:, :20], features[:, :20], attention_hook=hook, positions=spec.positions)
+                past, steps = out.past_key_values, []
+                for t in range(20, 40):
+                    out = head(ids[:, t:t + 1], features[:, t:t + 1], past_key_values=past, attention_hook=hook,
+                               positions=spec.positions)
+                    past = out.past_key_values
+                    steps.append(out.logits)
+            finally:
+                head.set_attn_implementation("sdpa")
+            torch.testing.assert_close(torch.cat(steps, dim=1), full.logits[:, 20:], rtol=0, atol=ATOL_SAME32)
+    assert (full.logits - unfixed.logits)[:, 20:].abs().max() > 100 * ATOL_SAME32  # this test can fail
+
+
 def _tiny_llama(rope_parameters=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -241,8 +334,8 @@ def _tiny_llama(rope_parameters=None):
 @pytest.mark.parametrize("variant", POSITION_VARIANTS)
 def test_enable_gives_what_eval_measured(variant):
     """``enable(model, spec)`` on a transformers model: its logits equal eval's teacher-forced run of
-    the variant (the attention taps), a cached decode equals the full pass, and up to the identity
-    limit the model is the plain one bit for bit."""
+    the variant (the attention taps), a cached block and one-token decoding steps equal the full pass,
+    and up to the identity limit the model is the plain one bit for bit."""
     model = _tiny_llama()
     spec = variant_specs(SPEC, 8, [variant], longest=40)[variant]
     drafter = CausalLMDrafter(model, SimpleNamespace(eos_token_id=None), kind="hf", path="tiny", default_n_ref=8,
@@ -261,12 +354,14 @@ def test_enable_gives_what_eval_measured(variant):
             cache = DynamicCache(config=model.config)
             model(ids[:, :30], cache=cache)
             step = model(ids[:, 30:32], cache=cache).logits
+            decoded = torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(32, 40)], dim=1)  # one row each
             short_enabled = model(ids[:, :spec.positions.identity_limit]).logits
         finally:
             sr.disable(model)
     assert torch.equal(got[0].argmax(-1), forced.drafted[0])
     torch.testing.assert_close(got, measured, rtol=0, atol=ATOL_SAME32)
     torch.testing.assert_close(step, got[:, 30:32], rtol=0, atol=ATOL_SAME32)
+    torch.testing.assert_close(decoded, got[:, 32:], rtol=0, atol=ATOL_SAME32)  # decode_keys and the model's sdpa
     assert torch.equal(short_enabled, short)
     assert (got - unfixed).abs().max() > 100 * ATOL_SAME32  # the fix changes the logits (this test can fail)
 

@@ -26,9 +26,10 @@ runtime's query scaling, ``sharpdraft_runtime.query_hook``) or only read it (cal
 Query ``i`` of a call after ``past`` cached rows sees ``past + i + 1`` rows
 (``sharpdraft_runtime.causal_n_visible``), or, with a spec's ``window`` and ``sinks`` (the serving
 engines' drafter window), the rows that rule keeps (``sharpdraft_runtime.causal_mask``, the same
-count). A spec's ``positions`` (a distance fix) computes the logits at remapped RoPE positions
-(``sharpdraft_runtime.positions.remapped_attention``, with the head's own ``inv_freq``) once a call
-holds a key past the fix's identity limit.
+count). A spec's ``positions`` (a distance fix) computes the logits at remapped RoPE positions, with
+the head's own ``inv_freq``, once a call holds a key past the fix's identity limit: a decoding step
+attends with the plain kernel over re-rotated keys (``sharpdraft_runtime.positions.decode_keys``),
+more rows through ``sharpdraft_runtime.positions.remapped_attention``.
 
 The adapter (``Eagle3Drafter``) runs the head over a text for calibration and teacher-forced
 evaluation, and drafts chains for speculative decoding (``Eagle3ChainDrafter``).
@@ -46,7 +47,7 @@ import torch
 from torch import nn
 
 from sharpdraft_runtime import causal_mask, causal_n_visible, query_hook
-from sharpdraft_runtime.positions import remapped_attention, slot_positions
+from sharpdraft_runtime.positions import decode_keys, remapped_attention, slot_positions
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.positions import PositionFix
 from sharpdraft_theory.spec import DrafterInfo
@@ -309,13 +310,16 @@ class Eagle3Attention(nn.Module):
             query = query if replaced is None else replaced
         visible = causal_mask(T, past_len, sliding_window=window, sinks=sinks, device=x.device)  # (T, k)
         if positions is not None and key.shape[2] > positions.identity_limit:
-            q_pos, k_pos = slot_positions(T, key.shape[2], x.device)  # the cache holds row p at slot p
+            q_pos, _ = slot_positions(T, key.shape[2], x.device)  # the cache holds row p at slot p
             if not torch.equal(position_ids, q_pos.expand(B, T)):
                 raise ValueError(f"the spec's positions ({positions.fix}) need each row at its cache slot; "
                                  "these position_ids differ")
             inv_freq, _ = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling, x.device)
-            out = remapped_attention(query, key, value, self.scaling, positions, inv_freq, q_pos, k_pos,
-                                     visible[None, None])
+            if T == 1:  # a decoding step: the plain kernel over re-rotated keys
+                out = attention(query, decode_keys(key, positions, inv_freq), value, self.scaling, visible,
+                                self.implementation)
+            else:
+                out = remapped_attention(query, key, value, self.scaling, positions, inv_freq, visible[None, None])
         else:
             out = attention(query, key, value, self.scaling, visible, self.implementation)  # (B, h, T, D)
         out = out.transpose(1, 2).reshape(B, T, c.num_attention_heads * c.head_dim)
