@@ -153,6 +153,7 @@ class TableDrafter:
     """A ``ChainDrafter`` with another, sharper table: its law is far from the target's, so a wrong
     rule shows."""
 
+    name = "test"
     feature_ids = None
 
     def __init__(self):
