@@ -46,7 +46,7 @@ def test_candidates_cover_the_deployments():
     names = [a.name for a in candidates(fitted, 64, 64 * 64)]
     assert names[:2] == ["none", "spec"]
     for want in ("slope 0.1", "slope 0.4", "qwen-logn", "sinks", "clamp", "group", "pi", "clamp+spec",
-                 "window 32", "window 64", "window 128"):
+                 "window 32", "window 64", "window 128", "lookup", "lookup+head"):
         assert want in names, (want, names)
     assert len(set(names)) == len(names)
 
