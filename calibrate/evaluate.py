@@ -118,6 +118,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -249,9 +250,10 @@ def variant_specs(spec: ScaleSpec, n_ref: int, variants=DEFAULT_VARIANTS, *, win
     def baseline(**restriction):
         return ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=spec.top_k, **restriction)
 
-    made = {"none": None, "lookup": None, "lookup+head": None, "spec": spec, "qwen-logn": ScaleSpec(law="qwen-logn", n_ref=n_ref, slope=None,
+    made = {"none": None, "spec": spec, "qwen-logn": ScaleSpec(law="qwen-logn", n_ref=n_ref, slope=None,
                                                                top_k=spec.top_k),
-            "window": baseline(window=window), "sinks": baseline(window=window - sinks, sinks=sinks)}
+            "window": baseline(window=window), "sinks": baseline(window=window - sinks, sinks=sinks),
+            **{name: None for name in LOOKUP_VARIANTS}}
     for name in variants:
         if name in POSITION_VARIANTS:
             fix = position_fix(name.removesuffix("+spec"), n_ref, n_ref if longest is None else longest,
@@ -331,7 +333,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     recall = is_recall(corpus)
     variants = with_lookup(variants, corpus)
     check_lookup_loop(drafter.kind, variants, speculative)
-    lookup = LookupSettings(**{**(lookup or LookupSettings()).to_dict(), "eos_token_id": drafter.eos_token_id})
+    lookup = replace(lookup or LookupSettings(), eos_token_id=drafter.eos_token_id)
     n_ref = drafter.default_n_ref if n_ref is None else int(n_ref)
     saved = saved or SavedUnits(None, {}, resume=False)
     variants = check_variants(list(variants), window=window, sinks=sinks, has_reference=reference is not None,
@@ -346,8 +348,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
             + ([Arm("reference", None, other=True)] if reference is not None else []))
     limit = None if sequences is None else skip + sequences
     if recall:
-        made = recall_corpus(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]), limit)[skip:]
-        texts, copied = [m.ids for m in made], [m.copied for m in made]
+        recalled = recall_corpus(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]), limit)[skip:]
+        texts, copied = [m.ids for m in recalled], [m.copied for m in recalled]
     else:
         texts = list(pack(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]), limit))[skip:]
         copied = [None] * len(texts)
@@ -387,7 +389,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
         "variants": {a.name: describe_spec(a.spec) for a in arms},
         "lookup": lookup.to_dict() if any(a.drafts != "head" for a in arms) else None,
-        "recall": {"distances": [m.distance for m in made]} if recall else None,
+        "recall": {"distances": [m.distance for m in recalled]} if recall else None,
         "speculative": None if not speculative else {**_speculative_record(loop, new_tokens, num_draft, all_identical,
                                                                            sample, temperature, seed),
                                                      "drafters": drafters},

@@ -1,8 +1,9 @@
 """Prompt lookup: drafts copied from the context itself, the training-free drafter users reach for first.
 
-Prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding), as transformers
-runs it (``generate(prompt_lookup_num_tokens=K)``, ``PromptLookupCandidateGenerator``) and as
-vLLM's ``ngram`` proposer does: for ``m`` from ``max_ngram`` down to ``min_ngram``, find the
+Prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding; vLLM's ``ngram``
+method is the same drafter), with the match rule transformers runs
+(``generate(prompt_lookup_num_tokens=K)``, ``PromptLookupCandidateGenerator``): for ``m`` from
+``max_ngram`` down to ``min_ngram``, find the
 **first** (leftmost) earlier place where the context's last ``m`` tokens occur with at least one
 token after them; the draft is the up to ``K`` tokens that followed there (never past the end of
 the context), cut before the first end-of-sequence token. The longest ``m`` that occurs wins, and

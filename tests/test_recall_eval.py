@@ -173,3 +173,21 @@ def test_cli_resume_on_a_recall_corpus_and_refusal_of_another_corpus(tmp_path, m
     other = CliRunner().invoke(app, base + ["--corpus", str(tmp_path / "c.txt"), "--out", str(tmp_path / "r.json"),
                                             "--resume"])
     assert isinstance(other.exception, UserError) and "--resume: corpus does not match" in str(other.exception)
+
+
+def test_eval_table_pairs_copy_agreement_over_the_copied_rows(recall_result):
+    """scripts/eval_table.py gives back eval's copy and other deltas (the same bootstrap over the subset's
+    rows), and its tables name the copied rows and the target without a target column among the variants."""
+    from test_eval import _eval_table
+
+    table = _eval_table()
+    for row in recall_result["buckets"]:
+        if not sum(row["copy_rows_per_sequence"]):
+            continue
+        for variant in ("spec", "lookup", "lookup+head"):
+            for metric in ("copy_agreement", "other_agreement"):
+                assert table.contrast(row, variant, "none", metric) == pytest.approx(
+                    row[variant]["delta_vs_none"][metric], abs=5e-5)  # 4 digits kept in the JSON
+    text = table.tables(recall_result)
+    assert "agreement on copied tokens" in text and "the target's own accuracy" in text and "| target |" not in text
+    assert "copy agreement - lookup" in table.table_at(recall_result, LENGTHS[-1], ["lookup"])
