@@ -259,9 +259,10 @@ def _table(result: dict) -> None:
     for table in summary_tables(result, console.width):
         console.print(table)
     if result.get("recall"):
-        console.print(f"copy: rows whose token repeats the one {', '.join(map(str, sorted(set(result['recall']['distances']))))} "
-                      "tokens back (the recall corpus's distances); other: the text's other rows; target: the "
-                      "target's own greedy token equals the true one")
+        distances = ", ".join(map(str, sorted(set(result["recall"]["distances"]))))
+        console.print(f"copy: rows whose token repeats the one {distances} tokens back (the recall corpus's "
+                      "distances); other: the text's other rows; target: the target's own greedy token equals the "
+                      "true one")
     unmetered = [name for name, d in v.items() if d and d.get("positions")]
     if unmetered:
         console.print(f"mass -: not metered for {', '.join(unmetered)} (a position fix changes the logits a "

@@ -71,7 +71,8 @@ def tables(result: dict) -> str:
     metrics = [("acceptance_length", "acceptance length (tokens per target forward)")] if result["speculative"] else []
     metrics += [("agreement", "teacher-forced top-1 agreement")]
     if "target" in buckets[0]:
-        metrics += [("copy_agreement", "agreement on copied tokens"), ("other_agreement", "agreement on the other rows")]
+        metrics += [("copy_agreement", "agreement on copied tokens"),
+                    ("other_agreement", "agreement on the other rows")]
     metrics += [("mass", f"top-{result['top_k']} attention mass")]
     lines = [f"{result['sequences']} sequences of {result['sequence_length']} tokens of {result['corpus']}; "
              f"drafter n_ref = {result['drafter']['n_ref']}; in brackets: difference from none, 95% interval "

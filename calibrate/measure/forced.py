@@ -198,7 +198,8 @@ def tally_sequence(drafter, input_ids: torch.Tensor, arms: list[Arm], edges: np.
             masks = {"copy": copy, "other": known & ~copy}
             subsets = {k: _per_bucket(edges, n, m) for k, m in masks.items()}
             truth = np.r_[text, -1][guessed]
-            sums[TARGET] = {f"{k}_accuracy": _per_bucket(edges, n, m & (target_next == truth)) for k, m in masks.items()}
+            sums[TARGET] = {f"{k}_accuracy": _per_bucket(edges, n, m & (target_next == truth))
+                            for k, m in masks.items()}
         j = 0
         for arm in group:
             if arm.drafts == "lookup":
