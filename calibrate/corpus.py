@@ -19,6 +19,11 @@ a ``.jsonl`` file
     one document per line, the string in its ``text`` field.
 a folder
     every ``.txt`` and ``.jsonl`` file under it, in sorted path order.
+``recall:SOURCE`` (e.g. ``recall:stdlib:heldout``, ``recall:pydoc:heldout``, ``recall:notes.txt``)
+    **recall sequences** (:mod:`calibrate.recall`) from ``SOURCE``'s text: its documents read as one
+    stream of tokens (joined as :func:`pack` joins them) and cut into sequences of ``max_length``
+    tokens in which passages recur verbatim at set distances, each token marked when it is a copy
+    (:func:`recall_corpus`); its documents are ``SOURCE``'s.
 
 Packing (:func:`pack`, the one rule for calibration, evaluation and the demo head's training):
 documents are tokenized in order, joined with the end-of-sequence token (the tokens of a blank
@@ -39,10 +44,12 @@ from pathlib import Path
 
 from .errors import UserError
 
-__all__ = ["SPLITS", "documents", "no_text", "pack", "pydoc_topics", "stdlib_modules"]
+__all__ = ["SPLITS", "RECALL", "documents", "is_recall", "no_text", "pack", "pydoc_topics", "recall_corpus",
+           "stdlib_modules"]
 
 SPLITS = ("train", "heldout", "all")
 HELD_OUT_EVERY = 10  # every 10th document (sorted by name) is held out
+RECALL = "recall:"  # prefix of a recall source: recall:SOURCE
 STDLIB_LEFT_OUT = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 
 
@@ -86,6 +93,9 @@ def _source_text(file: Path) -> str:
 
 def documents(source: str) -> Iterator[str]:
     """The documents of a corpus source (see the module docstring), in their fixed order."""
+    if is_recall(source):
+        yield from documents(_recall_inner(source))
+        return
     if source == "pydoc" or source.startswith("pydoc:"):
         split = source.partition(":")[2] or "train"
         for _, text in pydoc_topics(split):
@@ -111,6 +121,20 @@ def documents(source: str) -> Iterator[str]:
         raise UserError(f"--corpus {source}: expected a .txt or .jsonl file or a folder, got a {path.suffix or 'bare'} file")
     for file in files:
         yield from _file_documents(file)
+
+
+def is_recall(source: str) -> bool:
+    """Whether ``source`` names recall sequences (``recall:SOURCE``)."""
+    return source.startswith(RECALL)
+
+
+def _recall_inner(source: str) -> str:
+    """``SOURCE`` of ``recall:SOURCE``; a ``UserError`` when it is missing or itself a recall source."""
+    inner = source[len(RECALL):]
+    if not inner or is_recall(inner):
+        raise UserError(f"--corpus {source}: expected recall:SOURCE with SOURCE a corpus of text, e.g. "
+                        "recall:stdlib:heldout or recall:pydoc:heldout")
+    return inner
 
 
 def _file_documents(file: Path) -> Iterator[str]:
@@ -141,24 +165,33 @@ def no_text(source: str) -> UserError:
                      "or pydoc")
 
 
+def _joined(source: str, tokenize: Callable[[str], list[int]], eos_token_id: int | None) -> Iterator[list[int]]:
+    """The tokens of each document of ``source`` in order, every one after the first preceded by the
+    separator: ``eos_token_id``, or the tokens of a blank line when it is None."""
+    separator = [eos_token_id] if eos_token_id is not None else tokenize("\n\n")
+    for i, doc in enumerate(documents(source)):
+        yield (separator if i else []) + tokenize(doc)
+
+
 def pack(source: str, tokenize: Callable[[str], list[int]], eos_token_id: int | None, max_length: int,
          limit: int | None = None) -> Iterator[list[int]]:
     """Token sequences of exactly ``max_length`` from ``source``, at most ``limit`` of them.
 
     Documents are joined with ``eos_token_id`` (a drafter's ``eos_token_id``; None: the tokens of a
     blank line). Tokenizes lazily: a large corpus is read only as far as the sequences asked for.
-    Raises ``UserError`` when the corpus holds no full sequence.
+    A recall source gives its recall sequences' tokens (:func:`recall_corpus`). Raises ``UserError``
+    when the corpus holds no full sequence.
     """
-    separator = [eos_token_id] if eos_token_id is not None else tokenize("\n\n")
+    if is_recall(source):
+        yield from (s.ids for s in recall_corpus(source, tokenize, eos_token_id, max_length, limit))
+        return
     buffer: list[int] = []
     produced = 0
     seen = 0
-    for doc in documents(source):
+    for tokens in _joined(source, tokenize, eos_token_id):
         if limit is not None and produced >= limit:
             return
-        if seen:
-            buffer.extend(separator)
-        buffer.extend(tokenize(doc))
+        buffer.extend(tokens)
         seen += 1
         while len(buffer) >= max_length and (limit is None or produced < limit):
             yield buffer[:max_length]
@@ -169,3 +202,20 @@ def pack(source: str, tokenize: Callable[[str], list[int]], eos_token_id: int | 
     if produced == 0:
         raise UserError(f"--corpus {source}: its {len(buffer)} tokens do not fill one sequence of --max-length "
                         f"{max_length}; use a larger corpus or a smaller --max-length")
+
+
+def recall_corpus(source: str, tokenize: Callable[[str], list[int]], eos_token_id: int | None, max_length: int,
+                  limit: int | None = None) -> list:
+    """The recall sequences (:class:`calibrate.recall.RecallSequence`: ids, copied mask, distance) of
+    ``recall:SOURCE``, at most ``limit`` (None: as many as its text fills), each of ``max_length`` tokens.
+
+    Raises ``UserError`` when no repeat distance fits ``max_length`` or the text fills no sequence.
+    """
+    from .recall import recall_sequences
+
+    inner = _recall_inner(source)
+    stream = (t for tokens in _joined(inner, tokenize, eos_token_id) for t in tokens)
+    try:
+        return recall_sequences(stream, max_length, limit)
+    except ValueError as err:
+        raise UserError(f"--corpus {source}: {err}") from None

@@ -52,6 +52,18 @@ def check_seed(value: int) -> int:
     return int(value)
 
 
+def check_lookup(max_ngram: int, min_ngram: int):
+    """``--lookup-max-ngram`` and ``--lookup-min-ngram`` as ``calibrate.lookup.LookupSettings``; else a ``UserError``."""
+    from .lookup import MAX_NGRAM, LookupSettings
+
+    for option, value in (("--lookup-max-ngram", max_ngram), ("--lookup-min-ngram", min_ngram)):
+        if not 1 <= value <= MAX_NGRAM:
+            raise UserError(f"{option} {value}: expected an n-gram length from 1 to {MAX_NGRAM}")
+    if min_ngram > max_ngram:
+        raise UserError(f"--lookup-min-ngram {min_ngram}: must be at most --lookup-max-ngram {max_ngram}")
+    return LookupSettings(max_ngram=max_ngram, min_ngram=min_ngram)
+
+
 def eval_command(
     *,
     drafter: Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names(evaluates=True))}.")] = "eagle3",
@@ -63,7 +75,9 @@ def eval_command(
                                                  "at the drafter's n_ref).")] = None,
     lengths: Annotated[str, typer.Option(help="Context-length bucket edges; the largest is the sequence length.")]
         = "256,512,1024,2048",
-    corpus: Annotated[str, typer.Option(help="Held-out text: pydoc:heldout, a .txt or .jsonl file, or a folder.")]
+    corpus: Annotated[str, typer.Option(help="Held-out text: pydoc:heldout, stdlib:heldout, a .txt or .jsonl file, "
+                                        "or a folder; recall:SOURCE (e.g. recall:stdlib:heldout) for SOURCE's text "
+                                        "with passages repeated at set distances, reporting copy agreement.")]
         = "pydoc:heldout",
     sequences: Annotated[Optional[int], typer.Option(help="At most this many sequences of the largest length "
                                                      "(default: all the corpus holds).")] = None,
@@ -81,9 +95,15 @@ def eval_command(
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per speculative prompt.")] = 32,
     num_draft: Annotated[int, typer.Option("--num-draft", help="Draft chain length K.")] = 4,
     variants: Annotated[str, typer.Option(help="Variants to compare, comma-separated: none, spec, qwen-logn, window, "
-                                          "sinks, clamp, group, pi, clamp+spec, group+spec, pi+spec, reference "
-                                          "(none is always run).")]
+                                          "sinks, clamp, group, pi, clamp+spec, group+spec, pi+spec, lookup "
+                                          "(prompt lookup), lookup+head (lookup, else the drafter), reference "
+                                          "(none is always run; lookup too on a recall corpus).")]
         = "none,spec,qwen-logn,window,sinks",
+    lookup_max_ngram: Annotated[int, typer.Option(
+        "--lookup-max-ngram", help="The lookup variants' longest suffix matched against the context "
+                                   "(transformers' max_matching_ngram_size, default 2).")] = 2,
+    lookup_min_ngram: Annotated[int, typer.Option(
+        "--lookup-min-ngram", help="The lookup variants' shortest suffix matched (default 1).")] = 1,
     window: Annotated[Optional[int], typer.Option(help="The window variant's W: the drafter attends to its last W "
                                                   "keys (default: its n_ref).")] = None,
     sinks: Annotated[int, typer.Option(help="The sinks variant's S: the first S keys plus the last W - S.")] = 4,
@@ -129,7 +149,8 @@ def eval_command(
     from sharpdraft_theory.atomic import atomic_write_text
 
     from .drafters import load_drafter, resolve_device, resolve_dtype
-    from .evaluate import bucket_edges, check_variants, default_spec, evaluate
+    from .evaluate import (LOOKUP_VARIANTS, bucket_edges, check_lookup_loop, check_variants, default_spec, evaluate,
+                           with_lookup)
     from .measure import SavedUnits, parse_grid, partial_dir
     from .preflight import check_corpus, check_outputs, load_spec, local_inputs
 
@@ -167,7 +188,9 @@ def eval_command(
     check_outputs({"--out": out, "--plot": plot},
                   local_inputs(spec=spec, corpus=corpus, drafter_path=drafter_path, target_path=target_path,
                                reference_drafter_path=reference_drafter_path))
-    check_corpus(corpus)
+    lookup = check_lookup(lookup_max_ngram, lookup_min_ngram)
+    check_lookup_loop(drafter, with_lookup(chosen, corpus), speculative)
+    check_corpus(corpus, max(edges))
     loaded_spec = load_spec(spec) if spec is not None else None
     k = top_k or (loaded_spec.top_k if loaded_spec else 4)
     if loaded_spec is not None and loaded_spec.top_k != k:
@@ -184,7 +207,8 @@ def eval_command(
               "num_draft": num_draft, "variants": list(chosen), "window": window, "sinks": sinks, "n_ref": n_ref,
               "reference_drafter_path": reference_drafter_path, "temperature": temperature, "slopes": slope_grid,
               "alphas": alpha_grid, "dtype": dtype, "neighbour_window": neighbour_window, "group": group,
-              "sample": sample, "seed": seed}
+              "sample": sample, "seed": seed,
+              "lookup": lookup.to_dict() if set(LOOKUP_VARIANTS) & set(with_lookup(chosen, corpus)) else None}
     saved = SavedUnits(None if out is None else partial_dir(out), params, resume)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -211,7 +235,7 @@ def eval_command(
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,
                           window=window, sinks=sinks, reference=ref, progress=progress, n_ref=n_ref,
                           temperature=temperature, slopes=slope_grid, alphas=alpha_grid, saved=saved,
-                          neighbour_window=neighbour_window, group=group, sample=sample, seed=seed)
+                          neighbour_window=neighbour_window, group=group, sample=sample, seed=seed, lookup=lookup)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)
     try:
@@ -242,6 +266,11 @@ def _table(result: dict) -> None:
                   "none, 95% bootstrap interval over sequences; every interval in --json")
     for table in summary_tables(result, console.width):
         console.print(table)
+    if result.get("recall"):
+        distances = ", ".join(map(str, sorted(set(result["recall"]["distances"]))))
+        console.print(f"copy: rows whose token repeats the one {distances} tokens back (the recall corpus's "
+                      "distances); other: the text's other rows; target: the target's own greedy token equals the "
+                      "true one")
     unmetered = [name for name, d in v.items() if d and d.get("positions")]
     if unmetered:
         console.print(f"mass -: not metered for {', '.join(unmetered)} (a position fix changes the logits a "
@@ -285,7 +314,10 @@ def summary_tables(result: dict, width: int = 80) -> list[Table]:
     of the reference's gain it recovers when there is one. A metric without gets a row per variant and a
     column per n (or, when that is too wide, a row per (n, variant)).
     """
+    from .measure import TARGET
+
     buckets, variants = result["buckets"], list(result["variants"])
+    variants += [TARGET] if any(TARGET in row for row in buckets) else []  # the target's accuracy (recall corpus)
     metrics = list(dict.fromkeys(key for row in buckets for variant in variants if variant in row
                                  for key, value in row[variant].items()
                                  if not key.endswith("_interval") and not isinstance(value, (dict, list))))
@@ -293,7 +325,8 @@ def summary_tables(result: dict, width: int = 80) -> list[Table]:
     tables = []
     for metric in metrics:
         label = metric.replace("_", " ")
-        cells = [(row["n"], variant, row[variant]) for row in buckets for variant in variants if variant in row]
+        having = [v for v in variants if any(metric in row.get(v, {}) for row in buckets)]
+        cells = [(row["n"], variant, row[variant]) for row in buckets for variant in having if variant in row]
         deltas = any((c.get("delta_vs_none") or {}).get(metric) is not None for _, _, c in cells)
         shares = any((c.get("recovered") or {}).get(metric) is not None for _, _, c in cells)
         if not deltas and 14 + 9 * len(buckets) <= width:  # variants down, lengths across
@@ -301,7 +334,7 @@ def summary_tables(result: dict, width: int = 80) -> list[Table]:
             table.add_column("variant", min_width=name_width, overflow="fold")
             for row in buckets:
                 table.add_column(f"n={row['n']}", justify="right", no_wrap=True)
-            for variant in variants:
+            for variant in having:
                 table.add_row(variant, *(_number(row[variant].get(metric)) if variant in row else "-"
                                          for row in buckets))
             tables.append(table)

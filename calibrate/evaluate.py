@@ -25,7 +25,15 @@ For each context-length bucket and each variant it reports, on the same held-out
 ``clamp+spec``, ``group+spec``, ``pi+spec``
     the spec under test with that distance fix: alpha(n), n the visible keys, times the remapped logits;
 ``reference``
-    another head of the same kind, unscaled (a long-trained head), when one is given.
+    another head of the same kind, unscaled (a long-trained head), when one is given;
+``lookup``
+    prompt lookup (``calibrate.lookup``), the training-free drafter of transformers'
+    ``prompt_lookup_num_tokens`` and vLLM's ``ngram`` method: the longest of the context's last
+    ``max_ngram`` .. ``min_ngram`` tokens found earlier drafts what followed it there. Teacher-forced,
+    each row's draft is lookup's over the tokens before the row's token (no draft: a miss); its
+    expected acceptance is ``p_T(draft)`` (a point mass); its mass is None (no attention);
+``lookup+head``
+    lookup where it finds a match, the drafter as it is (unscaled) elsewhere.
 
 Per bucket and variant:
 
@@ -82,6 +90,15 @@ Per bucket and variant:
     ``alpha c``), ranked by their agreement gain over ``none`` averaged with equal weights over the
     buckets past ``n_ref``, each with its paired interval: the best query scale the drafter admits.
 
+On a **recall corpus** (``recall:SOURCE``, ``calibrate.corpus``: passages that recur verbatim at set
+distances, the copied tokens marked; ``calibrate.recall``) every variant also reports ``copy_agreement``
+and ``copy_expected_acceptance``, over the rows whose guessed token is a copied one (EAGLE-3's row
+``t`` guesses token ``t + 2``, a causal LM's token ``t + 1``: the adapter's ``predicts``), and
+``other_agreement`` / ``other_expected_acceptance`` over the other rows of the text, each with its
+interval and paired delta; each bucket has ``target``: ``copy_accuracy`` and ``other_accuracy``, the
+target's own greedy token equal to the true next token on those rows; and ``lookup`` is always run.
+``recall`` in the result gives each sequence's repeat distance.
+
 Every teacher-forced arm shares one target pass per sequence (``calibrate.measure.forced``); each
 finished sequence and speculative prompt is kept (``calibrate.measure.saved``), so an interrupted
 run resumed gives the same result.
@@ -101,6 +118,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -110,19 +128,23 @@ from sharpdraft_theory.positions import FIXES, PositionFix, default_group, defau
 from sharpdraft_theory.bootstrap import RESAMPLES, paired_bootstrap
 from sharpdraft_theory.stats import DEFAULT_SINKS
 
-from .corpus import pack
+from .corpus import is_recall, pack, recall_corpus
 from .drafters import drafter_kind
 from .errors import UserError
+from .lookup import LookupDrafter, LookupSettings, LookupThenHead
 from .measure import METRICS, Arm, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
 from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
                           speculative_generate, target_generate, transformers_generate)
 
-__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "POSITION_VARIANTS", "position_fix", "DEFAULT_SINKS", "default_spec",
+__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "POSITION_VARIANTS", "LOOKUP_VARIANTS", "with_lookup", "check_lookup_loop",
+           "position_fix", "DEFAULT_SINKS", "default_spec",
            "variant_specs", "check_variants", "bucket_edges", "paired_bootstrap", "describe_spec", "evaluate",
            "prompt_seed"]
 
 POSITION_VARIANTS = FIXES + tuple(f"{fix}+spec" for fix in FIXES)  # distance fixes, alone and with the spec
-VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", *POSITION_VARIANTS, "reference")  # every variant eval knows
+LOOKUP_VARIANTS = ("lookup", "lookup+head")  # prompt lookup, alone and with the drafter where it finds no match
+VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", *POSITION_VARIANTS, *LOOKUP_VARIANTS,
+            "reference")  # every variant eval knows
 DEFAULT_VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks")  # reference joins when a reference head is given
 MAX_LENGTH = 8192  # the longest bucket edge eval accepts
 
@@ -185,6 +207,23 @@ def _check_fix_options(neighbour_window: int | None, group: int | None, n_ref: i
                         f"far keys' distances start at W, and the drafter was trained on distances below n_ref")
 
 
+def with_lookup(variants, corpus: str) -> tuple[str, ...]:
+    """``variants``, and ``lookup`` after them on a recall corpus: its agreement on the copied rows is
+    part of that report."""
+    variants = tuple(variants)
+    return (*variants, "lookup") if is_recall(corpus) and "lookup" not in variants else variants
+
+
+def check_lookup_loop(kind: str, variants, speculative: bool) -> None:
+    """Lookup decodes in the chain loop: a ``UserError`` for the lookup variants with ``--speculative``
+    for a kind that decodes in transformers' assisted loop (``hf``, ``pard``)."""
+    looked = [v for v in variants if v in LOOKUP_VARIANTS]
+    if speculative and looked and drafter_kind(kind).assisted:
+        raise UserError(f"--variants {','.join(looked)} with --speculative (lookup runs on every recall corpus): "
+                        f"{kind} drafters decode in transformers' assisted loop, lookup in the chain loop; drop "
+                        "--speculative or use an eagle3 drafter")
+
+
 def position_fix(fix: str, n_ref: int, longest: int, *, neighbour_window: int | None = None,
                  group: int | None = None) -> PositionFix:
     """The ``fix`` variants' distance fix: W and G as given, else derived from ``n_ref`` and the longest
@@ -202,7 +241,8 @@ def position_fix(fix: str, n_ref: int, longest: int, *, neighbour_window: int | 
 def variant_specs(spec: ScaleSpec, n_ref: int, variants=DEFAULT_VARIANTS, *, window: int | None = None,
                   sinks: int = DEFAULT_SINKS, neighbour_window: int | None = None, group: int | None = None,
                   longest: int | None = None) -> dict[str, ScaleSpec | None]:
-    """The spec of each drafter variant (``reference`` is another drafter and has none here).
+    """The spec of each drafter variant (``reference`` is another drafter and has none here; the
+    lookup variants run the drafter as it is).
 
     ``window`` W defaults to ``n_ref``; ``sinks`` keeps S sinks and the last W - S keys, so both
     restrictions leave the drafter unchanged at n <= W. The distance fixes take ``neighbour_window``
@@ -218,7 +258,8 @@ def variant_specs(spec: ScaleSpec, n_ref: int, variants=DEFAULT_VARIANTS, *, win
 
     made = {"none": None, "spec": spec, "qwen-logn": ScaleSpec(law="qwen-logn", n_ref=n_ref, slope=None,
                                                                top_k=spec.top_k),
-            "window": baseline(window=window), "sinks": baseline(window=window - sinks, sinks=sinks)}
+            "window": baseline(window=window), "sinks": baseline(window=window - sinks, sinks=sinks),
+            **{name: None for name in LOOKUP_VARIANTS}}
     for name in variants:
         if name in POSITION_VARIANTS:
             fix = position_fix(name.removesuffix("+spec"), n_ref, n_ref if longest is None else longest,
@@ -260,7 +301,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
              sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None,
              temperature: float = 1.0, slopes=(), alphas=(), saved: SavedUnits | None = None,
              neighbour_window: int | None = None, group: int | None = None,
-             sample: bool = False, seed: int = 0) -> dict:
+             sample: bool = False, seed: int = 0, lookup: LookupSettings | None = None) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
     Parameters
@@ -297,9 +338,16 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     sample, seed
         With ``speculative``: speculative sampling at ``temperature`` instead of greedy decoding,
         random streams seeded by ``seed`` and each prompt (:func:`prompt_seed`).
+    lookup : LookupSettings, optional
+        The lookup variants' n-gram range (default transformers': 2 down to 1); its end-of-sequence
+        token is the drafter's, whatever is given.
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     edges = bucket_edges(lengths)
+    recall = is_recall(corpus)
+    variants = with_lookup(variants, corpus)
+    check_lookup_loop(drafter.kind, variants, speculative)
+    lookup = replace(lookup or LookupSettings(), eos_token_id=drafter.eos_token_id)
     n_ref = drafter.default_n_ref if n_ref is None else int(n_ref)
     saved = saved or SavedUnits(None, {}, resume=False)
     variants = check_variants(list(variants), window=window, sinks=sinks, has_reference=reference is not None,
@@ -310,10 +358,15 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     specs = variant_specs(spec, n_ref, variants, window=window, sinks=sinks, neighbour_window=neighbour_window,
                           group=group, longest=int(edges[-1]))
     grid = scale_grid(list(slopes), list(alphas), n_ref, spec.top_k)
-    arms = ([Arm(v, s) for v, s in specs.items()] + grid
+    arms = ([Arm(v, s, drafts=v if v in LOOKUP_VARIANTS else "head") for v, s in specs.items()] + grid
             + ([Arm("reference", None, other=True)] if reference is not None else []))
-    texts = list(pack(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]),
-                      None if sequences is None else skip + sequences))[skip:]
+    limit = None if sequences is None else skip + sequences
+    if recall:
+        recalled = recall_corpus(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]), limit)[skip:]
+        texts, copied = [m.ids for m in recalled], [m.copied for m in recalled]
+    else:
+        texts = list(pack(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]), limit))[skip:]
+        copied = [None] * len(texts)
     if not texts:
         raise UserError(f"--skip {skip}: {corpus} holds no more than {skip} sequences of {edges[-1]} tokens; "
                         "lower --skip or the largest length")
@@ -324,7 +377,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
             if progress:
                 progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {len(arms)} arms")
             tally = tally_sequence(drafter, torch.tensor([text]), arms, edges, top_k=spec.top_k,
-                                   temperature=temperature, rows_per_bucket=rows_per_bucket, other=reference)
+                                   temperature=temperature, rows_per_bucket=rows_per_bucket, other=reference,
+                                   copied=copied[i], lookup=lookup)
             saved.put(f"forced-{i:05d}", tally.to_dict())
         tallies.append(tally)
     buckets = summarize(tallies, arms, edges)
@@ -335,8 +389,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         def rule(prompt):  # a fresh rule per run: every run from one prompt draws the same stream
             return Sampling(temperature, prompt_seed(seed, prompt)) if sample else GREEDY
 
-        all_identical = _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft,
-                                     progress, saved, rule)
+        all_identical, drafters = _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens,
+                                               num_draft, progress, saved, rule, lookup)
     if reference is not None:
         _recovered(buckets, names)
     return {
@@ -346,8 +400,11 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         "top_k": spec.top_k, "temperature": temperature,
         "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
         "variants": {a.name: describe_spec(a.spec) for a in arms},
-        "speculative": None if not speculative else _speculative_record(loop, new_tokens, num_draft, all_identical,
-                                                                        sample, temperature, seed),
+        "lookup": lookup.to_dict() if any(a.drafts != "head" for a in arms) else None,
+        "recall": {"distances": [m.distance for m in recalled]} if recall else None,
+        "speculative": None if not speculative else {**_speculative_record(loop, new_tokens, num_draft, all_identical,
+                                                                           sample, temperature, seed),
+                                                     "drafters": drafters},
         "oracle": _oracle(tallies, grid, edges, n_ref) if grid else None,
         "buckets": buckets,
     }
@@ -390,13 +447,14 @@ def _speculative_record(loop, new_tokens, num_draft, identical, sample, temperat
 
 
 def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tokens, num_draft, progress,
-                 saved: SavedUnits, rule) -> bool:
+                 saved: SavedUnits, rule, lookup: LookupSettings) -> tuple[bool, dict]:
     """Fill acceptance_length, speedup and their deltas per bucket: one prompt of ``n`` tokens per sequence.
 
     ``rule(prompt)`` makes a fresh verification rule for one run (the same random stream for every
-    run from a prompt). Returns whether every output equalled the baseline's (meaningful for greedy)."""
+    run from a prompt). Returns whether every output equalled the baseline's (meaningful for greedy),
+    and what drafted each variant (``SpeculativeResult.drafter``; read back from a resumed unit)."""
     runs = [(v, drafter, s) for v, s in specs.items()] + ([("reference", reference, None)] if reference else [])
-    identical = True
+    identical, drafters = True, {}
     for b, n in enumerate(edges):
         lengths = {v: np.zeros(len(texts)) for v, _, _ in runs}  # per sequence: tokens per target forward
         seconds, decoded = defaultdict(float), defaultdict(int)  # per variant: decode time and tokens
@@ -407,9 +465,10 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
                 if progress:
                     progress(f"speculative decoding ({loop}): n = {n}, prompt {i + 1}/{len(texts)}")
                 unit = _prompt(loop, drafter, runs, text[:max(int(n) - new_tokens, 2)], new_tokens, num_draft,
-                               rule)
+                               rule, lookup)
                 saved.put(f"speculative-{int(n)}-{i:05d}", unit)
             identical &= unit["identical"]
+            drafters.update(unit["drafters"])
             base_seconds += unit["base"][0]
             base_decoded += unit["base"][1]
             for variant, (length, secs, tokens) in unit["runs"].items():
@@ -428,16 +487,19 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
             if variant != "none":
                 cell["delta_vs_none"]["acceptance_length"] = _triple(paired_bootstrap(lengths[variant]
                                                                                       - lengths["none"]))
-    return identical
+    return identical, drafters
 
 
 def _prompt_unit(unit, variants: list[str]) -> dict:
     """A saved prompt (``_prompt``'s value) checked against the run's ``variants``: a ``ValueError`` otherwise."""
-    if not isinstance(unit, dict) or set(unit) != {"identical", "base", "runs"} or not isinstance(unit["identical"],
-                                                                                                     bool):
-        raise ValueError("expected an object with identical (true or false), base and runs")
-    if not isinstance(unit["runs"], dict) or set(unit["runs"]) != set(variants):
-        raise ValueError(f"runs: expected one entry per variant ({', '.join(variants)})")
+    if not isinstance(unit, dict) or set(unit) != {"identical", "base", "runs", "drafters"} or not isinstance(
+            unit["identical"], bool):
+        raise ValueError("expected an object with identical (true or false), base, runs and drafters")
+    for name in ("runs", "drafters"):
+        if not isinstance(unit[name], dict) or set(unit[name]) != set(variants):
+            raise ValueError(f"{name}: expected one entry per variant ({', '.join(variants)})")
+    if not all(isinstance(d, str) for d in unit["drafters"].values()):
+        raise ValueError("drafters: expected the name of what drafted each variant")
     for where, value, size in [("base", unit["base"], 2)] + [(f"runs[{v!r}]", r, 3) for v, r in unit["runs"].items()]:
         if not (isinstance(value, list) and len(value) == size and all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in value)):
@@ -445,29 +507,34 @@ def _prompt_unit(unit, variants: list[str]) -> dict:
     return unit
 
 
-def _prompt(loop: str, drafter, runs, prompt: list[int], new_tokens: int, num_draft: int, rule) -> dict:
+def _prompt(loop: str, drafter, runs, prompt: list[int], new_tokens: int, num_draft: int, rule,
+            lookup: LookupSettings) -> dict:
     """One prompt decoded target-only and by every run, each verified by a fresh ``rule(prompt)``:
     ``{"identical", "base": [seconds, tokens], "runs": {variant: [acceptance length, decode seconds,
-    decoded tokens]}}`` (what a resumed run keeps)."""
+    decoded tokens]}, "drafters": {variant: what drafted}}`` (what a resumed run keeps)."""
     target = drafter.target
     prompt = torch.tensor([prompt], device=drafter.device)
     # chain loop: one target prefill per prompt, shared by the baseline and every variant (each decodes
     # from a copy); transformers' generate prefills in each run
     shared = None if loop == ASSISTED_LOOP else prefill(target, prompt, drafter.chain_drafter(None).feature_ids)
     baseline = _decode(loop, target, None, None, prompt, new_tokens, num_draft, shared, rule(prompt))
-    unit = {"identical": True, "base": [baseline.decode_seconds, baseline.decode_tokens], "runs": {}}
+    unit = {"identical": True, "base": [baseline.decode_seconds, baseline.decode_tokens], "runs": {}, "drafters": {}}
     for variant, source, s in runs:
-        out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared, rule(prompt))
+        out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared, rule(prompt),
+                      variant if variant in LOOKUP_VARIANTS else "head", lookup)
         unit["identical"] &= out.tokens == baseline.tokens
         unit["runs"][variant] = [out.acceptance_length, out.decode_seconds, out.decode_tokens]
+        unit["drafters"][variant] = out.drafter
     return unit
 
 
 def _decode(loop: str, target, source, spec: ScaleSpec | None, prompt: torch.Tensor, new_tokens: int,
-            num_draft: int, shared: Prefill | None, rule=GREEDY) -> SpeculativeResult:
+            num_draft: int, shared: Prefill | None, rule=GREEDY, drafts: str = "head",
+            lookup: LookupSettings | None = None) -> SpeculativeResult:
     """One decode by ``loop`` verified by ``rule``: target-only when ``source`` is None, else
     speculative with the drafter adapter ``source`` under ``spec`` (its assistant model, or its
-    chain drafter, from the ``shared`` prefill)."""
+    chain drafter, from the ``shared`` prefill); ``drafts`` ``lookup`` or ``lookup+head``: prompt
+    lookup with ``lookup``'s settings, alone or before the chain drafter, in the same chain loop."""
     if loop == ASSISTED_LOOP:
         if source is None:
             return transformers_generate(target, prompt, new_tokens, rule=rule)
@@ -475,7 +542,10 @@ def _decode(loop: str, target, source, spec: ScaleSpec | None, prompt: torch.Ten
             return transformers_generate(target, prompt, new_tokens, assistant, num_draft, rule)
     if source is None:
         return target_generate(target, prompt, new_tokens, shared, rule)
-    chain = source.chain_drafter(spec)
+    proposer = LookupDrafter(target.get_output_embeddings().weight.shape[0], lookup) if drafts != "head" else None
+    chain = proposer if drafts == "lookup" else source.chain_drafter(spec)
+    if drafts == "lookup+head":
+        chain = LookupThenHead(proposer, chain)
     try:
         return speculative_generate(target, chain, prompt, new_tokens, num_draft, shared, rule)
     finally:

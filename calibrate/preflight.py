@@ -80,13 +80,19 @@ def _check_writable(option: str, path: Path, resolved: Path) -> None:
     os.unlink(probe)
 
 
-def check_corpus(source: str) -> None:
+def check_corpus(source: str, max_length: int | None = None) -> None:
     """The corpus exists and its first document reads (``calibrate.corpus`` raises the ``UserError``);
-    a corpus with no text at all (an empty file, blank lines, a folder of such) is refused here too."""
-    from .corpus import documents, no_text
+    a corpus with no text at all (an empty file, blank lines, a folder of such) is refused here too,
+    and a recall corpus whose sequences of ``max_length`` (when given) fit no repeat distance."""
+    from .corpus import documents, is_recall, no_text
+    from .recall import DISTANCES, passage_length, usable_distances
 
     if next(iter(documents(source)), None) is None:
         raise no_text(source)
+    if is_recall(source) and max_length is not None and not usable_distances(max_length):
+        raise UserError(f"--corpus {source}: sequences of {max_length} tokens fit no repeat distance of "
+                        f"{', '.join(map(str, DISTANCES))} (a block is the distance plus its passage, at least "
+                        f"{DISTANCES[0] + passage_length(DISTANCES[0])} tokens); use longer sequences")
 
 
 def load_spec(path: str | os.PathLike) -> ScaleSpec:

@@ -58,11 +58,13 @@ def usable_distances(length: int, distances: Iterable[int] = DISTANCES) -> list[
     return [d for d in distances if d >= MIN_PASSAGE and d + passage_length(d) <= length]
 
 
-def recall_sequences(stream: Iterator[int], length: int, count: int,
+def recall_sequences(stream: Iterator[int], length: int, count: int | None,
                      distances: Iterable[int] = DISTANCES) -> list[RecallSequence]:
-    """``count`` recall sequences of ``length`` tokens (module docstring) from the token ``stream``.
+    """``count`` recall sequences of ``length`` tokens (module docstring) from the token ``stream``
+    (None: as many as the stream fills).
 
-    Raises ``ValueError`` when no distance fits ``length`` or the stream runs out.
+    Raises ``ValueError`` when no distance fits ``length``, or the stream runs out before ``count``
+    sequences (or, with None, before one).
     """
     distances = tuple(distances)
     usable = usable_distances(length, distances)
@@ -70,21 +72,19 @@ def recall_sequences(stream: Iterator[int], length: int, count: int,
         raise ValueError(f"no repeat distance of {', '.join(map(str, distances))} fits sequences of {length} "
                          "tokens (a block is the distance plus one passage); use longer sequences")
     out = []
-    for i in range(count):
-        d = usable[i % len(usable)]
+    while count is None or len(out) < count:
+        d = usable[len(out) % len(usable)]
         p = passage_length(d)
         ids: list[int] = []
         copied: list[bool] = []
         while len(ids) < length:
-            fresh = _take(stream, d)  # (d,): the passage, then the filler
+            fresh = [t for _, t in zip(range(d), stream)]  # (d,): the passage, then the filler
+            if len(fresh) < d:
+                if count is None and out:
+                    return out
+                raise ValueError("the corpus ran out of text for the recall sequences; ask for fewer or "
+                                 "shorter ones")
             ids += fresh + fresh[:p]
             copied += [False] * d + [False] + [True] * (p - 1)
         out.append(RecallSequence(ids[:length], np.asarray(copied[:length], dtype=bool), d))
     return out
-
-
-def _take(stream: Iterator[int], k: int) -> list[int]:
-    got = [t for _, t in zip(range(k), stream)]
-    if len(got) < k:
-        raise ValueError("the corpus ran out of text for the recall sequences; ask for fewer or shorter ones")
-    return got

@@ -348,7 +348,7 @@ def check_options(opts: CalibrateOptions) -> None:
                         "to n_ref, below --max-length; use a --top-k of at most half the n_ref")
     check_outputs({"--out": Path(opts.out), "--stats": opts.stats},
                   local_inputs(corpus=opts.corpus, drafter_path=opts.drafter_path, target_path=opts.target_path))
-    check_corpus(opts.corpus)
+    check_corpus(opts.corpus, opts.max_length)
 
 
 def _first_sampled_n(top_k: int) -> int:

@@ -9,7 +9,9 @@ every candidate on the rows of one target pass per sequence (``calibrate.measure
 * ``qwen-logn``;
 * ``window W`` for W = n_ref / 2, n_ref, 2 n_ref (SGLang's draft window) and ``sinks`` (4 sinks
   plus the last n_ref - 4 keys);
-* every distance fix the runtime applies (``clamp``, ``group``, ``pi``), alone and ``+spec``.
+* every distance fix the runtime applies (``clamp``, ``group``, ``pi``), alone and ``+spec``;
+* ``lookup`` (prompt lookup, ``calibrate.lookup``) and ``lookup+head`` (lookup where it finds a
+  match, the drafter as it is elsewhere): the training-free rival, measured on the same rows.
 
 **The rule.** A candidate's score is its paired gain in top-1 agreement over ``none``, averaged
 with equal weights over the length buckets past n_ref (edges n_ref * 2^j up to the calibration
@@ -47,7 +49,7 @@ from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.positions import FIXES
 
 from .errors import UserError
-from .evaluate import describe_spec, variant_specs
+from .evaluate import LOOKUP_VARIANTS, describe_spec, variant_specs
 from .measure import METRICS, Arm, Tally, gain, slope_arm, tally_sequence
 
 __all__ = ["SIMPLICITY", "kind_of", "candidates", "select", "judge", "choose", "deployed", "decision_line", "RULE"]
@@ -90,7 +92,7 @@ def candidates(fitted: ScaleSpec, n_ref: int, longest: int) -> list[Arm]:
     for w in (n_ref // 2, n_ref, 2 * n_ref):
         if w > top_k:
             arms.append(Arm(f"window {w}", ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=top_k, window=w)))
-    return arms
+    return arms + [Arm(name, None, drafts=name) for name in LOOKUP_VARIANTS]
 
 
 def select(drafter, sequences: list[list[int]], fitted: ScaleSpec, *, n_ref: int, max_length: int, longest: int,

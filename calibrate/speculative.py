@@ -168,6 +168,7 @@ class SpeculativeResult:
     seconds: float  # wall-clock time, prefill included
     decode_seconds: float  # wall-clock time after the target's first forward, its prefill (what drafting speeds up)
     decode_tokens: int  # tokens committed in decode_seconds (after the target's first forward)
+    drafter: str = "none"  # what drafted (the ChainDrafter's name; transformers' loop: assistant; none: target only)
 
     @property
     def acceptance_length(self) -> float:
@@ -270,7 +271,7 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     """Speculative decoding of ``max_new_tokens`` after ``prompt`` (1, T), chain of ``num_draft``,
     verified by ``rule`` (:data:`GREEDY` or a :class:`Sampling`).
 
-    ``drafter`` is a ``ChainDrafter`` (``calibrate.drafters.base``: ``feature_ids``,
+    ``drafter`` is a ``ChainDrafter`` (``calibrate.drafters.base``: ``name``, ``feature_ids``,
     ``start(prompt, features, pending)``, ``draft(k, rule)``, ``commit(tokens, features)``). Greedy:
     the output equals :func:`greedy_generate`'s up to floating-point ties (the verify forward
     scores several tokens at once, decoding scores one). Sampling: every token follows the target's
@@ -288,18 +289,19 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     accepted_counts = []
     while len(tokens) < max_new_tokens:
         k = min(num_draft, max_new_tokens - len(tokens))  # never draft past the requested length
-        drafts, q = drafter.draft(k, rule)  # q: (k, vocab) the drafts' laws (None: greedy)
-        block = torch.tensor([[tokens[-1], *drafts]], device=device)  # pending token + K drafts
-        logits, feats = target_step(target, block, cache, drafter.feature_ids)  # (K + 1, vocab)
+        drafts, q = drafter.draft(k, rule)  # up to k drafts; q: (len, vocab) their laws (None: greedy)
+        block = torch.tensor([[tokens[-1], *drafts]], device=device)  # pending token + its drafts
+        logits, feats = target_step(target, block, cache, drafter.feature_ids)  # (len + 1, vocab)
         accepted, token = rule.verify(drafts, q, logits)
         new = drafts[:accepted] + [token]
-        crop_cache(cache, cache.get_seq_length() - (k - accepted))  # keep pending + accepted drafts
+        crop_cache(cache, cache.get_seq_length() - (len(drafts) - accepted))  # keep pending + accepted drafts
         drafter.commit(new, None if feats is None else feats[:, :accepted + 1])
         tokens.extend(new)
         accepted_counts.append(accepted)
     t2 = time.perf_counter()
     tokens = tokens[:max_new_tokens]  # the last step may commit one past the end
-    return SpeculativeResult(tokens, len(accepted_counts), accepted_counts, t2 - t0, t2 - t1, len(tokens) - 1)
+    return SpeculativeResult(tokens, len(accepted_counts), accepted_counts, t2 - t0, t2 - t1, len(tokens) - 1,
+                             drafter.name)
 
 
 @torch.no_grad()
@@ -344,7 +346,7 @@ def transformers_generate(target, prompt: torch.Tensor, max_new_tokens: int, ass
         raise RuntimeError(f"transformers' generate ran {forwards.count} target forwards and committed {committed} "
                            f"tokens, {len(tokens)} in all: not one commit per forward as assisted generation does")
     return SpeculativeResult(tokens, forwards.count, [c - 1 for c in committed], t2 - t0, t2 - forwards.first_end,
-                             len(tokens) - committed[0])
+                             len(tokens) - committed[0], "none" if assistant is None else "assistant")
 
 
 class _ForwardClock:

@@ -11,6 +11,10 @@ the 95% bootstrap interval over sequences. A difference whose interval excludes 
 With ``--at N``: one table for the bucket ``N``, a row per variant, each metric's value, its
 difference from ``none`` and from the ``--versus`` variant(s), each paired over the same rows and
 sequences (the per-sequence sums eval keeps, resampled as eval resamples them).
+
+On a recall corpus (``--corpus recall:SOURCE``) agreement on the copied tokens and on the other rows
+join the metrics (paired over those rows: the bucket's ``copy_rows_per_sequence`` and
+``other_rows_per_sequence``), and one more table gives the target's own accuracy on both.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sharpdraft_theory.bootstrap import paired_bootstrap  # noqa: E402
 
 TITLES = {"acceptance_length": "acceptance length", "agreement": "agreement",
-          "expected_acceptance": "expected acceptance", "mass": "mass"}
+          "expected_acceptance": "expected acceptance", "mass": "mass", "copy_agreement": "copy agreement",
+          "other_agreement": "other agreement"}
+SUBSETS = ("copy", "other")  # a recall corpus's row subsets (calibrate.measure.SUBSETS)
 
 
 def _delta(triple, bracket: bool = True) -> str:
@@ -49,19 +55,25 @@ def contrast(bucket: dict, variant: str, versus: str, metric: str) -> list[float
         b = np.asarray(bucket[versus]["per_sequence"][metric], dtype=float)
     except KeyError:
         return None
-    rows = None if metric == "acceptance_length" else np.asarray(bucket["rows_per_sequence"], dtype=float)
+    subset = metric.partition("_")[0]
+    rows_key = f"{subset}_rows_per_sequence" if subset in SUBSETS else "rows_per_sequence"  # the rows it sums over
+    rows = None if metric == "acceptance_length" else np.asarray(bucket[rows_key], dtype=float)
     return paired_bootstrap(a - b, rows)
 
 
 def _variants(bucket: dict) -> list[str]:
-    return [v for v in bucket if isinstance(bucket[v], dict)]
+    return [v for v in bucket if isinstance(bucket[v], dict) and v != "target"]  # target: not a drafter
 
 
 def tables(result: dict) -> str:
     buckets = result["buckets"]
     variants = _variants(buckets[0])
     metrics = [("acceptance_length", "acceptance length (tokens per target forward)")] if result["speculative"] else []
-    metrics += [("agreement", "teacher-forced top-1 agreement"), ("mass", f"top-{result['top_k']} attention mass")]
+    metrics += [("agreement", "teacher-forced top-1 agreement")]
+    if "target" in buckets[0]:
+        metrics += [("copy_agreement", "agreement on copied tokens"),
+                    ("other_agreement", "agreement on the other rows")]
+    metrics += [("mass", f"top-{result['top_k']} attention mass")]
     lines = [f"{result['sequences']} sequences of {result['sequence_length']} tokens of {result['corpus']}; "
              f"drafter n_ref = {result['drafter']['n_ref']}; in brackets: difference from none, 95% interval "
              "over sequences (bold: excludes 0)", ""]
@@ -78,7 +90,17 @@ def tables(result: dict) -> str:
                 cells.append(text)
             lines.append(f"| {row['n']} | " + " | ".join(cells) + " |")
         lines.append("")
+    if "target" in buckets[0]:
+        lines += ["**the target's own accuracy on the true text**", "", "| n | copied tokens | other rows |",
+                  "|---:|---:|---:|"]
+        lines += [f"| {row['n']} | " + " | ".join(_number(row["target"].get(f"{s}_accuracy")) for s in SUBSETS) + " |"
+                  for row in buckets]
+        lines.append("")
     return "\n".join(lines)
+
+
+def _number(value) -> str:
+    return "" if value is None else f"{value:.3f}"
 
 
 def table_at(result: dict, n: int, versus: list[str]) -> str:
@@ -90,7 +112,8 @@ def table_at(result: dict, n: int, versus: list[str]) -> str:
     for v in versus:
         if v not in variants:
             raise SystemExit(f"--versus {v}: the eval has variants {', '.join(variants)}")
-    metrics = [m for m in ("agreement", "expected_acceptance", "acceptance_length") if bucket["none"].get(m) is not None]
+    metrics = [m for m in ("agreement", "copy_agreement", "other_agreement", "expected_acceptance", "acceptance_length")
+               if bucket["none"].get(m) is not None]
     against = ["none", *[v for v in versus if v != "none"]]
     head = ["variant"] + [f"{TITLES[m]}{'' if a is None else f' - {a}'}" for m in metrics for a in (None, *against)]
     lines = [f"n = {n:,}: {result['sequences']} sequences of {result['corpus']}; drafter n_ref = "

@@ -256,6 +256,26 @@ EVAL_CASES = [
     Case("eval-variants-unknown", EVAL + " --variants none,magic", "magic"),
     Case("eval-out-in-reference-head", EVAL + " --reference-drafter-path {w}/ref --out {w}/ref/config.json", "--out",
          (("ref", "@pard"),)),
+    Case("eval-lookup-max-ngram-zero", EVAL + " --variants lookup --lookup-max-ngram 0", "--lookup-max-ngram 0"),
+    Case("eval-lookup-max-ngram-negative", EVAL + " --variants lookup --lookup-max-ngram -2", "--lookup-max-ngram -2"),
+    Case("eval-lookup-max-ngram-huge", EVAL + " --variants lookup --lookup-max-ngram 100000",
+         "--lookup-max-ngram 100000"),
+    Case("eval-lookup-max-ngram-text", EVAL + " --variants lookup --lookup-max-ngram three", "--lookup-max-ngram"),
+    Case("eval-lookup-min-ngram-zero", EVAL + " --variants lookup+head --lookup-min-ngram 0", "--lookup-min-ngram 0"),
+    Case("eval-lookup-min-ngram-float", EVAL + " --variants lookup --lookup-min-ngram 1.5", "--lookup-min-ngram"),
+    Case("eval-lookup-min-above-max", EVAL + " --variants lookup --lookup-max-ngram 2 --lookup-min-ngram 3",
+         "--lookup-min-ngram 3"),
+    Case("eval-lookup-speculative-assisted", EVAL + " --variants none,lookup --speculative", "--variants lookup"),
+    Case("eval-recall-speculative-assisted", EVAL.replace("{fx}/corpus.txt", "recall:{fx}/corpus.txt")
+         + " --speculative", "--variants lookup"),
+    Case("eval-recall-empty", EVAL.replace("{fx}/corpus.txt", "recall:"), "--corpus recall:"),
+    Case("eval-recall-nested", EVAL.replace("{fx}/corpus.txt", "recall:recall:pydoc"), "recall:recall:pydoc"),
+    Case("eval-recall-missing", EVAL.replace("{fx}/corpus.txt", "recall:{w}/none.txt"), "none.txt"),
+    Case("eval-recall-bad-split", EVAL.replace("{fx}/corpus.txt", "recall:stdlib:test"), "stdlib:test"),
+    Case("eval-recall-too-short", EVAL.replace("{fx}/corpus.txt", "recall:{fx}/corpus.txt").replace(
+        "--lengths 32,64,128", "--lengths 32,64"), "fit no repeat distance"),
+    Case("eval-recall-empty-file", EVAL.replace("{fx}/corpus.txt", "recall:{w}/c.txt"), "holds no text",
+         (("c.txt", ""),)),
 ]
 
 CAL = ("calibrate --drafter pard --drafter-path {fx}/pard --corpus {fx}/corpus.txt --n-ref 64 --max-length 256 "

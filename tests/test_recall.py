@@ -46,3 +46,15 @@ def test_refusals():
         recall_sequences(iter(range(100)), 20, 1)
     with pytest.raises(ValueError, match="ran out of text"):
         recall_sequences(iter(range(100)), 512, 1, distances=DISTANCES)
+
+
+def test_every_sequence_the_stream_fills():
+    """``count=None``: as many whole sequences as the stream fills, the same as asking for that many."""
+    seqs = recall_sequences(iter(range(1000)), 80, None, distances=(32, 48))
+    # two blocks per sequence, each D fresh stream tokens: 64 + 96 per pair of sequences, 6 pairs in 1,000
+    assert len(seqs) == 12
+    assert [s.ids for s in seqs] == [s.ids for s in recall_sequences(iter(range(1000)), 80, 12, distances=(32, 48))]
+    with pytest.raises(ValueError, match="ran out of text"):
+        recall_sequences(iter(range(1000)), 80, 13, distances=(32, 48))
+    with pytest.raises(ValueError, match="ran out of text"):
+        recall_sequences(iter(range(10)), 80, None)

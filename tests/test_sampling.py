@@ -153,6 +153,7 @@ class TableDrafter:
     """A ``ChainDrafter`` with another, sharper table: its law is far from the target's, so a wrong
     rule shows."""
 
+    name = "test"
     feature_ids = None
 
     def __init__(self):
@@ -195,6 +196,13 @@ class GreedyAcceptance(Sampling):
         return accepted, inverse_cdf(self.probs(logits[accepted]), self.rng.random())
 
 
+class AcceptAll(Sampling):
+    """Wrong: every draft accepted, then the target's draw."""
+
+    def verify(self, drafts, q, logits):
+        return len(drafts), inverse_cdf(self.probs(logits[len(drafts)]), self.rng.random())
+
+
 def exact_law(target: MarkovTarget) -> tuple[np.ndarray, np.ndarray]:
     """The target sampling alone at T after ``PROMPT``: the law of token 0 (V,) and of tokens 1 and 2
     (V, V), ``sum_t0 p(t0) P[t0, t1] P[t1, t2]``, float64."""
@@ -203,10 +211,10 @@ def exact_law(target: MarkovTarget) -> tuple[np.ndarray, np.ndarray]:
     return p0, np.einsum("a,ab,bc->bc", p0, P, P)
 
 
-def monte_carlo(rule_class, num_draft: int) -> tuple[np.ndarray, np.ndarray]:
+def monte_carlo(rule_class, num_draft: int, drafter=None) -> tuple[np.ndarray, np.ndarray]:
     """Empirical laws of token 0 (V,) and of tokens 1 and 2 (V, V) over ``RUNS`` decodes by the chain
-    loop, run ``i`` with its own stream seeded ``(0, i)``."""
-    target, drafter = MarkovTarget(), TableDrafter()
+    loop with ``drafter`` (default a :class:`TableDrafter`), run ``i`` with its own stream seeded ``(0, i)``."""
+    target, drafter = MarkovTarget(), drafter or TableDrafter()
     shared = prefill(target, PROMPT)
     first, pair = np.zeros(V), np.zeros((V, V))
     for i in range(RUNS):
@@ -239,6 +247,21 @@ def test_a_wrong_rule_fails_the_monte_carlo(rule_class):
     _, law = exact_law(MarkovTarget())
     tv = _tv(monte_carlo(rule_class, 1)[1], law)
     assert tv > TV_BOUND, f"total variation {tv:.4f}"
+
+
+def test_lookup_in_the_chain_loop_keeps_the_target_law():
+    """Prompt lookup's drafts are point masses (accepted with probability p_T(x), the residual p_T
+    without x): the same Monte Carlo, K = 2. After the prompt 1 2 3 every 1-gram has been seen, so
+    lookup drafts at every step; accepting every draft (as if lookup's text were the target's) moves
+    the law past the bound."""
+    from calibrate.lookup import LookupDrafter, LookupSettings
+
+    p0, law = exact_law(MarkovTarget())
+    first, pair = monte_carlo(Sampling, 2, LookupDrafter(V, LookupSettings()))
+    assert _tv(first, p0) < TV_BOUND
+    assert _tv(pair, law) < TV_BOUND, f"total variation {_tv(pair, law):.4f} >= {TV_BOUND:.4f}"
+    tv = _tv(monte_carlo(AcceptAll, 2, LookupDrafter(V, LookupSettings()))[1], law)
+    assert tv > TV_BOUND, f"total variation {tv:.4f}"  # this test can fail
 
 
 # -- EAGLE-3: the head's draft laws --------------------------------------------------------------

@@ -50,7 +50,7 @@ def test_a_gain_exactly_at_zero_does_not_qualify():
 def test_every_candidate_has_a_kind_in_the_simplicity_order():
     fitted = ScaleSpec(law="log-linear", n_ref=64, slope=0.2, top_k=4)
     kinds = {a.name: kind_of(a.name) for a in candidates(fitted, 64, 64 * 64)}
-    assert set(kinds.values()) == {"none", "scale", "window", "sinks", "fix", "fix+scale"}
+    assert set(kinds.values()) == set(SIMPLICITY)  # every kind is a candidate, lookup and lookup+head included
     assert kinds["spec"] == kinds["slope 0.1"] == kinds["qwen-logn"] == "scale"
     assert (kinds["window 32"], kinds["sinks"], kinds["group"], kinds["pi+spec"]) == ("window", "sinks", "fix",
                                                                                        "fix+scale")
@@ -107,7 +107,7 @@ def test_candidates_cover_the_deployments():
     names = [a.name for a in candidates(fitted, 64, 64 * 64)]
     assert names[:2] == ["none", "spec"]
     for want in ("slope 0.1", "slope 0.4", "qwen-logn", "sinks", "clamp", "group", "pi", "clamp+spec",
-                 "window 32", "window 64", "window 128"):
+                 "window 32", "window 64", "window 128", "lookup", "lookup+head"):
         assert want in names, (want, names)
     assert len(set(names)) == len(names)
 
@@ -286,6 +286,8 @@ def test_every_kind_of_candidate_goes_through_summary_inspect_and_enable(windowe
                 disable(drafter.model)
         # float32 through two routes to the same attention: a few ulps of logits of size ~10
         torch.testing.assert_close(deployed_logits, measured, atol=1e-4, rtol=1e-4, msg=arm.name)
-        if arm.name != "none":  # this test can fail: a deployment that changed nothing would pass the above
-            assert not torch.allclose(deployed_logits, plain, atol=1e-3), arm.name
-    assert kinds == {"none", "scale", "window", "sinks", "fix", "fix+scale"}
+        if arm.name != "none" and arm.drafts == "head":  # this test can fail: a deployment that changed nothing
+            assert not torch.allclose(deployed_logits, plain, atol=1e-3), arm.name  # would pass the above
+        elif arm.drafts != "head":  # lookup runs in the serving engine; the file leaves the drafter as it is
+            assert spec.law == "constant" and spec.window is None and spec.positions is None, arm.name
+    assert kinds == set(SIMPLICITY)

@@ -24,6 +24,7 @@ class CausalLMChainDrafter:
     chain loop's test drafter (``sharpdraft eval`` runs causal LMs through transformers' assisted
     generation instead, tests/test_assisted.py). ``spec`` is enabled until :meth:`close`."""
 
+    name = "test"
     feature_ids = None
 
     def __init__(self, model, spec: ScaleSpec | None = None):

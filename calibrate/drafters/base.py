@@ -70,29 +70,36 @@ class TeacherForced:
     target_next: torch.Tensor  # (rows,) the target's greedy token at the row's place in the text
     drafted: torch.Tensor  # (runs, rows) the drafter's greedy token (target vocabulary), one row per run
     accept: torch.Tensor  # (runs, rows) sum_x min(p_T, q_T): the row's acceptance probability under sampling at T
+    proposed_accept: torch.Tensor | None = None  # (rows,) p_T(x) of the proposals' tokens (0 where none), if asked
 
 
 class ChainDrafter(Protocol):
-    """Chain drafting for speculative decoding, greedy or sampled (``calibrate.speculative.speculative_generate``).
+    """What proposes drafts to the one speculative loop, greedy or sampled
+    (``calibrate.speculative.speculative_generate``): a model's chain (EAGLE-3), prompt lookup
+    (``calibrate.lookup``), or lookup with a model behind it. They differ in how they propose, not
+    in how a draft is verified and committed (transformers' ``CandidateGenerator``, vLLM's proposers).
 
     State: committed tokens ``x_0 .. x_N``; ``x_N`` (the target's last choice) is pending.
     """
 
+    name: str  # what drafts, recorded by the loop (eagle3, lookup, lookup+eagle3, ...)
     feature_ids: tuple[int, ...] | None  # target hidden_states the drafter reads; None: none
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, pending: int) -> None:
         """Begin after ``prompt`` (1, N) with its target features (1, N, ·) and the pending token."""
 
     def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
-        """``k`` drafts (target vocabulary) following the pending token, each picked by ``rule``
-        (``calibrate.speculative``: ``rule.pick(logits)`` gives the token index in the drafter's
-        logits and its law, None for greedy), each step conditioned on the tokens picked before; and
-        the laws of the drafts over the target vocabulary (k, vocab) float64, None when ``rule``
-        gives none."""
+        """Up to ``k`` drafts (target vocabulary) following the pending token (fewer, or none, when the
+        drafter has nothing to propose: the step then verifies the pending token alone), and the laws
+        they were drawn from over the target vocabulary (len, vocab) float64, None when ``rule`` reads
+        none (greedy). A model drafts each by ``rule`` (``calibrate.speculative``: ``rule.pick(logits)``
+        gives the token index in its logits and its law, None for greedy), each step conditioned on
+        the tokens picked before; a point-mass drafter (lookup) hands back one-hot laws."""
 
     def commit(self, new: list[int], features: torch.Tensor | None) -> None:
         """The target accepted ``new`` (accepted drafts then its own choice, now pending);
-        ``features`` (1, len(new), ·) of the pending token and the accepted drafts."""
+        ``features`` (1, len(new), ·) of the pending token and the accepted drafts. A step whose
+        drafts came from elsewhere (``lookup+head``) commits without a ``draft`` call."""
 
     def close(self) -> None:
         """Undo anything done to shared models (runtime bindings)."""
@@ -122,11 +129,16 @@ class Drafter(Protocol):
 
     target: torch.nn.Module  # the target model the drafter drafts for
 
+    predicts: int  # teacher-forced row t guesses token t + predicts of the text (EAGLE-3: 2; next-token LMs: 1),
+    # so a sequence of T tokens has T + 1 - predicts rows
+
     def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
-                       temperature: float = 1.0) -> TeacherForced:
+                       temperature: float = 1.0, proposals: torch.Tensor | None = None) -> TeacherForced:
         """The target once over ``input_ids`` (1, T), then the drafter once per ``(spec, tap)``, its
         queries scaled by ``spec`` (None: unscaled) and shown, scaled, to ``tap``; expected acceptance
-        at ``temperature`` (``calibrate.measure.metrics.NextTokenLaw``)."""
+        at ``temperature`` (``calibrate.measure.metrics.NextTokenLaw``). ``proposals`` (rows,): a
+        target id per row drafted as a point mass (prompt lookup; -1: none), whose ``p_T`` comes back
+        as ``proposed_accept``."""
 
     def chain_drafter(self, spec: ScaleSpec | None) -> ChainDrafter:
         """A chain drafter with ``spec`` applied (None: unscaled); call its ``close`` when done."""

@@ -568,6 +568,7 @@ class Eagle3Drafter:
     """
 
     kind = "eagle3"
+    predicts = 2  # teacher-forced row t guesses token t + 2
 
     def __init__(self, head: Eagle3Head, target: nn.Module, tokenizer, path: str | None = None,
                  training: TrainingLength | None = None, aux_layer_reading: str | None = None):
@@ -630,9 +631,9 @@ class Eagle3Drafter:
 
     @torch.no_grad()
     def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
-                       temperature: float = 1.0) -> TeacherForced:
-        """Head row ``t`` (the collect layout) guesses token ``t + 2``; the target's law for it is its
-        next-token law after position ``t + 1``. The target runs once, for features and its law."""
+                       temperature: float = 1.0, proposals: torch.Tensor | None = None) -> TeacherForced:
+        """Head row ``t`` (the collect layout) guesses token ``t + 2`` (``predicts``); the target's law for
+        it is its next-token law after position ``t + 1``. The target runs once, for features and its law."""
         from ..measure.metrics import NextTokenLaw
 
         input_ids = self._input(input_ids)
@@ -641,7 +642,8 @@ class Eagle3Drafter:
         width = out.shape[-1] // (len(self.feature_ids) + 1)
         features, final = out[:, :, :-width], out[0, 1:, -width:]
         columns = self.head.draft_to_target(torch.arange(self.head.config.draft_vocab_size, device=final.device))
-        law = NextTokenLaw(self.target.get_output_embeddings()(final), temperature, columns)  # rows t + 1 >= 1
+        law = NextTokenLaw(self.target.get_output_embeddings()(final), temperature, columns,
+                           points=proposals)  # rows t + 1 >= 1
         drafted, accept = [], []
         for spec, tap in runs:
             scaled = ScalingTap(spec, tap)
@@ -650,7 +652,7 @@ class Eagle3Drafter:
             drafted.append(self.head.draft_to_target(logits.argmax(-1)))
             accept.append(law.acceptance(logits))
         return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
-                             accept=torch.stack(accept))
+                             accept=torch.stack(accept), proposed_accept=law.point_accept)
 
     def chain_drafter(self, spec: ScaleSpec | None) -> "Eagle3ChainDrafter":
         return Eagle3ChainDrafter(self.head, self.feature_ids, spec)
@@ -672,6 +674,8 @@ class Eagle3ChainDrafter:
     spec : ScaleSpec, optional
         Query scaling applied in the head's attention hook (``sharpdraft_runtime.query_hook``).
     """
+
+    name = "eagle3"  # the drafter kind the loop records
 
     def __init__(self, head: Eagle3Head, feature_ids: tuple[int, ...], spec: ScaleSpec | None = None):
         self.head = head

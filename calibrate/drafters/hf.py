@@ -61,6 +61,8 @@ class CausalLMDrafter:
     ``target`` is the target model, or a function that loads it (called once, when first needed).
     """
 
+    predicts = 1  # teacher-forced row t guesses token t + 1
+
     def __init__(self, model, tokenizer, *, kind: str, path: str | None, default_n_ref: int,
                  target: nn.Module | Callable[[], nn.Module]):
         self.model = model
@@ -92,12 +94,12 @@ class CausalLMDrafter:
 
     @torch.no_grad()
     def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
-                       temperature: float = 1.0) -> TeacherForced:
-        """Row ``t`` of (1, T): the drafter's and the target's next-token laws after token ``t``."""
+                       temperature: float = 1.0, proposals: torch.Tensor | None = None) -> TeacherForced:
+        """Row ``t`` of (1, T): the drafter's and the target's next-token laws after token ``t`` (``predicts``)."""
         from ..measure.metrics import NextTokenLaw
 
         input_ids = input_ids.to(self.device)
-        law = NextTokenLaw(self.target(input_ids=input_ids).logits[0], temperature)  # (T, vocab)
+        law = NextTokenLaw(self.target(input_ids=input_ids).logits[0], temperature, points=proposals)  # (T, vocab)
         drafted, accept = [], []
         for spec, tap in runs:
             scaled = ScalingTap(spec, tap)
@@ -106,7 +108,7 @@ class CausalLMDrafter:
             drafted.append(logits.argmax(-1))
             accept.append(law.acceptance(logits))
         return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
-                             accept=torch.stack(accept))
+                             accept=torch.stack(accept), proposed_accept=law.point_accept)
 
     @contextlib.contextmanager
     def assistant(self, spec: ScaleSpec | None):

@@ -9,9 +9,9 @@
 """
 
 from .arms import alpha_arm, parse_grid, scale_grid, slope_arm
-from .forced import METRICS, Arm, MassMeter, Tally, gain, summarize, tally_sequence
+from .forced import DRAFTS, METRICS, SUBSETS, TARGET, Arm, MassMeter, Tally, gain, summarize, tally_sequence
 from .metrics import NextTokenLaw, expected_acceptance
 from .saved import SavedUnits, partial_dir
 
-__all__ = ["alpha_arm", "parse_grid", "scale_grid", "slope_arm", "METRICS", "Arm", "MassMeter", "Tally", "gain", "summarize", "tally_sequence", "NextTokenLaw",
+__all__ = ["alpha_arm", "parse_grid", "scale_grid", "slope_arm", "METRICS", "DRAFTS", "SUBSETS", "TARGET", "Arm", "MassMeter", "Tally", "gain", "summarize", "tally_sequence", "NextTokenLaw",
            "expected_acceptance", "SavedUnits", "partial_dir"]

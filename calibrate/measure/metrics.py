@@ -32,23 +32,38 @@ class NextTokenLaw:
         ``T > 0``.
     columns : LongTensor, shape (draft_vocab,), optional
         Target ids of the drafter's logit columns, in column order (None: column ``i`` is id ``i``).
+    points : LongTensor, shape (rows,), optional
+        One target id per row drafted as a point mass (prompt lookup), -1 where none is.
 
     Attributes
     ----------
     greedy : LongTensor, shape (rows,)
         The target's greedy token per row.
+    point_accept : Tensor, shape (rows,), or None
+        With ``points``: ``p_T(x)`` of each row's point (``sum_x min(p_T, q)`` for ``q`` a point mass
+        at ``x``, over the whole target vocabulary), 0 where there is none.
     """
 
-    def __init__(self, target_logits: torch.Tensor, temperature: float, columns: torch.Tensor | None = None):
+    def __init__(self, target_logits: torch.Tensor, temperature: float, columns: torch.Tensor | None = None,
+                 points: torch.Tensor | None = None):
         self.temperature = float(temperature)
         self.greedy = target_logits.argmax(-1)
         rows = target_logits.shape[0]
         width = target_logits.shape[1] if columns is None else len(columns)
         self.log_p = torch.empty(rows, width, dtype=torch.float32, device=target_logits.device)  # (rows, columns)
+        self.point_accept = None
+        if points is not None:
+            points = points.to(target_logits.device)
+            self.point_accept = torch.zeros(rows, dtype=torch.float32, device=target_logits.device)  # (rows,)
         for a in range(0, rows, _CHUNK):
             scaled = target_logits[a:a + _CHUNK].float() / self.temperature  # (c, vocab)
             picked = scaled if columns is None else scaled[:, columns]  # (c, columns)
-            self.log_p[a:a + _CHUNK] = picked - torch.logsumexp(scaled, dim=-1, keepdim=True)
+            log_z = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (c, 1)
+            self.log_p[a:a + _CHUNK] = picked - log_z
+            if points is not None:
+                x = points[a:a + _CHUNK]  # (c,)
+                p = (scaled.gather(1, x.clamp(min=0)[:, None]) - log_z).exp()[:, 0]  # (c,)
+                self.point_accept[a:a + _CHUNK] = torch.where(x >= 0, p, torch.zeros_like(p))
 
     def acceptance(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """``sum_x min(p_T(x), q_T(x))`` per row (float32): ``draft_logits`` (rows, columns) -> (rows,).
