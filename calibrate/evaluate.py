@@ -25,7 +25,10 @@ For each context-length bucket and each variant it reports, on the same held-out
 ``clamp+spec``, ``group+spec``, ``pi+spec``
     the spec under test with that distance fix: alpha(n), n the visible keys, times the remapped logits;
 ``reference``
-    another head of the same kind, unscaled (a long-trained head), when one is given.
+    another head of the same kind, unscaled (a long-trained head), when one is given;
+``online-full``, ``online-lora``, ``online-full+spec``, ``online-lora+spec``
+    online adaptation (``calibrate.online``, EAGLE-3 heads, teacher-forced only): the drafter
+    learns each sequence chunk by chunk, every chunk scored before it is learnt from.
 
 Per bucket and variant:
 
@@ -82,6 +85,13 @@ Per bucket and variant:
     ``alpha c``), ranked by their agreement gain over ``none`` averaged with equal weights over the
     buckets past ``n_ref``, each with its paired interval: the best query scale the drafter admits.
 
+``costs``
+    per arm: ``extra_bytes`` (what it holds beyond the drafter, from its tensors: 0 for every spec),
+    ``peak_bytes`` (the peak memory of its pass, ``calibrate.online.PeakMemory``), and
+    ``seconds_per_token`` (wall time of its pass over the rows it scored, target pass and updates
+    included); ``pass``: ``shared`` for the arms of the one many-arm pass, ``own`` for an online arm,
+    which runs alone.
+
 Every teacher-forced arm shares one target pass per sequence (``calibrate.measure.forced``); each
 finished sequence and speculative prompt is kept (``calibrate.measure.saved``), so an interrupted
 run resumed gives the same result.
@@ -99,6 +109,7 @@ assistant model).
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from collections import defaultdict
 
@@ -113,7 +124,8 @@ from sharpdraft_theory.stats import DEFAULT_SINKS
 from .corpus import pack
 from .drafters import drafter_kind
 from .errors import UserError
-from .measure import METRICS, Arm, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
+from .measure import METRICS, Arm, MassMeter, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
+from .online import ONLINE_VARIANTS, OnlineOptions, PeakMemory, extra_bytes, online_arms, online_pass, tally_online
 from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
                           speculative_generate, target_generate, transformers_generate)
 
@@ -122,7 +134,8 @@ __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "POSITION_VARIANTS", "position_fix", 
            "prompt_seed"]
 
 POSITION_VARIANTS = FIXES + tuple(f"{fix}+spec" for fix in FIXES)  # distance fixes, alone and with the spec
-VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", *POSITION_VARIANTS, "reference")  # every variant eval knows
+VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", *POSITION_VARIANTS, "reference",
+            *ONLINE_VARIANTS)  # every variant eval knows
 DEFAULT_VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks")  # reference joins when a reference head is given
 MAX_LENGTH = 8192  # the longest bucket edge eval accepts
 
@@ -246,7 +259,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
              sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None,
              temperature: float = 1.0, slopes=(), alphas=(), saved: SavedUnits | None = None,
              neighbour_window: int | None = None, group: int | None = None,
-             sample: bool = False, seed: int = 0) -> dict:
+             sample: bool = False, seed: int = 0, online: OnlineOptions | None = None) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
     Parameters
@@ -283,6 +296,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     sample, seed
         With ``speculative``: speculative sampling at ``temperature`` instead of greedy decoding,
         random streams seeded by ``seed`` and each prompt (:func:`prompt_seed`).
+    online : OnlineOptions, optional
+        How the online variants learn (default ``OnlineOptions()``; ``calibrate.online``).
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     edges = bucket_edges(lengths)
@@ -293,28 +308,46 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     if reference is not None and reference.kind != drafter.kind:
         raise UserError(f"--reference-drafter-path: the reference is a {reference.kind} drafter, "
                         f"expected {drafter.kind} like the drafter")
-    specs = variant_specs(spec, n_ref, variants, window=window, sinks=sinks, neighbour_window=neighbour_window,
-                          group=group, longest=int(edges[-1]))
+    learning = online_arms(variants, spec)
+    if learning and speculative:
+        raise UserError(f"--variants {learning[0].name} with --speculative: online arms run teacher-forced only")
+    specs = variant_specs(spec, n_ref, [v for v in variants if v not in ONLINE_VARIANTS], window=window, sinks=sinks,
+                          neighbour_window=neighbour_window, group=group, longest=int(edges[-1]))
     grid = scale_grid(list(slopes), list(alphas), n_ref, spec.top_k)
     arms = ([Arm(v, s) for v, s in specs.items()] + grid
             + ([Arm("reference", None, other=True)] if reference is not None else []))
+    shared = list(arms)  # the arms of the one many-arm pass
+    arms += [Arm(a.name, a.spec) for a in learning]
     texts = list(pack(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]),
                       None if sequences is None else skip + sequences))[skip:]
     if not texts:
         raise UserError(f"--skip {skip}: {corpus} holds no more than {skip} sequences of {edges[-1]} tokens; "
                         "lower --skip or the largest length")
-    tallies = []
+    tallies, costs = [], []
+    learners = {}  # online arm -> its learner, kept across sequences with online.carry
     for i, text in enumerate(texts):
         kept = saved.get(f"forced-{i:05d}")
         if kept is None:
             if progress:
-                progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {len(arms)} arms")
-            tally = tally_sequence(drafter, torch.tensor([text]), arms, edges, top_k=spec.top_k,
-                                   temperature=temperature, rows_per_bucket=rows_per_bucket, other=reference)
-            saved.put(f"forced-{i:05d}", tally.to_dict())
+                progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {len(shared)} arms"
+                         + (f" + {len(learning)} online" if learning else ""))
+            began = time.perf_counter()
+            with PeakMemory(drafter.device) as peak:
+                tally = tally_sequence(drafter, torch.tensor([text]), shared, edges, top_k=spec.top_k,
+                                       temperature=temperature, rows_per_bucket=rows_per_bucket, other=reference)
+            cost = {a.name: _cost("shared", time.perf_counter() - began, len(text) - 1, peak,
+                                  None if a.other else extra_bytes(None)) for a in shared}
+            for arm in learning:
+                if progress:
+                    progress(f"sequence {i + 1}/{len(texts)}: {arm.name}")
+                cost[arm.name], learners[arm.name] = _online(drafter, text, arm, online or OnlineOptions(), edges,
+                                                             tally, spec.top_k, temperature, rows_per_bucket,
+                                                             learners.get(arm.name))
+            saved.put(f"forced-{i:05d}", {**tally.to_dict(), "costs": cost})
         else:
-            tally = Tally.from_dict(kept)
+            tally, cost = Tally.from_dict(kept), kept["costs"]
         tallies.append(tally)
+        costs.append(cost)
     buckets = summarize(tallies, arms, edges)
     names = [a.name for a in arms if a not in grid]
     loop = ASSISTED_LOOP if kind.assisted else CHAIN_LOOP
@@ -333,12 +366,49 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         "corpus": corpus, "skip": skip, "sequences": len(texts), "sequence_length": int(edges[-1]),
         "top_k": spec.top_k, "temperature": temperature,
         "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
-        "variants": {a.name: describe_spec(a.spec) for a in arms},
+        "variants": {a.name: describe_spec(a.spec) for a in arms},  # an online arm: the spec it runs under
         "speculative": None if not speculative else _speculative_record(loop, new_tokens, num_draft, all_identical,
                                                                         sample, temperature, seed),
         "oracle": _oracle(tallies, grid, edges, n_ref) if grid else None,
+        "online": None if not learning else (online or OnlineOptions()).to_dict(),
+        "costs": _costs(costs, [a.name for a in arms if a not in grid]),
         "buckets": buckets,
     }
+
+
+def _online(drafter, text, arm, options: OnlineOptions, edges, tally: Tally, top_k, temperature, rows_per_bucket,
+            learner):
+    """Run one online arm over one sequence into ``tally``; its cost, and the learner to carry (or None)."""
+    meter = MassMeter(edges, top_k, rows_per_bucket, arm.spec)
+    with PeakMemory(drafter.device) as peak:
+        out, learner, seconds = online_pass(drafter, torch.tensor([text]), arm, options, temperature=temperature,
+                                            meter=meter, learner=learner if options.carry else None)
+    tally.sums[arm.name], tally.mass[arm.name] = tally_online(out, edges, meter)
+    return _cost("own", seconds, out.drafted.shape[1], peak, extra_bytes(learner)), learner
+
+
+def _cost(kind: str, seconds: float, tokens: int, peak: PeakMemory, extra: dict | None) -> dict:
+    """One arm's cost on one sequence (what a resumed run keeps)."""
+    return {"pass": kind, "seconds": seconds, "tokens": tokens, "peak_bytes": peak.peak, "peak_method": peak.method,
+            "extra_bytes": extra}
+
+
+def _costs(per_sequence: list[dict], names: list[str]) -> dict:
+    """Per arm over the sequences: ``extra_bytes`` and ``peak_bytes`` (the largest), ``seconds_per_token``
+    (all seconds over all tokens), the ``pass`` it ran in and how the peak was read."""
+    out = {}
+    for name in names:
+        cells = [c[name] for c in per_sequence if name in c]
+        if not cells:
+            continue
+        peaks = [c["peak_bytes"] for c in cells if c["peak_bytes"] is not None]
+        extras = [c["extra_bytes"] for c in cells if c["extra_bytes"] is not None]
+        tokens = sum(c["tokens"] for c in cells)
+        out[name] = {"pass": cells[0]["pass"],
+                     "extra_bytes": max(extras, key=lambda e: e["total"]) if extras else None,
+                     "peak_bytes": max(peaks) if peaks else None, "peak_method": cells[0]["peak_method"],
+                     "seconds_per_token": _round(sum(c["seconds"] for c in cells) / tokens, 7) if tokens else None}
+    return out
 
 
 def describe_spec(spec: ScaleSpec | None) -> dict | None:
