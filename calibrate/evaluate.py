@@ -125,7 +125,8 @@ from .corpus import pack
 from .drafters import drafter_kind
 from .errors import UserError
 from .measure import METRICS, Arm, MassMeter, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
-from .online import ONLINE_VARIANTS, OnlineOptions, PeakMemory, extra_bytes, online_arms, online_pass, tally_online
+from .online import (ONLINE_KINDS, ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes, online_arms, online_pass,
+                     tally_online)
 from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
                           speculative_generate, target_generate, transformers_generate)
 
@@ -309,6 +310,9 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         raise UserError(f"--reference-drafter-path: the reference is a {reference.kind} drafter, "
                         f"expected {drafter.kind} like the drafter")
     learning = online_arms(variants, spec)
+    if learning and drafter.kind not in ONLINE_KINDS:
+        raise UserError(f"--variants {learning[0].name}: online adaptation is for EAGLE-3 heads only for now, "
+                        f"not {drafter.kind}")
     if learning and speculative:
         raise UserError(f"--variants {learning[0].name} with --speculative: online arms run teacher-forced only")
     specs = variant_specs(spec, n_ref, [v for v in variants if v not in ONLINE_VARIANTS], window=window, sinks=sinks,
@@ -323,6 +327,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     if not texts:
         raise UserError(f"--skip {skip}: {corpus} holds no more than {skip} sequences of {edges[-1]} tokens; "
                         "lower --skip or the largest length")
+    if any(a.method == "online-lora" for a in learning):
+        check_rank(drafter.head, (online or OnlineOptions()).rank)  # before any pass: the head's widths are known
     tallies, costs = [], []
     learners = {}  # online arm -> its learner, kept across sequences with online.carry
     for i, text in enumerate(texts):

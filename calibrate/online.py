@@ -56,7 +56,7 @@ from .errors import UserError
 from .taps import ScalingTap
 
 __all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "ONLINE_KINDS", "OnlineOptions", "OnlineArm", "online_options",
-           "online_arms", "Learner", "OnlineSequence", "online_pass", "tally_online", "extra_bytes", "PeakMemory"]
+           "online_arms", "check_rank", "Learner", "OnlineSequence", "online_pass", "tally_online", "extra_bytes", "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
 ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
@@ -170,13 +170,11 @@ class Learner:
         else:
             self.full = None
             gen = torch.Generator().manual_seed(LORA_SEED)
+            check_rank(head, options.rank)
             for name, module in head.named_modules():
                 if not LORA_MODULES.fullmatch(name):
                     continue
                 out_features, in_features = module.weight.shape
-                if options.rank > min(in_features, out_features):
-                    raise UserError(f"--online-rank {options.rank}: above the width of {name} "
-                                    f"({out_features} x {in_features}); choose at most {min(in_features, out_features)}")
                 bound = in_features ** -0.5  # nn.Linear's (and LoRA's) kaiming-uniform(a = sqrt 5) bound
                 a = ((torch.rand(options.rank, in_features, generator=gen) * 2 - 1) * bound)
                 b = torch.zeros(out_features, options.rank)
@@ -215,6 +213,14 @@ class Learner:
                         if torch.is_tensor(v))
         return {"weights": weights, "gradients": self.gradient_bytes, "optimizer": optimizer,
                 "total": weights + self.gradient_bytes + optimizer}
+
+
+def check_rank(head: nn.Module, rank: int) -> None:
+    """``--online-rank``: at most the narrower side of every adapted projection of ``head``."""
+    for name, module in head.named_modules():
+        if LORA_MODULES.fullmatch(name) and rank > min(module.weight.shape):
+            raise UserError(f"--online-rank {rank}: above the width of {name} ({tuple(module.weight.shape)[0]} x "
+                            f"{tuple(module.weight.shape)[1]}); choose at most {min(module.weight.shape)}")
 
 
 def _lora_hook(a: torch.Tensor, b: torch.Tensor):
