@@ -125,8 +125,8 @@ from .corpus import pack
 from .drafters import drafter_kind
 from .errors import UserError
 from .measure import METRICS, Arm, MassMeter, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
-from .online import (ONLINE_KINDS, ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes, online_arms, online_pass,
-                     tally_online)
+from .online import (ONLINE_KINDS, ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes,
+                     online_arms, online_pass, tally_online)
 from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
                           speculative_generate, target_generate, transformers_generate)
 

@@ -56,7 +56,8 @@ from .errors import UserError
 from .taps import ScalingTap
 
 __all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "ONLINE_KINDS", "OnlineOptions", "OnlineArm", "online_options",
-           "online_arms", "check_rank", "Learner", "OnlineSequence", "online_pass", "tally_online", "extra_bytes", "PeakMemory"]
+           "online_arms", "check_rank", "Learner", "OnlineSequence", "online_pass", "tally_online", "extra_bytes",
+           "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
 ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
