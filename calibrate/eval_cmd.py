@@ -14,7 +14,7 @@ from rich.table import Table
 from .drafters import drafter_kind, kind_names
 from .errors import UserError
 
-__all__ = ["eval_command", "plot_result", "summary_tables"]
+__all__ = ["eval_command", "plot_result", "summary_tables", "cost_table"]
 
 err_console = Console(stderr=True)
 
@@ -96,7 +96,8 @@ def eval_command(
     num_draft: Annotated[int, typer.Option("--num-draft", help="Draft chain length K.")] = 4,
     variants: Annotated[str, typer.Option(help="Variants to compare, comma-separated: none, spec, qwen-logn, window, "
                                           "sinks, clamp, group, pi, clamp+spec, group+spec, pi+spec, lookup "
-                                          "(prompt lookup), lookup+head (lookup, else the drafter), reference "
+                                          "(prompt lookup), lookup+head (lookup, else the drafter), reference, "
+                                          "online-full, online-lora, online-full+spec, online-lora+spec "
                                           "(none is always run; lookup too on a recall corpus).")]
         = "none,spec,qwen-logn,window,sinks",
     lookup_max_ngram: Annotated[int, typer.Option(
@@ -130,6 +131,20 @@ def eval_command(
              "teacher-forced only, ranked by agreement gain past n_ref.")] = None,
     alphas: Annotated[Optional[str], typer.Option(
         help="Oracle: constant query scales past n_ref to try (e.g. 0.9,1.1,1.25), as --slopes.")] = None,
+    online_every: Annotated[Optional[int], typer.Option(
+        "--online-every", help="Online arms: rows per chunk M; each chunk is scored, then learnt from "
+                               "(default 64).")] = None,
+    online_steps: Annotated[Optional[int], typer.Option(
+        "--online-steps", help="Online arms: AdamW steps G on each chunk after it is scored (default 1).")] = None,
+    online_lr: Annotated[Optional[float], typer.Option(
+        "--online-lr", help="Online arms: AdamW learning rate (default 1e-4 for online-full, 1e-3 for "
+                            "online-lora).")] = None,
+    online_rank: Annotated[Optional[int], typer.Option(
+        "--online-rank", help="online-lora: rank r of the update B A of each attention and MLP projection "
+                              "(default 8).")] = None,
+    online_carry: Annotated[bool, typer.Option(
+        "--online-carry", help="Online arms: keep the learnt weights from one sequence to the next (default: "
+                               "each sequence starts from the checkpoint).")] = False,
     resume: Annotated[bool, typer.Option(
         "--resume", help="Continue an interrupted run: finished sequences and prompts are kept in <out>.partial "
                          "and read back (needs --out and the same options).")] = False,
@@ -152,6 +167,7 @@ def eval_command(
     from .evaluate import (LOOKUP_VARIANTS, bucket_edges, check_lookup_loop, check_variants, default_spec, evaluate,
                            with_lookup)
     from .measure import SavedUnits, parse_grid, partial_dir
+    from .online import online_options
     from .preflight import check_corpus, check_outputs, load_spec, local_inputs
 
     drafter_kind(drafter, evaluates=True)
@@ -172,6 +188,8 @@ def eval_command(
             raise UserError(f"{option} {value}: need at least {least}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k {top_k}: need at least 1 (or leave it out for the spec's)")
+    online = online_options(chosen, kind=drafter, every=online_every, steps=online_steps, lr=online_lr,
+                            rank=online_rank, carry=online_carry, speculative=speculative, resume=resume)
     temperature = check_temperature(temperature)
     if seed is not None and not sample:
         raise UserError(f"--seed {seed}: seeds the draws of --sample only, and greedy decoding draws nothing; add "
@@ -208,13 +226,14 @@ def eval_command(
               "reference_drafter_path": reference_drafter_path, "temperature": temperature, "slopes": slope_grid,
               "alphas": alpha_grid, "dtype": dtype, "neighbour_window": neighbour_window, "group": group,
               "sample": sample, "seed": seed,
-              "lookup": lookup.to_dict() if set(LOOKUP_VARIANTS) & set(with_lookup(chosen, corpus)) else None}
+              "lookup": lookup.to_dict() if set(LOOKUP_VARIANTS) & set(with_lookup(chosen, corpus)) else None,
+              "online": None if online is None else online.to_dict()}
     saved = SavedUnits(None if out is None else partial_dir(out), params, resume)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if threads:
         torch.set_num_threads(threads)
-    with torch.inference_mode():
+    with torch.inference_mode() if online is None else torch.no_grad():  # online arms learn: autograd on
         d = load_drafter(drafter, drafter_path, target_path, dev, dt)
         ref = None if reference_drafter_path is None else load_drafter(drafter, reference_drafter_path, target_path,
                                                                        dev, dt)
@@ -235,7 +254,8 @@ def eval_command(
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,
                           window=window, sinks=sinks, reference=ref, progress=progress, n_ref=n_ref,
                           temperature=temperature, slopes=slope_grid, alphas=alpha_grid, saved=saved,
-                          neighbour_window=neighbour_window, group=group, sample=sample, seed=seed, lookup=lookup)
+                          neighbour_window=neighbour_window, group=group, sample=sample, seed=seed, lookup=lookup,
+                          online=online)
     result["spec_file"] = str(spec) if spec is not None else None
     text = json.dumps(result, indent=2)
     try:
@@ -271,6 +291,8 @@ def _table(result: dict) -> None:
         console.print(f"copy: rows whose token repeats the one {distances} tokens back (the recall corpus's "
                       "distances); other: the text's other rows; target: the target's own greedy token equals the "
                       "true one")
+    if result.get("costs"):
+        console.print(cost_table(result))
     unmetered = [name for name, d in v.items() if d and d.get("positions")]
     if unmetered:
         console.print(f"mass -: not metered for {', '.join(unmetered)} (a position fix changes the logits a "
@@ -357,6 +379,28 @@ def summary_tables(result: dict, width: int = 80) -> list[Table]:
             table.add_row(str(n) if first else "", variant, *values, end_section=last)
         tables.append(table)
     return tables
+
+
+def cost_table(result: dict) -> Table:
+    """Memory and time per arm (``result["costs"]``): extra bytes beyond the drafter (exact in
+    --json), the peak memory of the arm's pass and its wall time per token."""
+    costs = result["costs"]
+    method = next((c["peak_method"] for c in costs.values() if c["peak_method"]), None)
+    table = Table(title="memory and time per arm" + (f" (peak: {method})" if method else ""))
+    table.add_column("variant", min_width=max(map(len, costs)), overflow="fold")
+    for label in ("extra", "peak", "ms/token", "pass"):
+        table.add_column(label, justify="right", no_wrap=True)
+    for name, c in costs.items():
+        extra = c["extra_bytes"]
+        table.add_row(name, "-" if extra is None else _bytes(extra["total"]), _bytes(c["peak_bytes"]),
+                      "-" if c["seconds_per_token"] is None else f"{1000 * c['seconds_per_token']:.2f}", c["pass"])
+    return table
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "-"
+    return "0 B" if n == 0 else f"{n / 2**20:.2f} MiB"
 
 
 def _number(x) -> str:

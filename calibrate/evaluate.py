@@ -34,6 +34,9 @@ For each context-length bucket and each variant it reports, on the same held-out
     expected acceptance is ``p_T(draft)`` (a point mass); its mass is None (no attention);
 ``lookup+head``
     lookup where it finds a match, the drafter as it is (unscaled) elsewhere.
+``online-full``, ``online-lora``, ``online-full+spec``, ``online-lora+spec``
+    online adaptation (``calibrate.online``, EAGLE-3 heads, teacher-forced only): the drafter
+    learns each sequence chunk by chunk, every chunk scored before it is learnt from.
 
 Per bucket and variant:
 
@@ -98,6 +101,12 @@ and ``copy_expected_acceptance``, over the rows whose guessed token is a copied 
 interval and paired delta; each bucket has ``target``: ``copy_accuracy`` and ``other_accuracy``, the
 target's own greedy token equal to the true next token on those rows; and ``lookup`` is always run.
 ``recall`` in the result gives each sequence's repeat distance.
+``costs``
+    per arm: ``extra_bytes`` (what it holds beyond the drafter, from its tensors: 0 for every spec),
+    ``peak_bytes`` (the peak memory of its pass, ``calibrate.online.PeakMemory``), and
+    ``seconds_per_token`` (wall time of its pass over the rows it scored, target pass and updates
+    included); ``pass``: ``shared`` for the arms of the one many-arm pass, ``own`` for an online arm,
+    which runs alone.
 
 Every teacher-forced arm shares one target pass per sequence (``calibrate.measure.forced``); each
 finished sequence and speculative prompt is kept (``calibrate.measure.saved``), so an interrupted
@@ -116,6 +125,7 @@ assistant model).
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from collections import defaultdict
 from dataclasses import replace
@@ -132,7 +142,9 @@ from .corpus import is_recall, pack, recall_corpus
 from .drafters import drafter_kind
 from .errors import UserError
 from .lookup import LookupDrafter, LookupSettings, LookupThenHead
-from .measure import METRICS, Arm, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
+from .measure import METRICS, Arm, MassMeter, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
+from .online import (ONLINE_KINDS, ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes,
+                     online_arms, online_pass, tally_online)
 from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
                           speculative_generate, target_generate, transformers_generate)
 
@@ -143,8 +155,8 @@ __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "POSITION_VARIANTS", "LOOKUP_VARIANTS
 
 POSITION_VARIANTS = FIXES + tuple(f"{fix}+spec" for fix in FIXES)  # distance fixes, alone and with the spec
 LOOKUP_VARIANTS = ("lookup", "lookup+head")  # prompt lookup, alone and with the drafter where it finds no match
-VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", *POSITION_VARIANTS, *LOOKUP_VARIANTS,
-            "reference")  # every variant eval knows
+VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", *POSITION_VARIANTS, *LOOKUP_VARIANTS, "reference",
+            *ONLINE_VARIANTS)  # every variant eval knows
 DEFAULT_VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks")  # reference joins when a reference head is given
 MAX_LENGTH = 8192  # the longest bucket edge eval accepts
 
@@ -301,7 +313,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
              sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None,
              temperature: float = 1.0, slopes=(), alphas=(), saved: SavedUnits | None = None,
              neighbour_window: int | None = None, group: int | None = None,
-             sample: bool = False, seed: int = 0, lookup: LookupSettings | None = None) -> dict:
+             sample: bool = False, seed: int = 0, lookup: LookupSettings | None = None,
+             online: OnlineOptions | None = None) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
     Parameters
@@ -341,6 +354,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     lookup : LookupSettings, optional
         The lookup variants' n-gram range (default transformers': 2 down to 1); its end-of-sequence
         token is the drafter's, whatever is given.
+    online : OnlineOptions, optional
+        How the online variants learn (default ``OnlineOptions()``; ``calibrate.online``).
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     edges = bucket_edges(lengths)
@@ -355,11 +370,22 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     if reference is not None and reference.kind != drafter.kind:
         raise UserError(f"--reference-drafter-path: the reference is a {reference.kind} drafter, "
                         f"expected {drafter.kind} like the drafter")
-    specs = variant_specs(spec, n_ref, variants, window=window, sinks=sinks, neighbour_window=neighbour_window,
-                          group=group, longest=int(edges[-1]))
+    learning = online_arms(variants, spec)
+    if learning and drafter.kind not in ONLINE_KINDS:
+        raise UserError(f"--variants {learning[0].name}: online adaptation is for EAGLE-3 heads only for now, "
+                        f"not {drafter.kind}")
+    if learning and recall:
+        raise UserError(f"--variants {learning[0].name} on --corpus {corpus}: online arms do not report copy "
+                        "agreement yet; use a corpus that is not recall:")
+    if learning and speculative:
+        raise UserError(f"--variants {learning[0].name} with --speculative: online arms run teacher-forced only")
+    specs = variant_specs(spec, n_ref, [v for v in variants if v not in ONLINE_VARIANTS], window=window, sinks=sinks,
+                          neighbour_window=neighbour_window, group=group, longest=int(edges[-1]))
     grid = scale_grid(list(slopes), list(alphas), n_ref, spec.top_k)
     arms = ([Arm(v, s, drafts=v if v in LOOKUP_VARIANTS else "head") for v, s in specs.items()] + grid
             + ([Arm("reference", None, other=True)] if reference is not None else []))
+    shared = list(arms)  # the arms of the one many-arm pass
+    arms += [Arm(a.name, a.spec) for a in learning]
     limit = None if sequences is None else skip + sequences
     if recall:
         recalled = recall_corpus(corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]), limit)[skip:]
@@ -370,17 +396,34 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     if not texts:
         raise UserError(f"--skip {skip}: {corpus} holds no more than {skip} sequences of {edges[-1]} tokens; "
                         "lower --skip or the largest length")
-    tallies = []
+    if any(a.method == "online-lora" for a in learning):
+        check_rank(drafter.head, (online or OnlineOptions()).rank)  # before any pass: the head's widths are known
+    tallies, costs = [], []
+    learners = {}  # online arm -> its learner, kept across sequences with online.carry
     for i, text in enumerate(texts):
-        tally = saved.get(f"forced-{i:05d}", lambda d: Tally.from_dict(d, [a.name for a in arms], len(edges)))
-        if tally is None:
+        kept = saved.get(f"forced-{i:05d}", lambda d: _forced_unit(d, [a.name for a in arms], len(edges)))
+        if kept is None:
             if progress:
-                progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {len(arms)} arms")
-            tally = tally_sequence(drafter, torch.tensor([text]), arms, edges, top_k=spec.top_k,
-                                   temperature=temperature, rows_per_bucket=rows_per_bucket, other=reference,
-                                   copied=copied[i], lookup=lookup)
-            saved.put(f"forced-{i:05d}", tally.to_dict())
+                progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {len(shared)} arms"
+                         + (f" + {len(learning)} online" if learning else ""))
+            began = time.perf_counter()
+            with PeakMemory(drafter.device) as peak:
+                tally = tally_sequence(drafter, torch.tensor([text]), shared, edges, top_k=spec.top_k,
+                                       temperature=temperature, rows_per_bucket=rows_per_bucket, other=reference,
+                                       copied=copied[i], lookup=lookup)
+            cost = {a.name: _cost("shared", time.perf_counter() - began, len(text) - 1, peak,
+                                  None if a.other else extra_bytes(None)) for a in shared}
+            for arm in learning:
+                if progress:
+                    progress(f"sequence {i + 1}/{len(texts)}: {arm.name}")
+                cost[arm.name], learners[arm.name] = _online(drafter, text, arm, online or OnlineOptions(), edges,
+                                                             tally, spec.top_k, temperature, rows_per_bucket,
+                                                             learners.get(arm.name))
+            saved.put(f"forced-{i:05d}", {**tally.to_dict(), "costs": cost})
+        else:
+            tally, cost = kept
         tallies.append(tally)
+        costs.append(cost)
     buckets = summarize(tallies, arms, edges)
     names = [a.name for a in arms if a not in grid]
     loop = ASSISTED_LOOP if kind.assisted else CHAIN_LOOP
@@ -399,15 +442,65 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         "corpus": corpus, "skip": skip, "sequences": len(texts), "sequence_length": int(edges[-1]),
         "top_k": spec.top_k, "temperature": temperature,
         "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
-        "variants": {a.name: describe_spec(a.spec) for a in arms},
+        "variants": {a.name: describe_spec(a.spec) for a in arms},  # an online arm: the spec it runs under
         "lookup": lookup.to_dict() if any(a.drafts != "head" for a in arms) else None,
         "recall": {"distances": [m.distance for m in recalled]} if recall else None,
         "speculative": None if not speculative else {**_speculative_record(loop, new_tokens, num_draft, all_identical,
                                                                            sample, temperature, seed),
                                                      "drafters": drafters},
         "oracle": _oracle(tallies, grid, edges, n_ref) if grid else None,
+        "online": None if not learning else (online or OnlineOptions()).to_dict(),
+        "costs": _costs(costs, [a.name for a in arms if a not in grid]),
         "buckets": buckets,
     }
+
+
+def _online(drafter, text, arm, options: OnlineOptions, edges, tally: Tally, top_k, temperature, rows_per_bucket,
+            learner):
+    """Run one online arm over one sequence into ``tally``; its cost, and the learner to carry (or None)."""
+    meter = MassMeter(edges, top_k, rows_per_bucket, arm.spec)
+    with PeakMemory(drafter.device) as peak:
+        out, learner, seconds = online_pass(drafter, torch.tensor([text]), arm, options, temperature=temperature,
+                                            meter=meter, learner=learner if options.carry else None)
+    tally.sums[arm.name], tally.mass[arm.name] = tally_online(out, edges, meter)
+    return _cost("own", seconds, out.drafted.shape[1], peak, extra_bytes(learner)), learner
+
+
+def _forced_unit(unit, names: list[str], buckets: int) -> tuple[Tally, dict]:
+    """A saved sequence (its tally and each arm's cost) checked against the run's arm ``names`` and number
+    of ``buckets``: a ``ValueError`` saying what is wrong otherwise."""
+    if not isinstance(unit, dict) or not isinstance(unit.get("costs"), dict) or set(unit["costs"]) != set(names):
+        raise ValueError(f"costs: expected one entry per arm ({', '.join(names)})")
+    for name, c in unit["costs"].items():
+        if not isinstance(c, dict) or set(c) != set(COST_FIELDS):
+            raise ValueError(f"costs[{name!r}]: expected {', '.join(COST_FIELDS)}")
+    return Tally.from_dict({k: v for k, v in unit.items() if k != "costs"}, names, buckets), unit["costs"]
+
+
+COST_FIELDS = ("pass", "seconds", "tokens", "peak_bytes", "peak_method", "extra_bytes")  # one arm's cost (_cost)
+
+
+def _cost(kind: str, seconds: float, tokens: int, peak: PeakMemory, extra: dict | None) -> dict:
+    """One arm's cost on one sequence (what a resumed run keeps)."""
+    return dict(zip(COST_FIELDS, (kind, seconds, tokens, peak.peak, peak.method, extra)))
+
+
+def _costs(per_sequence: list[dict], names: list[str]) -> dict:
+    """Per arm over the sequences: ``extra_bytes`` and ``peak_bytes`` (the largest), ``seconds_per_token``
+    (all seconds over all tokens), the ``pass`` it ran in and how the peak was read."""
+    out = {}
+    for name in names:
+        cells = [c[name] for c in per_sequence if name in c]
+        if not cells:
+            continue
+        peaks = [c["peak_bytes"] for c in cells if c["peak_bytes"] is not None]
+        extras = [c["extra_bytes"] for c in cells if c["extra_bytes"] is not None]
+        tokens = sum(c["tokens"] for c in cells)
+        out[name] = {"pass": cells[0]["pass"],
+                     "extra_bytes": max(extras, key=lambda e: e["total"]) if extras else None,
+                     "peak_bytes": max(peaks) if peaks else None, "peak_method": cells[0]["peak_method"],
+                     "seconds_per_token": _round(sum(c["seconds"] for c in cells) / tokens, 7) if tokens else None}
+    return out
 
 
 def describe_spec(spec: ScaleSpec | None) -> dict | None:

@@ -526,7 +526,37 @@ RESUME_CASES = [
                                                                         (_CP + "/seq-00000.npz", "[1, 2]"))),
 ]
 
-CASES = PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES
+EVAL_ONLINE = ("eval --drafter eagle3 --drafter-path {fx}/eagle3 --target-path {fx}/target --corpus {fx}/corpus.txt "
+               "--lengths 32,64,128 --sequences 1 --device cpu --threads 1 --variants none,online-lora")
+ONLINE = [  # the online arms' options (calibrate.online): all refused before a model loads
+    Case("online-every-zero", EVAL_ONLINE + " --online-every 0", "--online-every 0"),
+    Case("online-every-negative", EVAL_ONLINE + " --online-every -4", "--online-every -4"),
+    Case("online-every-huge", EVAL_ONLINE + " --online-every 100000", "--online-every 100000"),
+    Case("online-every-text", EVAL_ONLINE + " --online-every often", "--online-every"),
+    Case("online-steps-zero", EVAL_ONLINE + " --online-steps 0", "--online-steps 0"),
+    Case("online-steps-huge", EVAL_ONLINE + " --online-steps 1000", "--online-steps 1000"),
+    Case("online-lr-zero", EVAL_ONLINE + " --online-lr 0", "--online-lr 0"),
+    Case("online-lr-negative", EVAL_ONLINE + " --online-lr -0.001", "--online-lr -0.001"),
+    Case("online-lr-nan", EVAL_ONLINE + " --online-lr nan", "--online-lr nan"),
+    Case("online-lr-inf", EVAL_ONLINE + " --online-lr inf", "--online-lr inf"),
+    Case("online-lr-huge", EVAL_ONLINE + " --online-lr 10", "--online-lr 10"),
+    Case("online-lr-text", EVAL_ONLINE + " --online-lr fast", "--online-lr"),
+    Case("online-rank-zero", EVAL_ONLINE + " --online-rank 0", "--online-rank 0"),
+    Case("online-rank-huge", EVAL_ONLINE + " --online-rank 1000", "--online-rank 1000"),
+    Case("online-option-without-arm", EVAL_ONLINE.replace(",online-lora", "") + " --online-steps 2",
+         "--online-steps"),
+    Case("online-carry-without-arm", EVAL_ONLINE.replace(",online-lora", "") + " --online-carry", "--online-carry"),
+    Case("online-variant-unknown", EVAL_ONLINE.replace("online-lora", "online-adapter"), "online-adapter"),
+    Case("online-drafter-hf", EVAL + " --variants none,online-full", "online-full"),
+    Case("online-speculative", EVAL_ONLINE + " --speculative", "--speculative"),
+    Case("online-carry-resume", EVAL_ONLINE + " --online-carry --resume --out {w}/r.json", "--online-carry"),
+]
+ONLINE_AFTER_LOADING = [  # needs the head's widths: refused once it is read, still in one line
+    Case("online-rank-above-width", EVAL_ONLINE + " --online-rank 200", "--online-rank 200"),
+]
+
+CASES = (PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES + ONLINE
+         + ONLINE_AFTER_LOADING)
 
 
 # -- fixtures -------------------------------------------------------------------------------------
@@ -712,7 +742,7 @@ def test_hostile_input_is_refused_in_one_line(case, fx, tmp_path, monkeypatch):
 BEFORE_LOADING = ["calibrate-top-k-huge", "calibrate-top-k-above-half-n-ref", "calibrate-top-k-huge-max-length",
                   "calibrate-top-k-huge-built-in", "calibrate-corpus-empty", "calibrate-corpus-blank",
                   "calibrate-corpus-jsonl-blank", "calibrate-n-ref-small", "calibrate-alpha-max-nan",
-                  "eval-corpus-empty", "eval-threads-text"]
+                  "eval-corpus-empty", "eval-threads-text"] + [c.id for c in ONLINE]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in BEFORE_LOADING], ids=BEFORE_LOADING)

@@ -630,6 +630,17 @@ class Eagle3Drafter:
         self.head(input_ids[:, 1:], features[:, :-1], attention_hook=tap, return_logits=False)
 
     @torch.no_grad()
+    def target_states(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target pass over ``input_ids`` (1, T): the head's features (1, T, n * width) and the
+        target's final hidden state at positions 1 .. T-1 (T-1, width), whose logits are its
+        next-token law for head rows 0 .. T-2."""
+        input_ids = self._input(input_ids)
+        num_layers = len(self.target.get_decoder().layers)
+        out = hidden_state_features(self.target, input_ids, (*self.feature_ids, num_layers))  # (1, T, (n + 1) * width)
+        width = out.shape[-1] // (len(self.feature_ids) + 1)
+        return out[:, :, :-width], out[0, 1:, -width:]
+
+    @torch.no_grad()
     def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
                        temperature: float = 1.0, proposals: torch.Tensor | None = None) -> TeacherForced:
         """Head row ``t`` (the collect layout) guesses token ``t + 2`` (``predicts``); the target's law for
@@ -637,10 +648,7 @@ class Eagle3Drafter:
         from ..measure.metrics import NextTokenLaw
 
         input_ids = self._input(input_ids)
-        num_layers = len(self.target.get_decoder().layers)
-        out = hidden_state_features(self.target, input_ids, (*self.feature_ids, num_layers))  # (1, T, (n + 1) * width)
-        width = out.shape[-1] // (len(self.feature_ids) + 1)
-        features, final = out[:, :, :-width], out[0, 1:, -width:]
+        features, final = self.target_states(input_ids)
         columns = self.head.draft_to_target(torch.arange(self.head.config.draft_vocab_size, device=final.device))
         law = NextTokenLaw(self.target.get_output_embeddings()(final), temperature, columns,
                            points=proposals)  # rows t + 1 >= 1

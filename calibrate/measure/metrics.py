@@ -65,8 +65,9 @@ class NextTokenLaw:
                 p = (scaled.gather(1, x.clamp(min=0)[:, None]) - log_z).exp()[:, 0]  # (c,)
                 self.point_accept[a:a + _CHUNK] = torch.where(x >= 0, p, torch.zeros_like(p))
 
-    def acceptance(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """``sum_x min(p_T(x), q_T(x))`` per row (float32): ``draft_logits`` (rows, columns) -> (rows,).
+    def acceptance(self, draft_logits: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``sum_x min(p_T(x), q_T(x))`` per row (float32): ``draft_logits`` (rows, columns) -> (rows,),
+        its rows the law's rows ``start .. start + rows - 1``.
 
         ``draft_logits`` may hold fewer columns than the law (a drafter whose vocabulary is a prefix
         of the target's): the missing ones have ``q = 0``.
@@ -75,7 +76,8 @@ class NextTokenLaw:
         width = draft_logits.shape[1]
         for a in range(0, draft_logits.shape[0], _CHUNK):
             log_q = torch.log_softmax(draft_logits[a:a + _CHUNK].float() / self.temperature, dim=-1)  # (c, columns)
-            out[a:a + _CHUNK] = torch.minimum(self.log_p[a:a + _CHUNK, :width], log_q).exp().sum(-1)
+            log_p = self.log_p[start + a:start + a + len(log_q), :width]  # (c, columns)
+            out[a:a + _CHUNK] = torch.minimum(log_p, log_q).exp().sum(-1)
         return out
 
 

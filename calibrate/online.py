@@ -1,0 +1,407 @@
+"""Online adaptation, the rival of a training-free scale: the drafter learns the text while it drafts.
+
+Two arms of ``sharpdraft eval`` for EAGLE-3 heads, after Online Speculative Decoding (Liu et al.
+2023, arXiv 2310.07177: the drafter distilled on what the target verified, forward KL to the
+target's distribution) and OnlineSpec (Qian et al. 2026, arXiv 2603.12617: an EAGLE-3 head
+fine-tuned on the target's outputs chunk by chunk with its training loss):
+
+``online-full``
+    every weight the head's training updates (``scripts/train_demo_eagle3.py`` trains all but the
+    embedding it shares with the target: ``fc``, the midlayer, ``norm`` and the head's own
+    ``lm_head``) takes AdamW steps;
+``online-lora``
+    the head stays as it is and a rank-``r`` update ``W + B A`` (LoRA, Hu et al. 2021,
+    arXiv 2106.09685; ``B = 0`` at the start, so the arm starts as the head itself) of each
+    attention and MLP projection of the midlayer (``q, k, v, o, gate, up, down``) takes them;
+``online-full+spec``, ``online-lora+spec``
+    the same with the spec under test in the head's attention, while scoring and while learning.
+
+**Predict, then learn.** The head's rows of a sequence are cut into chunks of ``M`` rows
+(``every``). Chunk ``c`` is scored (greedy agreement, expected acceptance, mass) with the weights
+as they were after chunks ``0 .. c-1``; then the arm takes ``G`` (``steps``) AdamW steps on
+chunk ``c``, the tokens just verified, so no row is ever scored by weights that learnt from it.
+The loss is training's: forward KL from the target's next-token law restricted to the draft
+vocabulary and renormalised (softmax of the target's logits at those columns, temperature 1) to
+the head's, ``sum_x p(x) (log p(x) - log q(x))``, averaged over the chunk's rows. The rows before
+the chunk enter its attention as keys and values computed with the current weights, without
+gradient (the cache a deployed drafter holds). The target, the shared embedding and the
+checkpoint's weights are never changed: ``online-full`` trains a copy, ``online-lora`` its own
+``A`` and ``B``; each sequence starts from the checkpoint again, unless ``carry``.
+
+Memory: :func:`extra_bytes` counts, from the tensors themselves, what an arm holds beyond the
+drafter: its trainable weights (the copy for ``online-full``, ``A`` and ``B`` for ``online-lora``),
+their gradients and AdamW's moments and step counts. A spec holds none (its ``alpha(n)`` is a
+function of the count, applied to the query in place): 0 bytes. :class:`PeakMemory` measures the
+peak of each pass (CUDA's peak allocated bytes; on a CPU the process's peak resident set, reset
+before each pass).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from sharpdraft_theory import ScaleSpec
+
+from .drafters.base import TeacherForced
+from .errors import UserError
+from .taps import ScalingTap
+
+__all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "ONLINE_KINDS", "OnlineOptions", "OnlineArm", "online_options",
+           "online_arms", "check_rank", "Learner", "OnlineSequence", "online_pass", "tally_online", "extra_bytes",
+           "PeakMemory"]
+
+ONLINE_METHODS = ("online-full", "online-lora")
+ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
+ONLINE_KINDS = ("eagle3",)  # drafter kinds the online arms adapt (DFlash and PARD: not yet)
+
+# Defaults (docs/eval.md, "Online adaptation", gives the reasons at length):
+DEFAULT_EVERY = 64  # M: rows per chunk, about 16 verification rounds of a chain of 4 drafts
+DEFAULT_STEPS = 1  # G: one step per chunk, the online-gradient form of both papers
+DEFAULT_LR = {"online-full": 1e-4, "online-lora": 1e-3}  # EAGLE-3 training's order; LoRA's usual 10x
+DEFAULT_RANK = 8  # r: the common LoRA rank (PEFT's default)
+BETAS = (0.9, 0.95)  # AdamW as the demo head was trained (scripts/train_demo_eagle3.py), no weight decay
+MAX_EVERY, MAX_STEPS, MAX_LR, MAX_RANK = 8192, 64, 1.0, 256  # bounds past which a value is a typo
+LORA_MODULES = re.compile(r"midlayer\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")  # adapted projections
+LORA_SEED = 0  # A's initialisation is drawn from this seed: runs repeat exactly
+
+
+@dataclass(frozen=True)
+class OnlineOptions:
+    """How the online arms learn (``--online-*``)."""
+
+    every: int = DEFAULT_EVERY  # M: rows per chunk; each is scored, then learnt from
+    steps: int = DEFAULT_STEPS  # G: AdamW steps on each chunk after it is scored
+    lr: float | None = None  # AdamW learning rate (None: DEFAULT_LR of the method)
+    rank: int = DEFAULT_RANK  # r of online-lora's B A
+    carry: bool = False  # keep the learnt weights from one sequence to the next (default: reset)
+
+    def lr_of(self, method: str) -> float:
+        """The learning rate ``method`` uses."""
+        return DEFAULT_LR[method] if self.lr is None else self.lr
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "lr": {m: self.lr_of(m) for m in ONLINE_METHODS}}
+
+
+@dataclass(frozen=True)
+class OnlineArm:
+    """One online arm: its name, how it learns and the spec it runs under."""
+
+    name: str  # online-full, online-lora, online-full+spec, online-lora+spec
+    method: str  # online-full or online-lora
+    spec: ScaleSpec | None  # in the head's attention while scoring and learning (None: the head as it is)
+
+
+def online_options(names, *, kind: str, every: int | None = None, steps: int | None = None,
+                   lr: float | None = None, rank: int | None = None, carry: bool = False,
+                   speculative: bool = False, resume: bool = False) -> OnlineOptions | None:
+    """Check the online options against ``--variants`` ``names`` before any model loads.
+
+    Returns the options, or None when no online arm is asked for (then an ``--online-*`` option
+    is refused: it would change nothing).
+    """
+    asked = [n for n in names if n in ONLINE_VARIANTS]
+    given = [o for o, v in (("--online-every", every), ("--online-steps", steps), ("--online-lr", lr),
+                            ("--online-rank", rank)) if v is not None] + (["--online-carry"] if carry else [])
+    if not asked:
+        if given:
+            raise UserError(f"{given[0]}: no online arm to apply it to; add online-full or online-lora to --variants")
+        return None
+    if kind not in ONLINE_KINDS:
+        raise UserError(f"--variants {asked[0]}: online adaptation is for EAGLE-3 heads only for now "
+                        f"(--drafter eagle3), not {kind}")
+    if speculative:
+        raise UserError(f"--variants {asked[0]} with --speculative: online arms run teacher-forced only for now; "
+                        "drop --speculative or the online variants")
+    if carry and resume:
+        raise UserError("--online-carry with --resume: the carried weights are not saved; rerun without --resume")
+    for option, value, most in (("--online-every", every, MAX_EVERY), ("--online-steps", steps, MAX_STEPS),
+                                ("--online-rank", rank, MAX_RANK)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
+            raise UserError(f"{option} {value}: expected an integer from 1 to {most}")
+    if lr is not None and not (math.isfinite(lr) and 0 < lr <= MAX_LR):
+        raise UserError(f"--online-lr {lr}: expected a learning rate above 0 and at most {MAX_LR:g} "
+                        f"(default {DEFAULT_LR['online-full']:g} for online-full, {DEFAULT_LR['online-lora']:g} "
+                        "for online-lora)")
+    return OnlineOptions(every=DEFAULT_EVERY if every is None else every,
+                         steps=DEFAULT_STEPS if steps is None else steps,
+                         lr=None if lr is None else float(lr), rank=DEFAULT_RANK if rank is None else rank,
+                         carry=bool(carry))
+
+
+def online_arms(names, spec: ScaleSpec) -> list[OnlineArm]:
+    """The online arms among ``names``, in their order."""
+    return [OnlineArm(n, n.removesuffix("+spec"), spec if n.endswith("+spec") else None)
+            for n in names if n in ONLINE_VARIANTS]
+
+
+# ----------------------------------------------------------------------------------------------
+# The learner: what changes, and how it runs the head
+# ----------------------------------------------------------------------------------------------
+
+class Learner:
+    """The trainable state of one online arm on an EAGLE-3 head, and the head run with it.
+
+    ``online-full``: a copy of every head parameter but the shared embedding, run in place of the
+    head's own (``torch.func.functional_call``). ``online-lora``: ``A`` (r, in) drawn as
+    ``nn.Linear`` draws a weight and ``B`` (out, r) zero for each projection of
+    :data:`LORA_MODULES`, added to the projection's output by a forward hook for the length of
+    each call, ``y = W x + B (A x)`` (scale 1, i.e. LoRA's alpha = r), in float32. The head's
+    own tensors are only read.
+    """
+
+    def __init__(self, head: nn.Module, method: str, options: OnlineOptions):
+        if method not in ONLINE_METHODS:
+            raise ValueError(f"method {method!r}: expected one of {ONLINE_METHODS}")
+        self.head, self.method = head, method
+        self.lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if method == "online-full":
+            self.full = {name: p.detach().clone().requires_grad_(True) for name, p in head.named_parameters()
+                         if not name.startswith("embed_tokens")}
+            params = list(self.full.values())
+        else:
+            self.full = None
+            gen = torch.Generator().manual_seed(LORA_SEED)
+            check_rank(head, options.rank)
+            for name, module in head.named_modules():
+                if not LORA_MODULES.fullmatch(name):
+                    continue
+                out_features, in_features = module.weight.shape
+                bound = in_features ** -0.5  # nn.Linear's (and LoRA's) kaiming-uniform(a = sqrt 5) bound
+                a = ((torch.rand(options.rank, in_features, generator=gen) * 2 - 1) * bound)
+                b = torch.zeros(out_features, options.rank)
+                self.lora[name] = (a.to(module.weight.device).requires_grad_(True),
+                                   b.to(module.weight.device).requires_grad_(True))
+            params = [t for pair in self.lora.values() for t in pair]
+        self.params = params
+        self.optimizer = torch.optim.AdamW(params, lr=options.lr_of(method), betas=BETAS, weight_decay=0.0)
+        self.gradient_bytes = 0  # measured at the last step, from the gradients themselves
+
+    def __call__(self, *args, **kwargs):
+        """The head's forward with this arm's weights: ``head(*args, **kwargs)``."""
+        if self.full is not None:
+            return functional_call(self.head, self.full, args, kwargs)
+        modules = dict(self.head.named_modules())
+        handles = [modules[name].register_forward_hook(_lora_hook(a, b)) for name, (a, b) in self.lora.items()]
+        try:
+            return self.head(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def step(self, loss: torch.Tensor) -> None:
+        """One AdamW step down ``loss``."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.gradient_bytes = sum(p.grad.nbytes for p in self.params if p.grad is not None)
+        self.optimizer.step()
+
+    def extra_bytes(self) -> dict:
+        """What this arm holds beyond the drafter, counted from its tensors: ``{"weights", "gradients",
+        "optimizer", "total"}`` in bytes (gradients as at the last step; the optimizer's state after
+        its first step)."""
+        weights = sum(p.nbytes for p in self.params)
+        optimizer = sum(v.nbytes for state in self.optimizer.state.values() for v in state.values()
+                        if torch.is_tensor(v))
+        return {"weights": weights, "gradients": self.gradient_bytes, "optimizer": optimizer,
+                "total": weights + self.gradient_bytes + optimizer}
+
+
+def check_rank(head: nn.Module, rank: int) -> None:
+    """``--online-rank``: at most the narrower side of every adapted projection of ``head``."""
+    for name, module in head.named_modules():
+        if LORA_MODULES.fullmatch(name) and rank > min(module.weight.shape):
+            raise UserError(f"--online-rank {rank}: above the width of {name} ({tuple(module.weight.shape)[0]} x "
+                            f"{tuple(module.weight.shape)[1]}); choose at most {min(module.weight.shape)}")
+
+
+def _lora_hook(a: torch.Tensor, b: torch.Tensor):
+    """A forward hook adding ``B (A x)`` to a linear layer's output: x (..., in) -> (..., out)."""
+
+    def hook(module, inputs, output):
+        x = inputs[0]
+        return output + (x @ a.t().to(x.dtype)) @ b.t().to(x.dtype)
+
+    return hook
+
+
+def extra_bytes(learner: Learner | None) -> dict:
+    """An arm's extra state in bytes; an arm without a learner (a spec, none) holds none."""
+    if learner is None:
+        return {"weights": 0, "gradients": 0, "optimizer": 0, "total": 0}
+    return learner.extra_bytes()
+
+
+# ----------------------------------------------------------------------------------------------
+# One sequence: score a chunk, then learn from it
+# ----------------------------------------------------------------------------------------------
+
+class OnlineSequence:
+    """One sequence ``input_ids`` (1, T) of an EAGLE-3 drafter adapter, ready to be scored and learnt
+    chunk by chunk: head row ``t`` (the adapter's layout) guesses token ``t + 2``; rows ``0 .. T-2``.
+
+    The target runs once (``drafter.target_states``): the head's features, the target's law at
+    ``temperature`` (the metrics) and its law at temperature 1 over the draft vocabulary (the
+    teacher).
+    """
+
+    def __init__(self, drafter, input_ids: torch.Tensor, learner: Learner, spec: ScaleSpec | None = None, *,
+                 temperature: float = 1.0, meter=None):
+        from .drafters.eagle3 import _restriction
+        from .measure.metrics import NextTokenLaw
+
+        head = drafter.head
+        self.learner, self.spec, self.meter = learner, spec, meter
+        self.restriction = _restriction(spec)
+        self.ids = drafter._input(input_ids)
+        self.features, final = drafter.target_states(self.ids)  # (1, T, n * width), (T-1, width)
+        columns = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=final.device))
+        target_logits = drafter.target.get_output_embeddings()(final)  # (T-1, vocab)
+        self.law = NextTokenLaw(target_logits, temperature, columns)
+        self.teacher = torch.log_softmax(target_logits[:, columns].float(), dim=-1)  # (T-1, draft): log p
+        self.rows = self.ids.shape[1] - 1
+        self.drafted = torch.zeros(self.rows, dtype=torch.long, device=final.device)  # filled by score
+        self.accept = torch.zeros(self.rows, dtype=torch.float32, device=final.device)
+        self._past = None  # (start, cache of rows 0 .. start-1) under the current weights
+
+    def _prefix(self, start: int):
+        """The head's cache of rows ``0 .. start-1`` under the current weights, without gradient."""
+        if self._past is None or self._past[0] != start:
+            with torch.no_grad():
+                cache = None if start == 0 else self.learner(self.ids[:, 1:start + 1], self.features[:, :start],
+                                                             return_logits=False, **self.restriction).past_key_values
+            self._past = (start, cache)
+        return self._past[1]
+
+    def _logits(self, start: int, end: int, tap) -> torch.Tensor:
+        """Head logits of rows ``start .. end-1`` (end - start, draft), after the cached rows before them."""
+        return self.learner(self.ids[:, start + 1:end + 1], self.features[:, start:end],
+                            past_key_values=self._prefix(start), attention_hook=tap,
+                            **self.restriction).logits[0]
+
+    def score(self, start: int, end: int) -> None:
+        """Score rows ``start .. end-1`` with the weights as they are now (greedy guess, acceptance, mass)."""
+        with torch.no_grad():
+            logits = self._logits(start, end, ScalingTap(self.spec, self.meter))
+            self.drafted[start:end] = self.learner.head.draft_to_target(logits.argmax(-1))
+            self.accept[start:end] = self.law.acceptance(logits, start)
+
+    def learn(self, start: int, end: int, steps: int) -> None:
+        """``steps`` AdamW steps down the forward KL from the teacher to the head on rows ``start .. end-1``."""
+        log_p = self.teacher[start:end]  # (rows, draft)
+        for _ in range(steps):
+            with torch.enable_grad():
+                log_q = torch.log_softmax(self._logits(start, end, ScalingTap(self.spec)).float(), dim=-1)
+                loss = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+                self.learner.step(loss)
+            self._past = None  # the weights moved: the cache is recomputed when next needed
+
+    def result(self) -> TeacherForced:
+        """The scored rows as the adapters' ``teacher_forced`` gives them (one run)."""
+        n = torch.arange(1, self.rows + 1, device=self.drafted.device)
+        return TeacherForced(n_visible=n, target_next=self.law.greedy, drafted=self.drafted[None],
+                             accept=self.accept[None])
+
+
+def online_pass(drafter, input_ids: torch.Tensor, arm: OnlineArm, options: OnlineOptions, *,
+                temperature: float = 1.0, meter=None, learner: Learner | None = None):
+    """One sequence under ``arm``: every chunk of ``options.every`` rows scored, then learnt from.
+
+    Returns ``(teacher_forced, learner, seconds)``: the rows' guesses and acceptance
+    (:class:`~calibrate.drafters.base.TeacherForced`), the learner as the sequence left it (pass it
+    back with ``carry``) and the wall time of the whole pass (target pass and updates included).
+    """
+    if torch.is_inference_mode_enabled():
+        raise ValueError("online arms learn: run them under torch.no_grad(), not torch.inference_mode()")
+    if drafter.kind not in ONLINE_KINDS:
+        raise UserError(f"{arm.name}: online adaptation is for EAGLE-3 heads only for now, not {drafter.kind}")
+    began = time.perf_counter()
+    learner = learner or Learner(drafter.head, arm.method, options)
+    seq = OnlineSequence(drafter, input_ids, learner, arm.spec, temperature=temperature, meter=meter)
+    for start in range(0, seq.rows, options.every):
+        end = min(start + options.every, seq.rows)
+        seq.score(start, end)
+        seq.learn(start, end, options.steps)
+    out = seq.result()
+    if out.drafted.is_cuda:
+        torch.cuda.synchronize()
+    return out, learner, time.perf_counter() - began
+
+
+# ----------------------------------------------------------------------------------------------
+# Peak memory of a pass
+# ----------------------------------------------------------------------------------------------
+
+class PeakMemory:
+    """The peak memory while the ``with`` block runs, in bytes (``peak``), and how it was read (``method``).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. CPU (Linux): the
+    process's peak resident set ``VmHWM`` after resetting it (``/proc/self/clear_refs``, 5) and
+    returning freed heap to the system (glibc ``malloc_trim``), so memory an earlier pass freed
+    does not count in this one; it includes all that is resident (the models), the same for every
+    pass. ``peak`` is None where neither can be read.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.peak: int | None = None
+        self.method = "cuda max_memory_allocated" if self.cuda else "cpu peak resident set (VmHWM, reset per pass)"
+
+    def __enter__(self) -> "PeakMemory":
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return self
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass  # not glibc: freed heap may stay resident, and count
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self.method = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = int(torch.cuda.max_memory_allocated())
+        elif self.method is not None:
+            self.peak = _vm_hwm()
+            if self.peak is None:
+                self.method = None
+
+
+def _vm_hwm() -> int | None:
+    """The process's peak resident set in bytes (``VmHWM`` of ``/proc/self/status``), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def tally_online(out: TeacherForced, edges: np.ndarray, meter=None) -> tuple[dict, np.ndarray]:
+    """An online arm's per-bucket sums of one sequence, as :class:`~calibrate.measure.forced.Tally` holds
+    them: ``({metric: (buckets,)}, mass (2, buckets))``."""
+    from .measure.forced import _per_bucket
+
+    n = out.n_visible.cpu().numpy()
+    hits = (out.drafted[0] == out.target_next).cpu().numpy()
+    accept = out.accept[0].double().cpu().numpy()
+    sums = {"agreement": _per_bucket(edges, n, hits), "expected_acceptance": _per_bucket(edges, n, accept)}
+    mass = np.zeros((2, len(edges))) if meter is None else np.stack((meter.sums, meter.counts))
+    return sums, mass
