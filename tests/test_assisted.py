@@ -203,7 +203,8 @@ def test_eval_cli_runs_assisted_generation(tmp_path):
     r = json.loads((tmp_path / "eval.json").read_text())
     assert r["speculative"] == {"loop": "transformers-assisted", "new_tokens": 8, "num_draft": 3,
                                 "verification": "greedy", "temperature": None, "seed": None,
-                                "outputs_identical": True}
+                                "outputs_identical": True,
+                                "drafters": {v: "assistant" for v in ("none", "spec", "qwen-logn", "window", "sinks")}}
     assert r["drafter"]["n_ref"] == 64 and list(r["variants"]) == ["none", "spec", "qwen-logn", "window", "sinks"]
     for row in r["buckets"]:
         assert row["none"]["acceptance_length"] == 4.0  # K + 1: this test can fail
