@@ -143,15 +143,7 @@ def _selection(where: str, value) -> dict | None:
     bucket of ``buckets``, and ``best`` and ``chosen`` among the candidates."""
     if value is None:
         return None
-    if not isinstance(value, dict):
-        raise field_error(where, "expected an object", value)
-    extra = sorted(set(value) - set(SELECTION_FIELDS))
-    if extra:
-        raise field_error(f"{where}.{extra[0]}", f"unknown field (known: {', '.join(SELECTION_FIELDS)})",
-                          value[extra[0]])
-    missing = [f for f in SELECTION_FIELDS if f not in value]
-    if missing:
-        raise SpecError(f"spec field '{where}.{missing[0]}': required field is missing")
+    _fields(where, value, SELECTION_FIELDS, SELECTION_FIELDS)
     for name in ("rule", "metric", "weights", "reason"):
         check_str(f"{where}.{name}", value[name])
     if not isinstance(value["simplicity"], list) or not value["simplicity"]:
@@ -177,17 +169,22 @@ def _selection(where: str, value) -> dict | None:
     return value
 
 
+def _fields(where: str, value, known, required) -> None:
+    """``value`` is an object whose fields are among ``known`` and include ``required``; else a ``SpecError``
+    naming the first field that is not."""
+    if not isinstance(value, dict):
+        raise field_error(where, "expected an object", value)
+    extra = sorted(set(value) - set(known))
+    if extra:
+        raise field_error(f"{where}.{extra[0]}", f"unknown field (known: {', '.join(known)})", value[extra[0]])
+    missing = [f for f in required if f not in value]
+    if missing:
+        raise SpecError(f"spec field '{where}.{missing[0]}': required field is missing")
+
+
 def _candidate(where: str, cell, measured: bool, metric: str, buckets: list[str]) -> None:
     """One candidate's cell; ``measured``: it has gains over none (every candidate but none itself)."""
-    if not isinstance(cell, dict):
-        raise field_error(where, "expected an object", cell)
-    extra = sorted(set(cell) - set(CANDIDATE_FIELDS))
-    if extra:
-        raise field_error(f"{where}.{extra[0]}", f"unknown field (known: {', '.join(CANDIDATE_FIELDS)})",
-                          cell[extra[0]])
-    for name in ("deployment", "gain", "per_bucket") if measured else ("deployment",):
-        if name not in cell:
-            raise SpecError(f"spec field '{where}.{name}': required field is missing")
+    _fields(where, cell, CANDIDATE_FIELDS, ("deployment", "gain", "per_bucket") if measured else ("deployment",))
     if cell["deployment"] is not None and not isinstance(cell["deployment"], dict):
         raise field_error(f"{where}.deployment", "expected an object or null", cell["deployment"])
     if not measured:
