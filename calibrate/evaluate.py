@@ -143,6 +143,7 @@ from .drafters import drafter_kind
 from .errors import UserError
 from .lookup import LookupDrafter, LookupSettings, LookupThenHead
 from .measure import METRICS, Arm, MassMeter, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
+from .measure.forced import row_masks
 from .online import (ONLINE_KINDS, ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes,
                      online_arms, online_pass, tally_online)
 from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
@@ -374,9 +375,6 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     if learning and drafter.kind not in ONLINE_KINDS:
         raise UserError(f"--variants {learning[0].name}: online adaptation is for EAGLE-3 heads only for now, "
                         f"not {drafter.kind}")
-    if learning and recall:
-        raise UserError(f"--variants {learning[0].name} on --corpus {corpus}: online arms do not report copy "
-                        "agreement yet; use a corpus that is not recall:")
     if learning and speculative:
         raise UserError(f"--variants {learning[0].name} with --speculative: online arms run teacher-forced only")
     specs = variant_specs(spec, n_ref, [v for v in variants if v not in ONLINE_VARIANTS], window=window, sinks=sinks,
@@ -418,7 +416,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
                     progress(f"sequence {i + 1}/{len(texts)}: {arm.name}")
                 cost[arm.name], learners[arm.name] = _online(drafter, text, arm, online or OnlineOptions(), edges,
                                                              tally, spec.top_k, temperature, rows_per_bucket,
-                                                             learners.get(arm.name))
+                                                             learners.get(arm.name), copied[i])
             saved.put(f"forced-{i:05d}", {**tally.to_dict(), "costs": cost})
         else:
             tally, cost = kept
@@ -456,13 +454,15 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
 
 
 def _online(drafter, text, arm, options: OnlineOptions, edges, tally: Tally, top_k, temperature, rows_per_bucket,
-            learner):
-    """Run one online arm over one sequence into ``tally``; its cost, and the learner to carry (or None)."""
+            learner, copied: np.ndarray | None = None):
+    """Run one online arm over one sequence into ``tally`` (with ``copied``, a recall sequence's mask, its
+    copy and other rows too); its cost, and the learner to carry (or None)."""
     meter = MassMeter(edges, top_k, rows_per_bucket, arm.spec)
     with PeakMemory(drafter.device) as peak:
         out, learner, seconds = online_pass(drafter, torch.tensor([text]), arm, options, temperature=temperature,
                                             meter=meter, learner=learner if options.carry else None)
-    tally.sums[arm.name], tally.mass[arm.name] = tally_online(out, edges, meter)
+    masks = row_masks(copied, np.asarray(text), out.drafted.shape[1], drafter.predicts)
+    tally.sums[arm.name], tally.mass[arm.name] = tally_online(out, edges, meter, masks)
     return _cost("own", seconds, out.drafted.shape[1], peak, extra_bytes(learner)), learner
 
 

@@ -394,14 +394,15 @@ def _vm_hwm() -> int | None:
     return None
 
 
-def tally_online(out: TeacherForced, edges: np.ndarray, meter=None) -> tuple[dict, np.ndarray]:
+def tally_online(out: TeacherForced, edges: np.ndarray, meter=None, masks: dict | None = None
+                 ) -> tuple[dict, np.ndarray]:
     """An online arm's per-bucket sums of one sequence, as :class:`~calibrate.measure.forced.Tally` holds
-    them: ``({metric: (buckets,)}, mass (2, buckets))``."""
-    from .measure.forced import _per_bucket
+    them: ``({metric: (buckets,)}, mass (2, buckets))``; ``masks``: a recall sequence's row subsets
+    (``calibrate.measure.forced.row_masks``)."""
+    from .measure.forced import arm_sums
 
     n = out.n_visible.cpu().numpy()
     hits = (out.drafted[0] == out.target_next).cpu().numpy()
     accept = out.accept[0].double().cpu().numpy()
-    sums = {"agreement": _per_bucket(edges, n, hits), "expected_acceptance": _per_bucket(edges, n, accept)}
     mass = np.zeros((2, len(edges))) if meter is None else np.stack((meter.sums, meter.counts))
-    return sums, mass
+    return arm_sums(edges, n, hits, accept, masks or {}), mass

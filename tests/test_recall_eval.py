@@ -191,3 +191,21 @@ def test_eval_table_pairs_copy_agreement_over_the_copied_rows(recall_result):
     text = table.tables(recall_result)
     assert "agreement on copied tokens" in text and "the target's own accuracy" in text and "| target |" not in text
     assert "copy agreement - lookup" in table.table_at(recall_result, LENGTHS[-1], ["lookup"])
+
+
+def test_online_arms_report_copy_agreement_on_a_recall_corpus(eagle3, corpus):
+    """An online arm's rows fall into the same copy and other subsets as the shared pass's: in the first
+    chunk (rows 0 .. 63, scored before any update) its sums over every subset are none's exactly, and
+    later its copy and other sums add up to no more than its whole."""
+    from calibrate.online import OnlineOptions
+
+    with torch.no_grad():  # as eval runs it: the online arms turn gradients on for their own steps only
+        r = evaluate(eagle3, spec=SPEC, lengths=(64, 128), corpus="recall:" + corpus, sequences=2,
+                     rows_per_bucket=8, variants=("none", "online-full"), online=OnlineOptions(every=64, lr=1e-2))
+    first, later = r["buckets"]
+    for metric in ("agreement", "copy_agreement", "other_agreement", "copy_expected_acceptance"):
+        assert first["online-full"]["per_sequence"][metric] == pytest.approx(first["none"]["per_sequence"][metric],
+                                                                            abs=1e-9)
+    cell = later["online-full"]["per_sequence"]
+    assert np.all(np.add(cell["copy_agreement"], cell["other_agreement"]) <= np.add(cell["agreement"], 1e-9))
+    assert 0 <= later["online-full"]["copy_agreement"] <= 1

@@ -218,14 +218,10 @@ def tally_sequence(drafter, input_ids: torch.Tensor, arms: list[Arm], edges: np.
         if looks:
             found = looked >= 0  # (rows,) lookup drafts a token there
             look_hits, look_accept = found & (looked == target_next), forced.proposed_accept.double().cpu().numpy()
-        masks = {}
-        if copied is not None:
-            guessed = np.minimum(np.arange(R) + source.predicts, len(text))  # (rows,) the token each row guesses
-            known = guessed < len(text)  # the last rows guess past the text's end
-            copy = np.r_[copied, False][guessed]
-            masks = {"copy": copy, "other": known & ~copy}
+        masks = row_masks(copied, text, R, source.predicts)
+        if masks:
             subsets = {k: _per_bucket(edges, n, m) for k, m in masks.items()}
-            truth = np.r_[text, -1][guessed]
+            truth = np.r_[text, -1][np.minimum(np.arange(R) + source.predicts, len(text))]  # each row's true token
             sums[TARGET] = {f"{k}_accuracy": _per_bucket(edges, n, m & (target_next == truth))
                             for k, m in masks.items()}
         j = 0
@@ -240,11 +236,28 @@ def tally_sequence(drafter, input_ids: torch.Tensor, arms: list[Arm], edges: np.
                                                                                                meters[j].counts))
                 j += 1
             mass.setdefault(arm.name, np.zeros((2, len(edges))))
-            values = {"agreement": h, "expected_acceptance": a}
-            sums[arm.name] = {m: _per_bucket(edges, n, v) for m, v in values.items()}
-            sums[arm.name].update({f"{k}_{m}": _per_bucket(edges, n, v * mask) for k, mask in masks.items()
-                                   for m, v in values.items()})
+            sums[arm.name] = arm_sums(edges, n, h, a, masks)
     return Tally(rows=rows, sums=sums, mass=mass, subsets=subsets)
+
+
+def row_masks(copied: np.ndarray | None, text: np.ndarray, rows: int, predicts: int) -> dict:
+    """The recall subsets' rows (``SUBSETS`` -> (rows,) bool) of a sequence whose row ``t`` guesses token
+    ``t + predicts``: ``copy`` where that token is copied, ``other`` where it is any other token of the
+    text (the last rows guess past its end: neither). ``{}`` without a ``copied`` mask."""
+    if copied is None:
+        return {}
+    guessed = np.minimum(np.arange(rows) + predicts, len(text))  # (rows,) the token each row guesses
+    copy = np.r_[copied, False][guessed]
+    return {"copy": copy, "other": (guessed < len(text)) & ~copy}
+
+
+def arm_sums(edges: np.ndarray, n: np.ndarray, hits: np.ndarray, accept: np.ndarray, masks: dict) -> dict:
+    """One arm's per-bucket sums (``Tally.sums[arm]``) from its rows' ``hits`` and ``accept`` (rows,), the
+    rows seeing ``n`` keys: every row, and each subset of ``masks`` (:func:`row_masks`)."""
+    values = {"agreement": hits, "expected_acceptance": accept}
+    sums = {m: _per_bucket(edges, n, v) for m, v in values.items()}
+    sums.update({f"{k}_{m}": _per_bucket(edges, n, v * mask) for k, mask in masks.items() for m, v in values.items()})
+    return sums
 
 
 def summarize(tallies: list[Tally], arms: list[Arm], edges: np.ndarray, *, base: str = "none") -> list[dict]:
