@@ -65,6 +65,30 @@ def plan_sequences(tokenizer, sources: list[str], seq_len: int, tokens: int,
     return planned
 
 
+def per_source_counts(text: str, sources: int) -> list[int]:
+    """``--per-source``: one positive count, or one per source; else a one-line exit."""
+    try:
+        counts = [int(v) for v in text.split(",")]
+    except ValueError:
+        counts = []
+    if len(counts) not in (1, sources) or min(counts, default=0) < 1:
+        raise SystemExit(f"--per-source {text}: give one positive number or one per source ({sources})")
+    return counts
+
+
+def check_device(name: str) -> torch.device:
+    """``--device``: cpu, or cuda where a CUDA device is present; else a one-line exit."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name}: not a device; give cpu, or cuda on a GPU machine") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {name}: give cpu, or cuda on a GPU machine")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: no CUDA device here; give --device cpu")
+    return device
+
+
 def load_shards(folder: Path) -> dict[str, torch.Tensor]:
     """All shards of a finished run: tokens (S, T) int64, features (S, T, 3H) fp16, final (S, T, H) fp16,
     copied (S, T) bool (all False in a sequence that is not a recall sequence)."""
@@ -87,16 +111,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the target runs: cpu, or cuda on a GPU machine (fp32 either "
                                                      "way, so the shards do not depend on it beyond rounding)")
     args = ap.parse_args()
+    sources = args.sources.split(",")
+    per_source = None if args.per_source is None else per_source_counts(args.per_source, len(sources))
+    device = check_device(args.device)
     torch.set_num_threads(args.threads)
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: no CUDA device here; give --device cpu")
-    target, tokenizer = load_smollm2(args.device)
-    sources = args.sources.split(",")
-    per_source = None if args.per_source is None else [int(v) for v in args.per_source.split(",")]
-    if per_source is not None and (len(per_source) not in (1, len(sources)) or min(per_source) < 1):
-        raise SystemExit(f"--per-source {args.per_source}: give one positive number or one per source "
-                         f"({len(sources)})")
+    target, tokenizer = load_smollm2(device)
     planned = plan_sequences(tokenizer, sources, args.seq_len, args.tokens, per_source)
     num_layers = len(target.get_decoder().layers)
     ids = (*feature_layer_ids(num_layers), num_layers)  # the EAGLE-3 features, then the final normed state
@@ -118,7 +138,7 @@ def main() -> None:
             continue
         tokens = torch.tensor([seq])
         with torch.no_grad():
-            out = hidden_state_features(target, tokens.to(args.device), ids)[0].cpu()  # (T, 4H)
+            out = hidden_state_features(target, tokens.to(device), ids)[0].cpu()  # (T, 4H)
         width = out.shape[-1] // 4
         tmp = shard.with_suffix(".tmp")
         shard_data = {"tokens": tokens[0], "features": out[:, :3 * width].half().clone(),

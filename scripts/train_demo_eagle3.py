@@ -76,7 +76,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from target_features import DEFAULT_OUT as FEATURES, load_shards  # noqa: E402
+from target_features import DEFAULT_OUT as FEATURES, check_device, load_shards  # noqa: E402
 
 from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from calibrate.drafters.layers import apply_rope, repeat_kv, rope_cos_sin  # noqa: E402
@@ -356,15 +356,13 @@ def main() -> None:
         raise SystemExit(f"--copy-share {args.copy_share}: give a share from 0 to 1")
     if args.reach is not None and (not args.far or args.reach < args.span):
         raise SystemExit(f"--reach {args.reach}: give it with --far, at least --span {args.span}")
+    device = check_device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
     work.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "work", "threads", "save_every", "write_every_save", "device")}
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: no CUDA device here; give --device cpu")
     target, _ = load_smollm2()
     tc = target.config
     data = load_shards(args.features)

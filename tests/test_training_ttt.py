@@ -23,11 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("train_demo_eagle3", ROOT / "scripts" / "train_demo_eagle3.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load("train_demo_eagle3")
 
 
 def _head(seed: int) -> Eagle3Head:
@@ -199,3 +195,36 @@ def test_copy_share_weights_the_sequences_whose_copies_a_head_reaches():
     assert torch.allclose(w, torch.tensor([0.25 + 0.5, 0.25], dtype=torch.float64))
     assert train.copy_weights(data, 0.5, reach=64) is None  # distance 96 is out of reach
     assert train.copy_weights(data, 0.0, reach=256) is None
+
+
+@pytest.mark.parametrize("script, args, named", [
+    ("train_demo_eagle3", ["--copy-share", "1.5"], "--copy-share 1.5"),
+    ("train_demo_eagle3", ["--match", "3"], "--match 3"),  # more match keys than --far 0 draws
+    ("train_demo_eagle3", ["--device", "gpu"], "--device gpu"),
+    ("target_features", ["--per-source", "two"], "--per-source two"),
+    ("target_features", ["--per-source", "1,2", "--sources", "pydoc:train"], "--per-source 1,2"),
+    ("target_features", ["--per-source", "0"], "--per-source 0"),
+    ("target_features", ["--device", "tpu:0"], "--device tpu:0"),
+])
+def test_training_options_are_refused_in_one_line_before_any_work(tmp_path, monkeypatch, script, args, named):
+    """Each script exits with one line naming the value (SystemExit with a message: exit status 1), before
+    the target loads or anything is written."""
+    import calibrate.smollm2
+
+    module = _script() if script == "train_demo_eagle3" else _load("target_features")
+    monkeypatch.setattr(module, "load_smollm2", lambda *a, **k: pytest.fail("the target loaded"), raising=False)
+    monkeypatch.setattr(calibrate.smollm2, "load_smollm2", lambda *a, **k: pytest.fail("the target loaded"))
+    work = ["--work", str(tmp_path / "work")] if script == "train_demo_eagle3" else []
+    monkeypatch.setattr(sys, "argv", [script, *args, "--out", str(tmp_path / "out"), *work])
+    with pytest.raises(SystemExit) as stop:
+        module.main()
+    assert isinstance(stop.value.code, str) and named in stop.value.code and "\n" not in stop.value.code
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+def _load(name: str):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
