@@ -93,7 +93,8 @@ def eval_command(
                                                 "draw from a stream seeded by it and the prompt, the same for every "
                                                 "variant.")] = None,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens generated per speculative prompt.")] = 32,
-    num_draft: Annotated[int, typer.Option("--num-draft", help="Draft chain length K.")] = 4,
+    num_draft: Annotated[Optional[int], typer.Option(
+        "--num-draft", help="Drafts per verification K (default: 4 for chains; block size - 1 for dflash).")] = None,
     variants: Annotated[str, typer.Option(help="Variants to compare, comma-separated: none, spec, qwen-logn, window, "
                                           "sinks, clamp, group, pi, clamp+spec, group+spec, pi+spec, lookup "
                                           "(prompt lookup), lookup+head (lookup, else the drafter), reference, "
@@ -164,8 +165,8 @@ def eval_command(
     from sharpdraft_theory.atomic import atomic_write_text
 
     from .drafters import load_drafter, resolve_device, resolve_dtype
-    from .evaluate import (LOOKUP_VARIANTS, bucket_edges, check_lookup_loop, check_variants, default_spec, evaluate,
-                           with_lookup)
+    from .evaluate import (LOOKUP_VARIANTS, bucket_edges, check_block_variants, check_lookup_loop, check_variants,
+                           default_spec, evaluate, with_lookup)
     from .measure import SavedUnits, parse_grid, partial_dir
     from .online import online_options
     from .preflight import check_corpus, check_outputs, load_spec, local_inputs
@@ -184,7 +185,7 @@ def eval_command(
         raise UserError(f"--sequences {sequences}: expected at least 1 (default: every held-out sequence)")
     for option, value, least in (("--threads", threads, 0), ("--skip", skip, 0), ("--num-draft", num_draft, 1),
                                  ("--new-tokens", new_tokens, 2)):
-        if value < least:
+        if value is not None and value < least:
             raise UserError(f"{option} {value}: need at least {least}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k {top_k}: need at least 1 (or leave it out for the spec's)")
@@ -210,6 +211,7 @@ def eval_command(
     check_lookup_loop(drafter, with_lookup(chosen, corpus), speculative)
     check_corpus(corpus, max(edges))
     loaded_spec = load_spec(spec) if spec is not None else None
+    check_block_variants(drafter, chosen, loaded_spec, spec)
     k = top_k or (loaded_spec.top_k if loaded_spec else 4)
     if loaded_spec is not None and loaded_spec.top_k != k:
         try:

@@ -172,6 +172,20 @@ def default_spec(n_ref: int, top_k: int) -> ScaleSpec:
     return ScaleSpec(law="log-linear", n_ref=n_ref, slope=round(float(slope), 6), top_k=top_k)
 
 
+def check_block_variants(kind: str, names, spec: ScaleSpec | None = None, spec_file=None) -> None:
+    """A ``UserError`` when a DFlash (block) drafter is asked for a distance fix, as a variant or in the spec:
+    blocks run the scale, windows and sinks only (``calibrate.drafters.blocks``)."""
+    if kind != "dflash":
+        return
+    fixes = [n for n in names if n in POSITION_VARIANTS]
+    if fixes:
+        raise UserError(f"--variants {fixes[0]}: distance fixes are not built for DFlash blocks; drop "
+                        f"{', '.join(fixes)} (blocks run none, spec, qwen-logn, window, sinks, lookup)")
+    if spec is not None and spec.positions is not None:
+        raise UserError(f"--spec {spec_file}: its distance fix ({spec.positions.fix}) is not built for DFlash "
+                        "blocks; give a spec without positions")
+
+
 def check_variants(names: list[str], *, window: int | None, sinks: int, has_reference: bool,
                    neighbour_window: int | None = None, group: int | None = None, n_ref: int | None = None,
                    longest: int | None = None) -> tuple[str, ...]:
@@ -310,7 +324,7 @@ def bucket_edges(lengths: list[int]) -> np.ndarray:
 
 def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pydoc:heldout",
              sequences: int | None = None, skip: int = 0, rows_per_bucket: int = 96, speculative: bool = False,
-             new_tokens: int = 32, num_draft: int = 4, variants=DEFAULT_VARIANTS, window: int | None = None,
+             new_tokens: int = 32, num_draft: int | None = None, variants=DEFAULT_VARIANTS, window: int | None = None,
              sinks: int = DEFAULT_SINKS, reference=None, progress=None, n_ref: int | None = None,
              temperature: float = 1.0, slopes=(), alphas=(), saved: SavedUnits | None = None,
              neighbour_window: int | None = None, group: int | None = None,
@@ -359,10 +373,12 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         How the online variants learn (default ``OnlineOptions()``; ``calibrate.online``).
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
+    num_draft = draft_length(drafter, num_draft)
     edges = bucket_edges(lengths)
     recall = is_recall(corpus)
     variants = with_lookup(variants, corpus)
     check_lookup_loop(drafter.kind, variants, speculative)
+    check_block_variants(drafter.kind, variants, spec)
     lookup = replace(lookup or LookupSettings(), eos_token_id=drafter.eos_token_id)
     n_ref = drafter.default_n_ref if n_ref is None else int(n_ref)
     saved = saved or SavedUnits(None, {}, resume=False)
@@ -444,7 +460,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         "lookup": lookup.to_dict() if any(a.drafts != "head" for a in arms) else None,
         "recall": {"distances": [m.distance for m in recalled]} if recall else None,
         "speculative": None if not speculative else {**_speculative_record(loop, new_tokens, num_draft, all_identical,
-                                                                           sample, temperature, seed),
+                                                                           sample, temperature, seed,
+                                                                           getattr(drafter, "block_size", None)),
                                                      "drafters": drafters},
         "oracle": _oracle(tallies, grid, edges, n_ref) if grid else None,
         "online": None if not learning else (online or OnlineOptions()).to_dict(),
@@ -528,9 +545,20 @@ def prompt_seed(seed: int, prompt: torch.Tensor) -> tuple[int, int]:
     return int(seed), zlib.crc32(np.asarray(prompt.cpu(), dtype=np.int64).tobytes())
 
 
-def _speculative_record(loop, new_tokens, num_draft, identical, sample, temperature, seed) -> dict:
+def draft_length(drafter, num_draft: int | None) -> int:
+    """Drafts per verification: ``num_draft``, or by default a block drafter's ``block_size - 1`` (DFlash:
+    the rows of one forward) and a chain of 4 for every other drafter."""
+    if num_draft is not None:
+        return int(num_draft)
+    block = getattr(drafter, "block_size", None)
+    return 4 if block is None else block - 1
+
+
+def _speculative_record(loop, new_tokens, num_draft, identical, sample, temperature, seed, block=None) -> dict:
     """The result's ``speculative`` entry: how decoding ran, and whether outputs matched (greedy only)."""
     record = {"loop": loop, "new_tokens": new_tokens, "num_draft": num_draft,
+              "drafting": "chain: one draft per drafter forward" if block is None else
+              f"block: up to {block - 1} drafts from one drafter forward (block size {block})",
               "verification": "sampling" if sample else "greedy", "temperature": temperature if sample else None,
               "seed": seed if sample else None, "outputs_identical": None if sample else identical}
     if sample:

@@ -264,6 +264,37 @@ def test_lookup_in_the_chain_loop_keeps_the_target_law():
     assert tv > TV_BOUND, f"total variation {tv:.4f}"  # this test can fail
 
 
+class BlockTableDrafter(TableDrafter):
+    """A block drafter (DFlash's way): all drafts from one call, row ``j`` drawn from its own law, which
+    depends on the pending token and ``j`` only, never on the rows drawn before it in the block."""
+
+    name = "block"
+
+    def __init__(self):
+        super().__init__()
+        self.rows = [_table(7 + j, 2.0) for j in range(2)]  # (V, V) per block row
+
+    def draft(self, k: int, rule):
+        drafts, laws = [], []
+        for j in range(k):
+            token, law = rule.pick(self.rows[j][self.last])
+            drafts.append(token)
+            laws.append(law)
+        return drafts, None if laws[0] is None else np.stack(laws)
+
+
+def test_block_drafts_in_the_chain_loop_keep_the_target_law():
+    """Block drafting through the same loop, K = 2 drafts per call: token 2 is the block's second row,
+    drawn without seeing the first; the per-position rule still gives the target's law. Accepting
+    every draft lands outside the bound, so this test can fail."""
+    p0, law = exact_law(MarkovTarget())
+    first, pair = monte_carlo(Sampling, 2, BlockTableDrafter())
+    assert _tv(first, p0) < TV_BOUND
+    assert _tv(pair, law) < TV_BOUND, f"total variation {_tv(pair, law):.4f} >= {TV_BOUND:.4f}"
+    tv = _tv(monte_carlo(AcceptAll, 2, BlockTableDrafter())[1], law)
+    assert tv > TV_BOUND, f"total variation {tv:.4f}"
+
+
 # -- EAGLE-3: the head's draft laws --------------------------------------------------------------
 
 @pytest.fixture(scope="module")

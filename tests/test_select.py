@@ -160,7 +160,6 @@ def test_select_writes_a_measured_candidate_with_its_record(tmp_path, tiny):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(drafter="dflash", drafter_path="x"), "--select: the dflash drafter has no teacher-forced pass"),
     (dict(drafter="hf", drafter_path=None), "--select with --drafter hf: give --target-path"),
     (dict(drafter="pard", drafter_path="x"), "--select with --drafter pard: give --target-path"),
 ])

@@ -38,7 +38,7 @@ KINDS: dict[str, DrafterKind] = {
     "pard": DrafterKind("hf", "a PARD drafter, run as the causal LM it is", evaluates=True, assisted=True),
     "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head)",
                           evaluates=True, reads_aux_layers=True),
-    "dflash": DrafterKind("dflash", "target features, then DFlash blocks", evaluates=False),
+    "dflash": DrafterKind("dflash", "target features, then DFlash blocks (B - 1 drafts per forward)", evaluates=True),
 }
 _DTYPES = ("float32", "bfloat16", "float16")
 # How engines read the auxiliary layer ids k written in a drafter's config.json: hidden_states[k + aux_offset(...)].

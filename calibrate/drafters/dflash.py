@@ -408,19 +408,22 @@ class DFlashDraftModel(nn.Module):
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     def forward_block(self, noise_embedding: torch.Tensor, position_ids: torch.Tensor, context,
-                      **kwargs) -> torch.Tensor:
+                      masks=None, **kwargs) -> torch.Tensor:
         """Normed output hidden states (B, q, H) of a block.
 
         ``noise_embedding`` (B, q, H): the target's embedding of anchor + mask tokens (times
         ``input_embedding_scale``); ``position_ids`` (B, q); ``context`` from :meth:`encode_context`
         cut to the block's prefix (``p`` positions). Each layer sees the keys of :meth:`visible_mask`:
-        all ``p + q`` in full layers, a window in sliding ones.
+        all ``p + q`` in full layers, a window in sliding ones; ``masks`` (one bool mask per layer,
+        (1, 1, q, p + q), True where visible) replaces them, e.g. for many blocks in one call
+        (:func:`anchored_masks`).
         """
         cos, sin = self._rope(position_ids, noise_embedding.dtype)
         h = noise_embedding
         p, q_len = context[0][0].shape[2], noise_embedding.shape[1]
         for i, (layer, ctx) in enumerate(zip(self.layers, context)):
-            h = layer(h, ctx, cos, sin, self.visible_mask(i, p, q_len, h.device), **kwargs)
+            mask = self.visible_mask(i, p, q_len, h.device) if masks is None else masks[i]
+            h = layer(h, ctx, cos, sin, mask, **kwargs)
         return self.norm(h)
 
     def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
@@ -551,6 +554,38 @@ class DFlashDrafter:
     def tokenize(self, text: str) -> list[int]:
         """Target token ids of ``text``, without special tokens."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    predicts = 1  # teacher-forced row t: the block anchored at t, its row 1 guessing token t + 1
+    position_fixes = False  # distance fixes are not built for blocks (calibrate.drafters.blocks)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens in a block: the anchor and ``block_size - 1`` drafts per forward."""
+        return self.model.config.block_size
+
+    def teacher_forced(self, input_ids: torch.Tensor, runs, temperature: float = 1.0,
+                       proposals: torch.Tensor | None = None):
+        """Row ``t``: the block anchored at ``t`` guesses token ``t + 1`` (``calibrate.drafters.blocks``)."""
+        from .blocks import block_teacher_forced
+
+        self._check_draft_head()
+        return block_teacher_forced(self.model, self.target, input_ids, self.model.config.hidden_state_ids, runs,
+                                    temperature, proposals)
+
+    def chain_drafter(self, spec):
+        """Block drafting in the one speculative loop: ``block_size - 1`` drafts per forward."""
+        from .blocks import DFlashBlockDrafter
+
+        self._check_draft_head()
+        return DFlashBlockDrafter(self.model, self.target, spec)
+
+    def _check_draft_head(self) -> None:
+        """Drafting reads the target's ``lm_head`` (z-lab's layout); a speculators checkpoint drafts with its own
+        ``lm_head`` over a draft vocabulary, which is not loaded: refused in one line."""
+        if self.model.config.source == "speculators":
+            raise UserError(f"DFlash checkpoint {self.info.path}: a speculators-layout DFlash drafts with its own "
+                            "lm_head and draft vocabulary, which eval does not load; calibrate it, or convert it to "
+                            "z-lab's layout")
 
     @torch.no_grad()
     def collect(self, input_ids: torch.Tensor, tap: AttentionTap, positions: torch.Tensor) -> None:

@@ -1,0 +1,234 @@
+"""DFlash blocks in the one speculative loop and in the teacher-forced measurement.
+
+A block drafter proposes a whole draft in **one** forward: the pending token ``x_N`` at position
+``N`` followed by ``B - 1`` mask tokens at ``N + 1 .. N + B - 1``, attending (non-causally inside
+the block) to the fused target features of the committed context ``x_0 .. x_{N-1}``; row ``j`` of
+the block drafts token ``N + j``. :class:`DFlashBlockDrafter` is that proposer behind the
+``ChainDrafter`` protocol (``calibrate.drafters.base``), so ``calibrate.speculative.speculative_generate``
+verifies and commits its drafts exactly as it does a chain's (greedy, or speculative sampling: each
+row's draft is drawn from its own law, and those laws do not depend on the other rows' draws, so the
+per-position rejection rule keeps the target's law). The context features' keys and values are
+computed once per committed token and extended after each verification, never recomputed, as
+z-lab/dflash keeps them in its draft cache.
+
+What a spec changes in a block (:func:`context_columns`):
+
+* the scale multiplies every block query by ``alpha(n)``, ``n`` the keys the query sees (the kept
+  context keys plus the whole block in a full layer), through the same attention tap the other
+  drafters use (``calibrate.taps.ScalingTap``);
+* a ``window`` W (with ``sinks`` S) is the runtime's rule read at the block's anchor position ``p``:
+  the context keys ``c > p - W`` stay visible, and ``c < S``; the block itself always does. At
+  ``n = p + 1 <= W`` nothing is dropped, so a window of ``n_ref`` leaves a block alone at ``n <= n_ref``;
+* distance fixes (``positions``) are not built for blocks: refused in one line.
+
+Teacher-forced (:func:`block_teacher_forced`): the anchor at every position ``t`` of a text, its
+block's row 1 guessing token ``t + 1`` (the adapter's ``predicts = 1``), against the target's
+greedy token and next-token law there. Many anchors run in one call with per-layer masks
+(:func:`anchored_masks`): every block's rows see the context keys before their own anchor and their
+own block only, which is what one block at a time computes (tests/test_dflash_blocks.py holds the
+two equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from sharpdraft_theory import ScaleSpec
+
+from ..errors import UserError
+from .base import AttentionTap, TeacherForced
+
+__all__ = ["DFlashBlockDrafter", "anchored_masks", "block_teacher_forced", "check_block_spec", "context_columns"]
+
+ANCHORS_PER_CALL = 32  # blocks batched into one drafter forward by the teacher-forced pass
+
+
+def check_block_spec(spec: ScaleSpec | None) -> None:
+    """A ``UserError`` for what blocks do not run: distance fixes."""
+    if spec is not None and spec.positions is not None:
+        raise UserError(f"a distance fix ({spec.positions.fix}) is not built for DFlash blocks; use the scale, "
+                        "a window or sinks (variants none, spec, qwen-logn, window, sinks)")
+
+
+def context_columns(spec: ScaleSpec | None, p: int) -> torch.Tensor | None:
+    """The context positions a block anchored at ``p`` keeps under ``spec``'s window and sinks (None: all ``p``).
+
+    >>> window = lambda w, s=None: ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=4, window=w, sinks=s)
+    >>> context_columns(window(4, 1), 9).tolist()
+    [0, 6, 7, 8]
+    >>> context_columns(window(4), 3) is None
+    True
+    """
+    if spec is None or spec.window is None or p <= spec.window - 1:
+        return None
+    recent = torch.arange(p - spec.window + 1, p)
+    sinks = torch.arange(min(spec.sinks or 0, int(recent[0])))
+    return torch.cat((sinks, recent))
+
+
+def anchored_masks(model, anchors: torch.Tensor, width: int, spec: ScaleSpec | None = None) -> list[torch.Tensor]:
+    """Per-layer bool masks (1, 1, a * B, width + a * B) for the blocks at ``anchors`` (a,) in one call.
+
+    Keys are the first ``width`` context positions, then the ``a`` blocks one after another. Row
+    ``j`` of the block at ``t`` sees context position ``c`` when ``c < t``, its layer allows it
+    (full layers: all; sliding ones, :meth:`DFlashDraftModel.visible_mask`: ``c > t + j - W_layer``)
+    and ``spec``'s window keeps it (:func:`context_columns`), and the keys of its own block (all in
+    full layers, offsets ``<= j`` in sliding ones); nothing of another block.
+    """
+    c = model.config
+    B, a = c.block_size, len(anchors)
+    device = anchors.device
+    t = anchors.repeat_interleave(B)[:, None]  # (aB, 1) each row's anchor
+    j = torch.arange(B, device=device).repeat(a)[:, None]  # (aB, 1) each row's offset in its block
+    col = torch.arange(width, device=device)[None]  # (1, width) context positions
+    ctx = col < t
+    if spec is not None and spec.window is not None:
+        ctx &= (col > t - spec.window) | (col < (spec.sinks or 0))
+    owner = torch.arange(a, device=device).repeat_interleave(B)  # (aB,) the block each key belongs to
+    own = owner[:, None] == owner[None, :]  # (aB, aB)
+    offset = torch.arange(B, device=device).repeat(a)[None]  # (1, aB) each block key's offset
+    masks = []
+    for i in range(c.num_hidden_layers):
+        if c.layer_types and c.layer_types[i] == "sliding_attention":
+            layer_ctx = ctx & (col > t + j - c.sliding_window)
+            layer_own = own & (offset <= j)
+        else:
+            layer_ctx, layer_own = ctx, own
+        masks.append(torch.cat((layer_ctx, layer_own), dim=1)[None, None])
+    return masks
+
+
+def _embed(model, target, ids: torch.Tensor) -> torch.Tensor:
+    embed = model.embed_tokens if model.embed_tokens is not None else target.get_input_embeddings()
+    return embed(ids).to(model.fc.weight.dtype) * model.config.input_embedding_scale
+
+
+def _blocks(model, target, anchors: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ids (1, a * B), anchor token then masks, and their positions (1, a * B)."""
+    B = model.config.block_size
+    ids = torch.full((len(anchors), B), model.config.mask_token_id, dtype=torch.long, device=anchors.device)
+    ids[:, 0] = tokens
+    pos = anchors[:, None] + torch.arange(B, device=anchors.device)
+    return ids.view(1, -1), pos.view(1, -1)
+
+
+@torch.no_grad()
+def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_ids, runs: Sequence[
+        tuple[ScaleSpec | None, AttentionTap | None]], temperature: float = 1.0,
+        proposals: torch.Tensor | None = None) -> TeacherForced:
+    """Row ``t`` of ``input_ids`` (1, T): the block anchored at ``t`` (token ``x_t``, context ``x_0 .. x_{t-1}``)
+    and its row 1's guess of token ``t + 1``, per run ``(spec, tap)``; the target once for the
+    features and its law. ``tap`` sees each call's scaled queries (with keys laid out as in
+    :func:`anchored_masks`, so a tap reading the first ``n_visible`` keys cannot use it: none is given
+    by ``tally_sequence``, which measures no attention mass for blocks)."""
+    from ..measure.metrics import NextTokenLaw
+    from ..taps import ScalingTap, attention_tap
+    from .target import hidden_state_features
+
+    device = model.fc.weight.device
+    input_ids = input_ids.to(device)
+    T = input_ids.shape[1]
+    layers = len(target.get_decoder().layers)
+    states = hidden_state_features(target, input_ids, (*hidden_state_ids, layers))
+    width = target.config.hidden_size
+    features, final = states[:, :, :-width], states[0, :, -width:]
+    law = NextTokenLaw(target.get_output_embeddings()(final), temperature, points=proposals)  # row t: token t + 1
+    context = model.encode_context(features.to(model.fc.weight.dtype), torch.arange(T, device=device)[None])
+    head = target.get_output_embeddings()
+    B = model.config.block_size
+    drafted = torch.empty(len(runs), T, dtype=torch.long, device=device)
+    accept = torch.empty(len(runs), T, dtype=torch.float32, device=device)
+    n_visible = None
+    for r, (spec, tap) in enumerate(runs):
+        check_block_spec(spec)
+        scaled = ScalingTap(spec, tap)
+        for a0 in range(0, T, ANCHORS_PER_CALL):
+            anchors = torch.arange(a0, min(a0 + ANCHORS_PER_CALL, T), device=device)
+            ids, pos = _blocks(model, target, anchors, input_ids[0, anchors])
+            width_c = int(anchors[-1])  # the last anchor's context: every other block's is a prefix of it
+            masks = anchored_masks(model, anchors, width_c, spec)
+            with attention_tap(model, scaled):
+                hidden = model.forward_block(_embed(model, target, ids), pos,
+                                             [(k[:, :, :width_c], v[:, :, :width_c]) for k, v in context], masks)
+            logits = head(hidden.view(len(anchors), B, -1)[:, 1])  # (a, vocab): row 1 of each block
+            drafted[r, anchors] = logits.argmax(-1)
+            accept[r, anchors] = law.acceptance(logits, start=a0)
+        if r == 0:
+            n_visible = torch.arange(T, device=device) + 1  # the bucket's count, as for every adapter: t + 1
+    return TeacherForced(n_visible=n_visible, target_next=law.greedy, drafted=drafted, accept=accept,
+                         proposed_accept=law.point_accept)
+
+
+class DFlashBlockDrafter:
+    """Block drafting with a DFlash model (module docstring): one forward drafts ``B - 1`` tokens.
+
+    State after :meth:`start`: the context keys and values of ``x_0 .. x_{N-1}`` per layer (true target
+    features) and the pending ``x_N``. :meth:`draft` runs the block at ``N``; :meth:`commit` adds the
+    features of the pending token and the accepted drafts to the context. ``forwards`` counts the
+    drafter's forwards (one per draft).
+    """
+
+    name = "dflash"
+
+    def __init__(self, model, target, spec: ScaleSpec | None = None):
+        check_block_spec(spec)
+        self.model, self.target, self.spec = model, target, spec
+        self.feature_ids = tuple(model.config.hidden_state_ids)
+        self.block_size = model.config.block_size
+        self.forwards = 0
+
+    def close(self) -> None:
+        """Nothing to undo: the spec lives in this drafter's tap."""
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor, pending: int) -> None:
+        """Context ``x_0 .. x_{N-1}`` from its target ``features`` (1, N, ·); ``x_N = pending``."""
+        self.context = None
+        self.length = 0
+        self._extend(features)
+        self.pending = pending
+
+    def _extend(self, features: torch.Tensor) -> None:
+        model = self.model
+        n = features.shape[1]
+        pos = torch.arange(self.length, self.length + n, device=features.device)[None]
+        new = model.encode_context(features.to(model.fc.weight.dtype), pos)
+        self.context = new if self.context is None else [
+            (torch.cat((k0, k1), dim=2), torch.cat((v0, v1), dim=2)) for (k0, v0), (k1, v1) in zip(self.context, new)]
+        self.length += n
+
+    @torch.no_grad()
+    def block_logits(self) -> torch.Tensor:
+        """The block at ``N``'s draft logits (B - 1, vocab), rows 1 .. B - 1."""
+        from ..taps import ScalingTap, attention_tap
+
+        model, N = self.model, self.length
+        device = model.fc.weight.device
+        anchor = torch.tensor([N], device=device)
+        ids, pos = _blocks(model, self.target, anchor, torch.tensor([self.pending], device=device))
+        keep = context_columns(self.spec, N)
+        context = self.context if keep is None else [(k[:, :, keep], v[:, :, keep]) for k, v in self.context]
+        with attention_tap(model, ScalingTap(self.spec)):
+            hidden = model.forward_block(_embed(model, self.target, ids), pos, context)
+        self.forwards += 1
+        return self.target.get_output_embeddings()(hidden[0, 1:])
+
+    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+        """``min(k, B - 1)`` drafts from one forward, row ``j`` picked by ``rule`` from its own logits,
+        with their laws over the target vocabulary (None: greedy)."""
+        logits = self.block_logits()
+        drafts, laws = [], []
+        for j in range(min(k, self.block_size - 1)):
+            token, law = rule.pick(logits[j])
+            drafts.append(int(token))
+            if law is not None:
+                laws.append(law)
+        return drafts, (np.stack(laws) if laws else None)
+
+    def commit(self, new: list[int], features: torch.Tensor) -> None:
+        """The pending token and the accepted drafts join the context (their ``features`` (1, len(new), ·));
+        the target's own choice, ``new[-1]``, is pending."""
+        self._extend(features)
+        self.pending = new[-1]

@@ -1,0 +1,252 @@
+"""DFlash blocks in the one speculative loop and in the teacher-forced pass (calibrate.drafters.blocks).
+
+* many blocks in one call (``anchored_masks``) equal one block at a time, in full and sliding layers,
+  with and without a scale, a window and sinks;
+* block drafting in ``speculative_generate`` equals target-only greedy decoding, drafts ``B - 1``
+  tokens per drafter forward, and under sampling repeats with its seed;
+* a window of W leaves a block alone while its anchor sees at most W keys;
+* distance fixes are refused in one line.
+
+The sampling law of block drafting (drafts drawn in one go, each row from its own law) is checked by
+Monte Carlo in tests/test_sampling.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from calibrate.drafters.blocks import (DFlashBlockDrafter, anchored_masks, block_teacher_forced, context_columns,
+                                       _blocks, _embed)
+from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+from calibrate.errors import UserError
+from calibrate.speculative import Sampling, greedy_generate, speculative_generate
+from sharpdraft_theory.positions import PositionFix
+from sharpdraft_theory import ScaleSpec
+
+from tiny_checkpoints import tiny_target, write_tiny_dflash
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
+
+BS = 4
+T = 40
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(0)
+
+
+@pytest.fixture(scope="module")
+def model(target, tmp_path_factory):
+    return load_dflash(write_tiny_dflash(tmp_path_factory.mktemp("dflash"), target, seed=2, block_size=BS), target)
+
+
+@pytest.fixture(scope="module")
+def sliding(target, tmp_path_factory):
+    """Layer 0 a sliding window of 6 (smaller than some contexts, larger than the block), layer 1 full."""
+    folder = write_tiny_dflash(tmp_path_factory.mktemp("dflash-sliding"), target, seed=4, block_size=BS)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=6, use_sliding_window=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return load_dflash(folder, target)
+
+
+@pytest.fixture(scope="module")
+def text():
+    return torch.randint(0, 255, (1, T), generator=torch.Generator().manual_seed(3))
+
+
+def _window(w, sinks=None):
+    return ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=4, window=w, sinks=sinks)
+
+
+SPECS = {
+    "none": None,
+    "scale": ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=4),
+    "window": _window(8),
+    "sinks": _window(6, sinks=2),
+}
+
+
+def one_block_logits(model, target, text, p, spec):
+    """Row 1's logits of the block at ``p`` run alone, its context cut by ``context_columns``, scaled by hand."""
+    from calibrate.drafters.target import hidden_state_features
+    from calibrate.taps import ScalingTap, attention_tap
+
+    feats = hidden_state_features(target, text, model.config.hidden_state_ids)
+    ctx = model.encode_context(feats, torch.arange(T)[None])
+    keep = context_columns(spec, p)
+    ctx = [(k[:, :, :p], v[:, :, :p]) if keep is None else (k[:, :, keep], v[:, :, keep]) for k, v in ctx]
+    ids, pos = _blocks(model, target, torch.tensor([p]), text[0, p:p + 1])
+    masks = None
+    if keep is not None and model.config.layer_types:  # a sliding layer's mask over the kept keys
+        masks = [_kept_mask(model, i, p, keep) for i in range(model.config.num_hidden_layers)]
+    with attention_tap(model, ScalingTap(spec)):
+        hidden = model.forward_block(_embed(model, target, ids), pos, ctx, masks)
+    return target.get_output_embeddings()(hidden[0, 1])
+
+
+def _kept_mask(model, layer, p, keep):
+    full = model.visible_mask(layer, p, BS)
+    if full is None:
+        return None
+    return torch.cat((full[..., keep], full[..., p:]), dim=-1)
+
+
+@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("which", ["full", "sliding"])
+def test_many_blocks_in_one_call_equal_one_at_a_time(name, which, model, sliding, target, text):
+    m = model if which == "full" else sliding
+    spec = SPECS[name]
+    out = block_teacher_forced(m, target, text, m.config.hidden_state_ids, [(spec, None)])
+    assert out.drafted.shape == (1, T) and out.target_next.shape == (T,)
+    for p in (0, 1, 5, 9, 17, 33, T - 1):  # inside and across the batched chunks
+        alone = one_block_logits(m, target, text, p, spec)
+        assert int(out.drafted[0, p]) == int(alone.argmax())
+    # the target's greedy token after position t is row t's
+    assert torch.equal(out.target_next, target(text).logits[0].argmax(-1))
+
+
+def test_a_window_leaves_a_block_alone_up_to_its_width(model, target, text):
+    runs = [(None, None), (_window(8), None), (_window(6, sinks=2), None)]
+    out = block_teacher_forced(model, target, text, model.config.hidden_state_ids, runs, temperature=0.7)
+    # rows t <= 7 (n = t + 1 <= 8): equal; later rows: the window drops context keys, so some differ
+    assert torch.allclose(out.accept[1, :8], out.accept[0, :8], atol=1e-6)
+    assert torch.allclose(out.accept[2, :8], out.accept[0, :8], atol=1e-6)
+    assert not torch.allclose(out.accept[1, 8:], out.accept[0, 8:], atol=1e-3)
+
+
+def test_block_teacher_forced_matches_the_adapter(model, target, text):
+    drafter = DFlashDrafter(model, target, tokenizer=None)
+    out = drafter.teacher_forced(text, [(None, None)])
+    assert drafter.predicts == 1 and out.drafted.shape == (1, T)
+
+
+@pytest.mark.parametrize("spec", [None, SPECS["scale"], SPECS["window"]], ids=["none", "scale", "window"])
+def test_block_drafting_equals_greedy(spec, model, target):
+    prompt = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(7))
+    base = greedy_generate(target, prompt, 20)
+    drafter = DFlashBlockDrafter(model, target, spec)
+    out = speculative_generate(target, drafter, prompt, 20, num_draft=BS - 1)
+    assert out.tokens == base.tokens and out.drafter == "dflash"
+    # one drafter forward per verification: B - 1 drafts each (fewer only at the end)
+    assert drafter.forwards == out.steps
+
+
+def test_self_consistent_blocks_accept(model, target):
+    """A drafter whose block rows copy the target's greedy tokens is accepted in full: the loop
+    commits B - 1 drafts plus its own token per step (checks what the loop does with a whole block)."""
+    prompt = torch.randint(0, 255, (1, 10), generator=torch.Generator().manual_seed(8))
+    base = greedy_generate(target, prompt, 13)
+
+    class Oracle(DFlashBlockDrafter):
+        def block_logits(self):
+            self.forwards += 1
+            done = self.length + 1 - prompt.shape[1]  # tokens generated so far (the pending one included)
+            rows = base.tokens[done:done + BS - 1] + [0] * BS
+            return torch.nn.functional.one_hot(torch.tensor(rows[:BS - 1]), 256).float()
+
+    out = speculative_generate(target, Oracle(model, target), prompt, 13, num_draft=BS - 1)
+    assert out.tokens == base.tokens
+    assert out.accepted == [BS - 1] * 3  # the prefill's token, then 3 steps of 3 drafts + 1 = 13
+
+
+def test_block_sampling_repeats_with_its_seed(model, target):
+    prompt = torch.randint(0, 255, (1, 8), generator=torch.Generator().manual_seed(9))
+    runs = [speculative_generate(target, DFlashBlockDrafter(model, target), prompt, 12, BS - 1,
+                                 rule=Sampling(0.8, (1, 2))).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_distance_fixes_are_refused_for_blocks(model, target, text):
+    fixed = ScaleSpec(law="constant", n_ref=16, slope=0.0, top_k=4, positions=PositionFix("clamp", window=8))
+    with pytest.raises(UserError, match="not built for DFlash blocks"):
+        DFlashBlockDrafter(model, target, fixed)
+    with pytest.raises(UserError, match="not built for DFlash blocks"):
+        block_teacher_forced(model, target, text, model.config.hidden_state_ids, [(fixed, None)])
+
+
+def test_masks_keep_blocks_apart(model):
+    masks = anchored_masks(model, torch.tensor([2, 5]), 5)
+    m = masks[0][0, 0]  # (2B, 5 + 2B)
+    assert m.shape == (2 * BS, 5 + 2 * BS)
+    assert m[:BS, :2].all() and not m[:BS, 2:5].any()  # block at 2: context 0, 1 only
+    assert m[BS:, :5].all()  # block at 5: context 0..4
+    assert m[:BS, 5:5 + BS].all() and not m[:BS, 5 + BS:].any()  # its own block, not the other
+
+
+# -- the commands ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from test_calibrate import VOCAB, _write_tokenizer
+
+    root = tmp_path_factory.mktemp("dflash-cli")
+    tiny = tiny_target(0, vocab_size=VOCAB)
+    tiny.save_pretrained(root / "target")
+    _write_tokenizer(root / "target")
+    write_tiny_dflash(root / "dflash", tiny, seed=2, block_size=BS)
+    (root / "corpus.txt").write_text(" ".join(["a block drafts every token of the next few at once"] * 40))
+    return root
+
+
+def test_eval_runs_a_dflash_drafter_end_to_end(folders, tmp_path):
+    from typer.testing import CliRunner
+
+    from calibrate.cli import app
+
+    out = tmp_path / "eval.json"
+    args = ["eval", "--drafter", "dflash", "--drafter-path", str(folders / "dflash"), "--target-path",
+            str(folders / "target"), "--corpus", str(folders / "corpus.txt"), "--lengths", "16,64", "--sequences", "2",
+            "--n-ref", "16", "--variants", "none,spec,window,sinks", "--sinks", "2", "--device", "cpu",
+            "--speculative", "--new-tokens", "8", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())
+    spec = r["speculative"]
+    assert spec["outputs_identical"] is True and spec["num_draft"] == BS - 1
+    assert spec["drafting"].startswith(f"block: up to {BS - 1} drafts from one drafter forward")
+    assert set(spec["drafters"].values()) == {"dflash"}
+    first = r["buckets"][0]  # n <= 16 = n_ref = the window: every variant is none there
+    for variant in ("spec", "window", "sinks"):
+        assert first[variant]["delta_vs_none"]["agreement"][0] == 0, variant
+
+
+def test_calibrate_selects_for_a_dflash_drafter(folders, tmp_path):
+    from typer.testing import CliRunner
+
+    from calibrate.cli import app
+
+    out = tmp_path / "select.json"
+    args = ["calibrate", "--drafter", "dflash", "--drafter-path", str(folders / "dflash"), "--target-path",
+            str(folders / "target"), "--corpus", str(folders / "corpus.txt"), "--max-length", "256", "--sequences", "2",
+            "--n-ref", "64", "--device", "cpu", "--select", "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())["calibration"]["selection"]
+    names = set(record["candidates"])
+    assert {"none", "spec", "qwen-logn", "sinks", "window 64", "lookup"} <= names
+    assert not names & {"clamp", "group", "pi", "clamp+spec"}  # no distance fix for blocks
+    assert record["chosen"] in names
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--variants", "none,clamp"], "--variants clamp: distance fixes are not built for DFlash blocks"),
+    (["--variants", "none,pi+spec"], "--variants pi\\+spec: distance fixes are not built for DFlash blocks"),
+    (["--num-draft", "0"], "--num-draft 0: need at least 1"),
+])
+def test_eval_refuses_what_blocks_do_not_run(folders, extra, message):
+    from typer.testing import CliRunner
+
+    from calibrate.cli import app
+
+    args = ["eval", "--drafter", "dflash", "--drafter-path", str(folders / "dflash"), "--target-path",
+            str(folders / "target"), "--corpus", str(folders / "corpus.txt"), "--lengths", "16,64", "--device", "cpu",
+            *extra]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, UserError)  # main() prints it as one line and exits 1
+    assert re.search(message, str(result.exception)), str(result.exception)
