@@ -60,9 +60,10 @@ Per bucket and variant:
     tokens, one prompt per sequence: tokens committed per target forward that verifies drafts,
     and target-only decode time per token over speculative decode time per token (prefill
     excluded from both; ``calibrate.speculative``). The loop (``speculative.loop``) is the
-    kind's: ``transformers-assisted`` for whole causal LMs (``hf``, ``pard``: transformers'
+    kind's: ``transformers-assisted`` for ``hf`` causal LMs (transformers'
     ``generate(assistant_model=...)``, the variant's spec enabled on the assistant),
-    ``sharpdraft-chain`` for the others (``calibrate.speculative.speculative_generate``).
+    ``sharpdraft-chain`` for the others (``calibrate.speculative.speculative_generate``: EAGLE-3
+    chains, DFlash blocks, PARD's parallel drafts, lookup).
     ``speculative.outputs_identical``: every run's output equals target-only greedy decoding by
     the same loop's target (``generate`` without an assistant; ``greedy_generate``), token for token.
 
@@ -243,12 +244,12 @@ def with_lookup(variants, corpus: str) -> tuple[str, ...]:
 
 def check_lookup_loop(kind: str, variants, speculative: bool) -> None:
     """Lookup decodes in the chain loop: a ``UserError`` for the lookup variants with ``--speculative``
-    for a kind that decodes in transformers' assisted loop (``hf``, ``pard``)."""
+    for a kind that decodes in transformers' assisted loop (``hf``)."""
     looked = [v for v in variants if v in LOOKUP_VARIANTS]
     if speculative and looked and drafter_kind(kind).assisted:
         raise UserError(f"--variants {','.join(looked)} with --speculative (lookup runs on every recall corpus): "
                         f"{kind} drafters decode in transformers' assisted loop, lookup in the chain loop; drop "
-                        "--speculative or use an eagle3 drafter")
+                        "--speculative or use a drafter of the chain loop (eagle3, dflash, pard)")
 
 
 def position_fix(fix: str, n_ref: int, longest: int, *, neighbour_window: int | None = None,
@@ -379,6 +380,8 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     variants = with_lookup(variants, corpus)
     check_lookup_loop(drafter.kind, variants, speculative)
     check_block_variants(drafter.kind, variants, spec)
+    if speculative and drafter.kind == "pard":
+        drafter.pard_token  # noqa: B018 (read now: a PARD drafter without its mask token is refused before any pass)
     lookup = replace(lookup or LookupSettings(), eos_token_id=drafter.eos_token_id)
     n_ref = drafter.default_n_ref if n_ref is None else int(n_ref)
     saved = saved or SavedUnits(None, {}, resume=False)

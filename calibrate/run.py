@@ -334,7 +334,7 @@ def check_options(opts: CalibrateOptions) -> None:
         if not kind.evaluates:
             raise UserError(f"--select: the {opts.drafter} drafter has no teacher-forced pass to measure candidates "
                             "with yet; drop --select (the fitted spec is written) and compare deployments by hand")
-        if kind.assisted and opts.target_path is None:
+        if kind.causal_lm and opts.target_path is None:
             raise UserError(f"--select with --drafter {opts.drafter}: give --target-path, the target the candidates' "
                             "agreement is measured against")
     # --top-k against the lengths known before loading: --n-ref, the built-in drafter's, or --max-length

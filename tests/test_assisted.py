@@ -202,7 +202,7 @@ def test_eval_cli_runs_assisted_generation(tmp_path):
     assert result.exit_code == 0, result.output
     r = json.loads((tmp_path / "eval.json").read_text())
     assert r["speculative"] == {"loop": "transformers-assisted", "new_tokens": 8, "num_draft": 3,
-                                "verification": "greedy", "temperature": None, "seed": None,
+                                "drafting": "chain: one draft per drafter forward", "verification": "greedy", "temperature": None, "seed": None,
                                 "outputs_identical": True,
                                 "drafters": {v: "assistant" for v in ("none", "spec", "qwen-logn", "window", "sinks")}}
     assert r["drafter"]["n_ref"] == 64 and list(r["variants"]) == ["none", "spec", "qwen-logn", "window", "sinks"]

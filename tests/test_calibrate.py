@@ -178,7 +178,7 @@ def test_every_registered_kind_has_an_adapter():
     for name, kind in KINDS.items():
         module = importlib.import_module(f"calibrate.drafters.{kind.module}")
         assert callable(module.load), name
-    assert kind_names(evaluates=True) == ["hf", "pard", "eagle3"]
+    assert kind_names(evaluates=True) == ["hf", "pard", "eagle3", "dflash"]
 
 
 def _corrupt(src: Path, dst: Path, how: str) -> Path:

@@ -38,7 +38,7 @@ from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.stats import RowStats
 
 from test_calibrate import _write_causal_lm, _write_tokenizer, VOCAB
-from tiny_checkpoints import tiny_target, write_tiny_eagle3
+from tiny_checkpoints import tiny_target, write_tiny_dflash, write_tiny_eagle3
 
 TIMEOUT_S = 30  # a case still running after this long is a hang (it should have been refused at once)
 UNWRITABLE = "/proc/sharpdraft-hostile"  # no one, root included, can create files under /proc
@@ -224,7 +224,14 @@ EVAL_CASES = [
     Case("eval-lengths-one", EVAL + " --lengths 1", "--lengths"),
     Case("eval-plot-pdf", EVAL + " --plot {w}/r.pdf", "--plot"),
     Case("eval-drafter-unknown", EVAL + " --drafter medusa", "--drafter medusa"),
-    Case("eval-drafter-dflash", EVAL + " --drafter dflash", "--drafter dflash"),
+    Case("eval-dflash-fix", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter dflash --drafter-path "
+                                          "{fx}/dflash") + " --variants none,clamp", "--variants clamp"),
+    Case("eval-dflash-fix-spec", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter dflash --drafter-path "
+                                               "{fx}/dflash") + " --variants none,spec --spec {w}/s.json", "positions",
+         (("s.json", _spec(positions={"fix": "clamp", "window": 16, "group": None, "n_ref": None})),)),
+    Case("eval-pard-token-out-of-range", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter pard "
+                                                       "--drafter-path {fx}/pard-bad-token") + " --speculative",
+         "pard_token 9999"),
     Case("eval-device-unknown", EVAL + " --device tpu", "--device tpu"),
     Case("eval-dtype-unknown", EVAL + " --dtype float8", "--dtype float8"),
     Case("eval-corpus-missing", EVAL + " --corpus {w}/none.txt", "none.txt"),
@@ -363,7 +370,7 @@ CALIBRATE = [
     _cal("pard-without-path", "--drafter-path ''", "--drafter-path"),
     Case("calibrate-out-missing", CAL, "--out"),
     _cal("select-pard-without-target", "--select", "--select with --drafter pard: give --target-path"),
-    _cal("select-dflash", "--select --drafter dflash --drafter-path {fx}/pard", "--select: the dflash drafter"),
+    _cal("select-dflash-on-a-pard-folder", "--select --drafter dflash --drafter-path {fx}/pard", "pard_token"),
     _cal("select-with-value", "--select yes", "yes"),
     _cal("law-unknown", "--law cubic", "--law cubic"),
     _cal("law-prior", "--law qwen-logn", "--law qwen-logn"),
@@ -581,7 +588,9 @@ def fx(tmp_path_factory) -> Path:
     (root / "corpus.txt").write_text(TEXT)
     (root / "spec.json").write_text(_spec())
     _write_causal_lm(root / "pard", pard_token=258, spd_type="pard")
+    _write_causal_lm(root / "pard-bad-token", pard_token=9999, spd_type="pard")
     target = tiny_target(0, vocab_size=VOCAB)
+    write_tiny_dflash(root / "dflash", target, seed=2, block_size=4, mask_token_id=259)
     target.save_pretrained(root / "target")
     _write_tokenizer(root / "target")
     write_tiny_eagle3(root / "eagle3", target, seed=1)

@@ -30,12 +30,15 @@ class DrafterKind:
     runs: str  # what runs, in a few words (CLI help and docs)
     evaluates: bool  # has teacher_forced and chain_drafter (assisted: assistant), so sharpdraft eval supports it
     reads_aux_layers: bool = False  # its load takes aux_layer_reading (--aux-layer-reading)
-    assisted: bool = False  # a whole causal LM: eval --speculative runs it as transformers' assistant_model
+    assisted: bool = False  # eval --speculative runs it as transformers' assistant_model
+    causal_lm: bool = False  # a whole causal LM, with no target of its own: --select needs --target-path
 
 
 KINDS: dict[str, DrafterKind] = {
-    "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True, assisted=True),
-    "pard": DrafterKind("hf", "a PARD drafter, run as the causal LM it is", evaluates=True, assisted=True),
+    "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True, assisted=True,
+                      causal_lm=True),
+    "pard": DrafterKind("hf", "a PARD drafter: K drafts from one forward over its mask tokens", evaluates=True,
+                        causal_lm=True),
     "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head)",
                           evaluates=True, reads_aux_layers=True),
     "dflash": DrafterKind("dflash", "target features, then DFlash blocks (B - 1 drafts per forward)", evaluates=True),

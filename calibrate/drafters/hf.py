@@ -13,12 +13,13 @@ neither, a ``UserError`` says so. The target (``sharpdraft eval`` compares the d
 the ``--target-path`` model, else SmolLM2, loaded when first needed.
 
 Evaluation: teacher-forced runs are one causal pass each, its queries scaled through the
-attention tap (``calibrate.taps.ScalingTap``, the runtime's own scaling). Speculative decoding is
-transformers' own assisted generation with the drafter as ``assistant_model``
+attention tap (``calibrate.taps.ScalingTap``, the runtime's own scaling). Speculative decoding of an
+``hf`` drafter is transformers' own assisted generation with the drafter as ``assistant_model``
 (``calibrate.speculative.transformers_generate``), the spec enabled on it by
-``sharpdraft_runtime.enable`` for the call (:meth:`CausalLMDrafter.assistant`). The assistant drafts
-greedy chains one token at a time (PARD's parallel mask-token drafting is not used: chain
-drafting keeps the comparison between variants about the attention alone).
+``sharpdraft_runtime.enable`` for the call (:meth:`CausalLMDrafter.assistant`): greedy chains, one
+token per drafter forward. A ``pard`` drafter drafts as PARD does, in this toolkit's chain loop:
+``K`` drafts from one forward over the pending token and ``K - 1`` copies of its ``pard_token``
+(``calibrate.drafters.parallel``, :meth:`CausalLMDrafter.chain_drafter`).
 
 Default ``n_ref`` (the reference length; ``--n-ref`` overrides it):
 
@@ -109,6 +110,26 @@ class CausalLMDrafter:
             accept.append(law.acceptance(logits))
         return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
                              accept=torch.stack(accept), proposed_accept=law.point_accept)
+
+    def chain_drafter(self, spec: ScaleSpec | None):
+        """A PARD drafter's parallel drafting (``calibrate.drafters.parallel``) with ``spec`` applied."""
+        from .parallel import PardParallelDrafter
+
+        if self.model is self.target:
+            raise UserError("--speculative needs a drafter different from the target: pass --drafter-path "
+                            "(and --target-path for the target)")
+        return PardParallelDrafter(self.model, self.pard_token, spec)
+
+    @property
+    def pard_token(self) -> int:
+        """The reserved token a PARD drafter reads K - 1 copies of (config ``pard_token``)."""
+        token = getattr(self.model.config.get_text_config(), "pard_token", None)
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+            raise UserError(f"--drafter pard {self.info.path}: config.json has pard_token {token!r}, not a token id "
+                            f"below the embedding's {vocab} rows; a PARD drafter names its mask token there (or run it "
+                            "as --drafter hf, one draft per forward)")
+        return token
 
     @contextlib.contextmanager
     def assistant(self, spec: ScaleSpec | None):

@@ -1,0 +1,151 @@
+"""PARD's parallel drafting in the one speculative loop (calibrate.drafters.parallel).
+
+* K drafts per drafter forward; every greedy output equals target-only greedy decoding, with and
+  without a spec;
+* the drafts of one forward are what a full uncached pass over the text and K - 1 mask tokens gives
+  (the mask tokens' cache entries are dropped, the committed tokens fed as themselves);
+* a drafter that is the target itself, given an oracle mask, accepts every draft;
+* the pard kind decodes in the chain loop through eval, and a config without a usable
+  ``pard_token`` is refused in one line.
+
+The sampling law of drafts drawn in one go is checked by Monte Carlo in tests/test_sampling.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from calibrate.drafters.parallel import PardParallelDrafter
+from calibrate.errors import UserError
+from calibrate.speculative import GREEDY, Sampling, greedy_generate, speculative_generate
+from sharpdraft_theory import ScaleSpec
+
+from tiny_checkpoints import tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
+
+MASK = 250
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(0)
+
+
+@pytest.fixture(scope="module")
+def drafter_model():
+    return tiny_target(5, num_layers=2)
+
+
+SPECS = [None, ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=4),
+         ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=4, window=8)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["none", "scale", "window"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_parallel_drafting_equals_greedy(target, drafter_model, spec, k):
+    prompt = torch.randint(0, 250, (1, 11), generator=torch.Generator().manual_seed(k))
+    base = greedy_generate(target, prompt, 18)
+    drafter = PardParallelDrafter(drafter_model, MASK, spec)
+    out = speculative_generate(target, drafter, prompt, 18, num_draft=k)
+    assert out.tokens == base.tokens and out.drafter == "pard"
+    assert drafter.forwards == out.steps  # one drafter forward per verification
+
+
+class Recording(PardParallelDrafter):
+    def draft(self, k, rule):
+        drafts, laws = super().draft(k, rule)
+        if k > 1:  # the last steps may draft fewer than K
+            self.context = self.cache.get_seq_length(), drafts
+        return drafts, laws
+
+
+def test_drafts_are_one_uncached_pass_over_the_text_and_masks(target, drafter_model):
+    """After some steps, the next draft equals the argmax of an uncached forward over every committed
+    token then K - 1 masks: the cache holds exactly the committed tokens, masks dropped."""
+    prompt = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(3))
+    k = 3
+    drafter = Recording(drafter_model, MASK)
+    out = speculative_generate(target, drafter, prompt, 10, num_draft=k)
+    assert len(drafter.context[1]) > 1
+    committed = prompt[0].tolist() + out.tokens
+    # the last draft read the committed text up to its pending token
+    cached, drafts = drafter.context  # after a draft the cache holds the committed text up to its pending token
+    assert cached > prompt.shape[1]  # a later step, not the first
+    with torch.no_grad():
+        full = drafter_model(torch.tensor([committed[:cached] + [MASK] * (len(drafts) - 1)])).logits[0, -len(drafts):]
+    assert drafts == full.argmax(-1).tolist()
+
+
+def test_an_oracle_pard_drafter_accepts_whole_drafts(target):
+    """The target as its own PARD drafter drafts its own greedy token at the pending position; with the
+    mask rows replaced by the true continuation every draft is accepted: K + 1 per step."""
+    prompt = torch.randint(0, 250, (1, 7), generator=torch.Generator().manual_seed(4))
+    base = greedy_generate(target, prompt, 11)
+
+    class Oracle(PardParallelDrafter):
+        def _forward(self, ids):
+            logits = super()._forward(ids)
+            done = self.cache.get_seq_length() - prompt.shape[1]  # generated tokens in the cache (pending incl.)
+            if len(ids) > 1 and ids[-1] == MASK:
+                for j in range(1, len(ids) - len(self.unfed) + 1):
+                    row = len(self.unfed) - 1 + j
+                    want = base.tokens[done + j] if done + j < len(base.tokens) else 0
+                    logits[row] = torch.nn.functional.one_hot(torch.tensor(want), logits.shape[-1]).float()
+            return logits
+
+    out = speculative_generate(target, Oracle(target, MASK), prompt, 11, num_draft=2)
+    assert out.tokens == base.tokens
+    assert out.accepted == [2] * 3 + [out.accepted[-1]]  # 1 + 3 x 3 = 10, then the last token
+
+
+def test_parallel_sampling_repeats_with_its_seed(target, drafter_model):
+    prompt = torch.randint(0, 250, (1, 8), generator=torch.Generator().manual_seed(9))
+    runs = [speculative_generate(target, PardParallelDrafter(drafter_model, MASK), prompt, 12, 3,
+                                 rule=Sampling(0.8, (1, 2))).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert GREEDY.name == "greedy"
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from test_calibrate import VOCAB, _write_causal_lm, _write_tokenizer
+
+    root = tmp_path_factory.mktemp("pard-cli")
+    tiny = tiny_target(0, vocab_size=VOCAB)
+    tiny.save_pretrained(root / "target")
+    _write_tokenizer(root / "target")
+    _write_causal_lm(root / "pard", pard_token=VOCAB - 1, spd_type="pard")
+    _write_causal_lm(root / "no-token", pard_token=None, spd_type="pard")
+    (root / "corpus.txt").write_text(" ".join(["a parallel drafter reads its mask tokens at once"] * 40))
+    return root
+
+
+def test_eval_decodes_pard_in_the_chain_loop(folders, tmp_path):
+    from typer.testing import CliRunner
+
+    from calibrate.cli import app
+
+    out = tmp_path / "eval.json"
+    args = ["eval", "--drafter", "pard", "--drafter-path", str(folders / "pard"), "--target-path",
+            str(folders / "target"), "--corpus", str(folders / "corpus.txt"), "--lengths", "32,64", "--sequences", "2",
+            "--n-ref", "32", "--variants", "none,spec,window", "--device", "cpu", "--speculative", "--new-tokens", "8",
+            "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())["speculative"]
+    assert r["loop"] == "sharpdraft-chain" and r["num_draft"] == 4 and r["outputs_identical"] is True
+    assert set(r["drafters"].values()) == {"pard"}
+
+
+def test_a_pard_drafter_without_its_token_is_refused(folders):
+    from calibrate.drafters import load_drafter
+
+    d = load_drafter("pard", str(folders / "no-token"), str(folders / "target"), torch.device("cpu"), torch.float32)
+    with pytest.raises(UserError, match="config.json has pard_token None"):
+        d.chain_drafter(None)
