@@ -1,0 +1,280 @@
+"""Train a DFlash head for SmolLM2-135M-Instruct (``calibrate/assets/dflash-smollm2``, ``--drafter dflash``).
+
+DFlash (z-lab, arXiv:2602.06036) drafts a block in one forward: the anchor token and ``B - 1`` mask
+tokens attend, non-causally inside the block, to fused target features of the context
+(``calibrate/drafters/dflash.py``). The recipe follows DFlash's as SpecForge trains it:
+
+1. Target features: the shards of ``scripts/target_features.py`` (SmolLM2's ``hidden_states[2, 15,
+   27]``, evenly spaced over its 30 layers, and the final normed state). They are the outputs of
+   layers ``target_layer_ids = (1, 14, 26)``, z-lab's reading (``hidden_states[id + 1]``), so the
+   EAGLE-3 heads' features serve unchanged.
+2. Random anchors: each step draws ``--anchors`` positions ``p`` of one sequence; the block at ``p``
+   is token ``x_p`` then ``B - 1`` copies of ``--mask-token`` (SmolLM2's ``<empty_output>``, id 16,
+   which the corpora never contain) at positions ``p .. p + B - 1``. All blocks of a step run in one
+   forward with per-block masks (``calibrate.drafters.blocks.anchored_masks``' layout): a block sees
+   its own context keys and its own rows only.
+3. Context keys: at most ``--context`` per block, chosen over the whole earlier sequence so that the
+   keys a copy needs can be among them: the ``--local`` positions just before ``p``, then from the
+   earlier ones up to ``--match`` **match spans** (an earlier position ``j`` whose token pair
+   ``(x_{j-1}, x_j)`` is the block's ``(x_{p-1}, x_p)``, with the ``B - 1`` positions after it, what
+   the block's rows would copy from), the rest drawn uniformly. Past ``--context`` keys a block then
+   meets the keys it used in training plus more background keys: dilution alone, the regime the
+   query scale is for (``n_ref = --context + B``, the most keys a block query saw; every distance up
+   to the sequence length was seen).
+4. Loss: row ``k`` of a block (``k = 1 .. B - 1``) guesses token ``p + k``; its cross-entropy against
+   the target's next-token law there (final state at ``p + k - 1`` times the target's ``lm_head``)
+   is weighted ``exp(-(k - 1) / --decay)`` (DFlash's decay, 7 for blocks of 16). The target's
+   embedding and ``lm_head`` are frozen and not saved; ``fc``, ``hidden_norm``, the Qwen3-style
+   layers and ``norm`` (initialised from the target's final norm) train.
+5. Progress is saved every ``--save-every`` steps under ``--work`` (atomically; a stopped run
+   resumes). The head folder: ``config.json`` (z-lab's layout), ``model.safetensors`` (fp16) and
+   ``training_log.json`` (``n_ref``, ``max_distance``, the command and the loss history).
+
+Usage (features first; ``--device cuda`` on a GPU machine, where it takes minutes)::
+
+    python scripts/target_features.py --sources recall:pydoc:train,recall:stdlib --per-source 100,220 \\
+        --seq-len 1024 --tokens 327680 --out .cache/smollm2-features-recall-1024
+    python scripts/train_dflash.py --features .cache/smollm2-features-recall-1024 --out .cache/heads/dflash-smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from target_features import check_device, load_shards  # noqa: E402
+
+from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel  # noqa: E402
+from calibrate.smollm2 import load_smollm2  # noqa: E402
+
+TARGET_LAYER_IDS = (1, 14, 26)  # read as hidden_states[2, 15, 27]: the shards' features
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def context_keys(gen: torch.Generator, tokens: torch.Tensor, p: int, context: int, local: int, match: int,
+                 block: int) -> torch.Tensor:
+    """Bool (T,): the context positions the block at ``p`` sees (module docstring, step 3).
+
+    >>> t = torch.tensor([5, 6, 7, 1, 2, 9, 9, 9, 1, 2, 0, 0])
+    >>> context_keys(torch.Generator().manual_seed(0), t, 9, 3, 1, 1, 2).nonzero().flatten().tolist()
+    [4, 5, 8]
+    """
+    seen = torch.zeros(len(tokens), dtype=torch.bool)
+    seen[max(0, p - local):p] = True
+    lowest = p - local  # earlier positions: [0, lowest)
+    if lowest <= 0 or context <= local:
+        return seen
+    budget = min(context - local, lowest)
+    if match and p >= 1:
+        j = torch.arange(1, lowest)
+        hits = j[(tokens[j] == tokens[p]) & (tokens[j - 1] == tokens[p - 1])]
+        hits = hits[torch.randperm(len(hits), generator=gen)[:match]]
+        for h in hits.tolist():
+            span = torch.arange(h, min(h + block - 1, lowest))
+            take = span[~seen[span]][:budget - int(seen[:lowest].sum())]
+            seen[take] = True
+    left = budget - int(seen[:lowest].sum())
+    if left > 0:
+        free = (~seen[:lowest]).nonzero().flatten()
+        seen[free[torch.randperm(len(free), generator=gen)[:left]]] = True
+    return seen
+
+
+def block_loss(model: DFlashDraftModel, embed, lm_head: torch.Tensor, data: dict, seq: int, anchors: torch.Tensor,
+               seen: torch.Tensor, decay: float) -> tuple[torch.Tensor, list[float]]:
+    """Weighted cross-entropy of the blocks at ``anchors`` (A,) of sequence ``seq`` against the target's
+    laws, and greedy agreement per block row 1 .. B - 1 (for the log)."""
+    c = model.config
+    B, A = c.block_size, len(anchors)
+    device, dtype = lm_head.device, lm_head.dtype
+    tokens = data["tokens"][seq].to(device)
+    T = len(tokens)
+    features = data["features"][seq][None].to(device, dtype)  # (1, T, 3H)
+    context = model.encode_context(features, torch.arange(T, device=device)[None])
+    ids = torch.full((A, B), c.mask_token_id, dtype=torch.long, device=device)
+    ids[:, 0] = tokens[anchors]
+    pos = (anchors[:, None] + torch.arange(B, device=device)).view(1, -1)
+    own = torch.arange(A, device=device).repeat_interleave(B)
+    visible = torch.cat((seen.to(device).repeat_interleave(B, dim=0), own[:, None] == own[None, :]), dim=1)
+    hidden = model.forward_block(embed(ids.view(1, -1)).to(dtype), pos, context,
+                                 [visible[None, None]] * c.num_hidden_layers)  # (1, A * B, H)
+    rows = hidden.view(A, B, -1)[:, 1:]  # (A, B - 1, H): row k guesses token p + k
+    logits = rows @ lm_head.T  # (A, B - 1, vocab)
+    where = anchors[:, None] + torch.arange(B - 1, device=device)  # (A, B - 1): final state at p + k - 1
+    with torch.no_grad():
+        teacher = data["final"][seq].to(device, dtype)[where] @ lm_head.T  # (A, B - 1, vocab)
+        p_t = teacher.softmax(-1)
+    ce = -(p_t * logits.log_softmax(-1)).sum(-1)  # (A, B - 1)
+    weights = torch.exp(-torch.arange(B - 1, device=device, dtype=dtype) / decay)
+    loss = (ce * weights).sum(-1).mean() / weights.sum()
+    agree = (logits.argmax(-1) == teacher.argmax(-1)).float().mean(0)  # (B - 1,)
+    return loss, agree.tolist()
+
+
+def atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="head folder to write")
+    ap.add_argument("--features", type=Path, required=True, help="shard folder of scripts/target_features.py")
+    ap.add_argument("--work", type=Path, default=None, help="progress folder (default .cache/train-<out name>)")
+    ap.add_argument("--layers", type=int, default=2, help="Qwen3-style decoder layers")
+    ap.add_argument("--block", type=int, default=16, help="block size B: the anchor and B - 1 drafts")
+    ap.add_argument("--context", type=int, default=256, help="context keys a block sees at most")
+    ap.add_argument("--local", type=int, default=128, help="of them, the positions just before the anchor")
+    ap.add_argument("--match", type=int, default=4, help="match spans among the earlier keys")
+    ap.add_argument("--anchors", type=int, default=16, help="blocks per optimiser step (one sequence)")
+    ap.add_argument("--decay", type=float, default=7.0, help="row k weighs exp(-(k - 1) / decay)")
+    ap.add_argument("--mask-token", type=int, default=16, help="the mask token id (SmolLM2's <empty_output>)")
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--save-every", type=int, default=25)
+    ap.add_argument("--write-every-save", action="store_true", help="write the head folder at every save")
+    args = ap.parse_args(argv)
+    for name, least in (("layers", 1), ("block", 2), ("context", 1), ("local", 1), ("match", 0), ("anchors", 1),
+                        ("steps", 1), ("save_every", 1), ("threads", 1)):
+        if getattr(args, name) < least:
+            raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: need at least {least}")
+    if args.local > args.context:
+        raise SystemExit(f"--local {args.local}: at most --context {args.context}")
+    if not (args.decay > 0 and math.isfinite(args.decay)) or not (args.lr > 0 and math.isfinite(args.lr)):
+        raise SystemExit(f"--decay {args.decay} / --lr {args.lr}: give positive numbers")
+    if not (args.features / "manifest.json").is_file():
+        raise SystemExit(f"--features {args.features}: no manifest.json; run scripts/target_features.py first")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = check_device(args.device)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
+    work.mkdir(parents=True, exist_ok=True)
+    settings = {k: str(v) for k, v in vars(args).items()
+                if k not in ("out", "work", "threads", "save_every", "write_every_save", "device")}
+
+    target, _ = load_smollm2()
+    tc = target.config
+    if not 0 <= args.mask_token < tc.vocab_size:
+        raise SystemExit(f"--mask-token {args.mask_token}: not a token id of the target's {tc.vocab_size}")
+    data = load_shards(args.features)
+    S, T = data["tokens"].shape
+    if T < args.block + 2:
+        raise SystemExit(f"--block {args.block}: the sequences hold {T} tokens; give a smaller block")
+    rope = (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", getattr(tc, "rope_theta", 1e4))
+    config = DFlashConfig(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
+                          num_key_value_heads=tc.num_key_value_heads, intermediate_size=args.intermediate,
+                          num_hidden_layers=args.layers, vocab_size=tc.vocab_size, block_size=args.block,
+                          mask_token_id=args.mask_token, target_layer_ids=TARGET_LAYER_IDS,
+                          rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope),
+                          num_target_layers=tc.num_hidden_layers)
+    model = DFlashDraftModel(config)
+    with torch.no_grad():  # the output norm starts as the target's final norm, so logits start at the target's scale
+        model.norm.weight.copy_(target.get_decoder().norm.weight)
+    model = model.to(device)
+    embed = target.get_input_embeddings().to(device)
+    lm_head = target.get_output_embeddings().weight.detach().float().to(device)
+    params = list(model.parameters())
+    log(f"{S} sequences of {T} tokens; {sum(p.numel() for p in params) / 1e6:.1f} M parameters; "
+        f"{args.layers} layers, block {args.block}, at most {args.context} context keys")
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, args.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    gen = torch.Generator().manual_seed(args.seed)
+    history, done, seconds = [], 0, 0.0
+    progress = work / "progress.pt"
+    if progress.is_file():
+        state = torch.load(progress, weights_only=False)
+        if state["settings"] != settings:
+            raise SystemExit(f"{progress} was made with other options; delete it or use another --work")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        history, done, seconds = state["history"], state["step"], state["seconds"]
+        log(f"resuming at step {done}/{args.steps}")
+    t0 = time.time() - seconds
+    ema = None
+    for step in range(done + 1, args.steps + 1):
+        seq = int(torch.randint(0, S, (1,), generator=gen))
+        anchors = torch.randperm(T - args.block, generator=gen)[:args.anchors].sort().values + 1  # p in [1, T - B]
+        seen = torch.stack([context_keys(gen, data["tokens"][seq], int(p), args.context, args.local, args.match,
+                                         args.block) for p in anchors])  # (A, T)
+        loss, agree = block_loss(model, embed, lm_head, data, seq, anchors.to(device), seen, args.decay)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        now = [loss.item(), *agree]
+        ema = now if ema is None else [0.9 * e + 0.1 * x for e, x in zip(ema, now)]
+        history.append({"step": step, "loss": round(now[0], 4), "agreement": [round(a, 4) for a in agree],
+                        "seconds": round(time.time() - t0, 1)})
+        log(f"step {step}/{args.steps} loss {ema[0]:.3f} agreement rows 1-4 "
+            + " ".join(f"{a:.3f}" for a in ema[1:5]) + f" ({time.time() - t0:.0f} s)")
+        if step % args.save_every == 0 or step == args.steps:
+            atomic_save({"settings": settings, "model": model.state_dict(), "opt": opt.state_dict(),
+                         "sched": sched.state_dict(), "gen": gen.get_state(), "history": history, "step": step,
+                         "seconds": time.time() - t0}, progress)
+            if args.write_every_save or step == args.steps:
+                write_head(args, config, model, history, step, time.time() - t0, T)
+    log(f"saved {args.out}")
+
+
+def write_head(args, config: DFlashConfig, model: DFlashDraftModel, history: list[dict], step: int,
+               seconds: float, seq_len: int) -> None:
+    """config.json, model.safetensors (fp16) and training_log.json, each written atomically."""
+    from safetensors.torch import save_file
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    _atomic_text(args.out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+    state = {k: v.half().cpu().contiguous() for k, v in model.state_dict().items()}
+    tmp = args.out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, args.out / "model.safetensors")
+    manifest = json.loads((args.features / "manifest.json").read_text())
+    record = {"command": "python scripts/train_dflash.py " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                  if k not in ("out", "work", "save_every", "write_every_save") and v is not False)
+              + f" --out {args.out.name}",
+              "n_ref": args.context + args.block, "max_distance": seq_len - 1,
+              "key_rule": f"at most {args.context} context keys per block: the {args.local} before the anchor, up to "
+                          f"{args.match} match spans and uniform others over the whole earlier sequence",
+              "corpus": manifest.get("per_source"), "seq_len": seq_len, "steps_done": step,
+              "train_seconds": round(seconds, 1), "torch": torch.__version__, "threads": args.threads,
+              "history": history[::10] + ([history[-1]] if len(history) % 10 != 1 else [])}
+    _atomic_text(args.out / "training_log.json", json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""``scripts/train_dflash.py``: the context-key rule, the batched block loss, a resumable run, bad options.
+
+The loss of many blocks in one forward must be the loss of each block run alone over the keys it was
+given (a block leaking into another, or seeing keys it was not given, would train a drafter on what
+it cannot see at inference); the key rule must keep the local window and the match spans within the
+budget; a short run on shards of random features writes a head that ``load_dflash`` reads with
+SmolLM2 as its target, and a stopped run resumes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("train_dflash", ROOT / "scripts" / "train_dflash.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_context_keys_keep_the_window_and_the_match_spans_within_the_budget():
+    script = _script()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 50, (400,), generator=g)
+    tokens[100:110] = tokens[300:310]  # the block at 305 reads (x_304, x_305) = (x_104, x_105)
+    p = 305
+    seen = script.context_keys(g, tokens, p, context=64, local=32, match=2, block=6)
+    assert int(seen.sum()) == 64 and not seen[p:].any()
+    assert seen[p - 32:p].all()  # the local window
+    assert seen[105:110].all()  # the match at 105 and the B - 1 positions after it
+    few = script.context_keys(g, tokens, 40, context=64, local=32, match=2, block=6)
+    assert int(few.sum()) == 40 and few[:40].all()  # fewer earlier positions than the budget: all of them
+
+
+def test_blocks_in_one_forward_equal_each_block_alone():
+    from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel
+
+    script = _script()
+    torch.manual_seed(0)
+    H, V, T, B = 32, 40, 30, 4
+    config = DFlashConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                          num_hidden_layers=2, vocab_size=V, block_size=B, mask_token_id=V - 1,
+                          target_layer_ids=(0, 1, 2), rope_theta=1000.0)
+    model = DFlashDraftModel(config).double()
+    embed = torch.nn.Embedding(V, H).double()
+    lm_head = torch.randn(V, H, dtype=torch.float64)
+    data = {"tokens": torch.randint(0, V - 1, (1, T)), "features": torch.randn(1, T, 3 * H, dtype=torch.float64),
+            "final": torch.randn(1, T, H, dtype=torch.float64)}
+    g = torch.Generator().manual_seed(1)
+    anchors = torch.tensor([3, 11, 20])
+    seen = torch.stack([script.context_keys(g, data["tokens"][0], int(p), 8, 4, 1, B) for p in anchors])
+    together, _ = script.block_loss(model, embed, lm_head, data, 0, anchors, seen, 7.0)
+    alone = [script.block_loss(model, embed, lm_head, data, 0, anchors[i:i + 1], seen[i:i + 1], 7.0)[0]
+             for i in range(3)]
+    # float64: sums of a few thousand O(1) products agree far below any real difference
+    assert torch.allclose(together, torch.stack(alone).mean(), rtol=0, atol=1e-10)
+    other = seen.clone()
+    other[1, int(other[1].nonzero()[0])] = False  # one key fewer for block 2 changes its loss
+    changed, _ = script.block_loss(model, embed, lm_head, data, 0, anchors, other, 7.0)
+    assert abs(float((changed - together).detach())) > 1e-8
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Two sequences of 64 tokens with random SmolLM2-width features, in target_features.py's layout."""
+    folder = tmp_path_factory.mktemp("shards")
+    g = torch.Generator().manual_seed(2)
+    for i in range(2):
+        torch.save({"tokens": torch.randint(20, 5000, (64,), generator=g),
+                    "features": torch.randn(64, 3 * 576, generator=g).half(),
+                    "final": torch.randn(64, 576, generator=g).half()}, folder / f"seq-{i:05d}.pt")
+    (folder / "manifest.json").write_text(json.dumps({"sequences": 2, "seq_len": 64, "per_source": {"test": 2}}))
+    return folder
+
+
+@pytest.mark.slow
+def test_a_short_run_writes_a_head_smollm2_loads_and_resumes(shards, tmp_path, capsys):
+    from calibrate.drafters.dflash import load_dflash
+    from calibrate.smollm2 import load_smollm2
+
+    script = _script()
+    argv = ["--features", str(shards), "--out", str(tmp_path / "head"), "--work", str(tmp_path / "work"),
+            "--layers", "1", "--block", "4", "--context", "16", "--local", "8", "--anchors", "4", "--steps", "2",
+            "--save-every", "1", "--intermediate", "64"]
+    script.main(argv)
+    record = json.loads((tmp_path / "head" / "training_log.json").read_text())
+    assert record["n_ref"] == 20 and record["max_distance"] == 63 and record["steps_done"] == 2
+    target, _ = load_smollm2()
+    model = load_dflash(tmp_path / "head", target)
+    assert model.config.hidden_state_ids == (2, 15, 27) and model.config.block_size == 4
+    script.main(argv)  # finished: resumes at its last step and writes nothing new
+    assert "resuming at step 2/2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--block", "1"], "--block 1"),
+    (["--local", "300"], "--local 300"),
+    (["--decay", "nan"], "--decay nan"),
+    (["--lr", "-1"], "--lr -1.0"),
+    (["--anchors", "0"], "--anchors 0"),
+])
+def test_bad_options_are_refused_in_one_line(shards, tmp_path, args, named):
+    script = _script()
+    with pytest.raises(SystemExit) as stop:
+        script.parse_args(["--features", str(shards), "--out", str(tmp_path / "h"), *args])
+    assert named in str(stop.value)
+
+
+def test_features_without_a_manifest_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="no manifest.json"):
+        _script().parse_args(["--features", str(tmp_path), "--out", str(tmp_path / "h")])
