@@ -293,10 +293,15 @@ def _table(result: dict) -> None:
         console.print(f"copy: rows whose token repeats the one {distances} tokens back (the recall corpus's "
                       "distances); other: the text's other rows; target: the target's own greedy token equals the "
                       "true one")
+    if result.get("blocks"):
+        console.print(block_table(result["blocks"]))
     if result.get("costs"):
         console.print(cost_table(result))
     unmetered = [name for name, d in v.items() if d and d.get("positions")]
-    if unmetered:
+    if result["drafter"]["kind"] == "dflash":
+        console.print("mass -: not metered for DFlash blocks in eval (its teacher-forced pass batches many blocks "
+                      "per call); sharpdraft calibrate measures it, one block at a time")
+    elif unmetered:
         console.print(f"mass -: not metered for {', '.join(unmetered)} (a position fix changes the logits a "
                       "meter reads at true positions)")
     if result["speculative"] is not None:
@@ -307,7 +312,7 @@ def _table(result: dict) -> None:
             check = ("outputs identical to target-only greedy decoding: "
                      + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
         console.print(f"Speculative decoding ({s['loop']}): {s['new_tokens']} tokens per prompt, "
-                      f"chain of {s['num_draft']}; {check}. Speedup is target-only decoding time over "
+                      f"{s['drafting'].split(':')[0]} of {s['num_draft']}; {check}. Speedup is target-only decoding time over "
                       "speculative time on this machine: it falls below 1 where a target forward is too cheap "
                       "to save (a small target on CPU, a Python loop), even when acceptance length is near 2")
 
@@ -381,6 +386,31 @@ def summary_tables(result: dict, width: int = 80) -> list[Table]:
             table.add_row(str(n) if first else "", variant, *values, end_section=last)
         tables.append(table)
     return tables
+
+
+def block_table(blocks: dict) -> Table:
+    """Drafts of one forward, teacher-forced (``calibrate.measure.blocks``): the expected accepted length per
+    arm and bucket with its difference from none, and agreement at the first and last draft."""
+    K = blocks["draft_length"]
+    table = Table(title=f"{K} drafts per forward, at {blocks['anchors_per_bucket']} anchors a bucket per sequence: "
+                        f"expected accepted length (Δ from none [95%]); agreement at draft 1 / draft {K}")
+    table.add_column("n", justify="right")
+    names = [n for n in blocks["buckets"][0] if n not in ("n", "anchors")]
+    for name in names:
+        table.add_column(name, justify="right")
+    for row in blocks["buckets"]:
+        cells = []
+        for name in names:
+            c = row.get(name)
+            if c is None:
+                cells.append("-")
+                continue
+            delta = (c.get("delta_vs_none") or {}).get("expected_accepted_length")
+            agree = c["agreement_by_position"]
+            cells.append(f"{_number(c['expected_accepted_length'])} {_delta(delta)}".strip()
+                         + f"\n{agree[0]:.3f} / {agree[-1]:.3f}")
+        table.add_row(str(row["n"]), *cells)
+    return table
 
 
 def cost_table(result: dict) -> Table:

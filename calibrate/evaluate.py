@@ -144,6 +144,7 @@ from .drafters import drafter_kind
 from .errors import UserError
 from .lookup import LookupDrafter, LookupSettings, LookupThenHead
 from .measure import METRICS, Arm, MassMeter, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
+from .measure.blocks import block_anchors, block_rows, block_sums, check_block_unit, summarize_blocks
 from .measure.forced import row_masks
 from .online import (ONLINE_KINDS, ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes,
                      online_arms, online_pass, tally_online)
@@ -442,6 +443,10 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         tallies.append(tally)
         costs.append(cost)
     buckets = summarize(tallies, arms, edges)
+    blocks = None
+    if getattr(drafter, "parallel", False):
+        blocks = _blocks(drafter, texts, {v: s for v, s in specs.items() if v not in LOOKUP_VARIANTS}, edges,
+                         num_draft, temperature, saved, progress)
     names = [a.name for a in arms if a not in grid]
     loop = ASSISTED_LOOP if kind.assisted else CHAIN_LOOP
     all_identical = None
@@ -463,14 +468,35 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         "lookup": lookup.to_dict() if any(a.drafts != "head" for a in arms) else None,
         "recall": {"distances": [m.distance for m in recalled]} if recall else None,
         "speculative": None if not speculative else {**_speculative_record(loop, new_tokens, num_draft, all_identical,
-                                                                           sample, temperature, seed,
-                                                                           getattr(drafter, "block_size", None)),
+                                                                           sample, temperature, seed, drafter),
                                                      "drafters": drafters},
         "oracle": _oracle(tallies, grid, edges, n_ref) if grid else None,
+        "blocks": blocks,
         "online": None if not learning else (online or OnlineOptions()).to_dict(),
         "costs": _costs(costs, [a.name for a in arms if a not in grid]),
         "buckets": buckets,
     }
+
+
+BLOCK_ANCHORS = 16  # anchors per bucket and sequence of the parallel drafters' per-position metrics
+
+
+def _blocks(drafter, texts, specs: dict, edges, draft: int, temperature: float, saved: SavedUnits, progress) -> dict:
+    """The ``blocks`` entry for a drafter that drafts ``draft`` tokens in one forward (``calibrate.measure.blocks``):
+    per-position agreement and acceptance, and the accepted lengths, per bucket, every arm of ``specs``."""
+    names = list(specs)
+    units = []
+    for i, text in enumerate(texts):
+        unit = saved.get(f"blocks-{i:05d}", lambda d: check_block_unit(d, names, len(edges), draft))
+        if unit is None:
+            if progress:
+                progress(f"sequence {i + 1}/{len(texts)}: {draft} drafts per forward at {BLOCK_ANCHORS} anchors a bucket")
+            anchors, buckets = block_anchors(edges, len(text), draft, BLOCK_ANCHORS)
+            rows = block_rows(drafter, torch.tensor([text]), specs, anchors, draft, temperature)
+            unit = block_sums(rows, buckets, len(edges))
+            saved.put(f"blocks-{i:05d}", unit)
+        units.append(unit)
+    return summarize_blocks(units, names, edges, draft, BLOCK_ANCHORS)
 
 
 def _online(drafter, text, arm, options: OnlineOptions, edges, tally: Tally, top_k, temperature, rows_per_bucket,
@@ -557,11 +583,15 @@ def draft_length(drafter, num_draft: int | None) -> int:
     return 4 if block is None else block - 1
 
 
-def _speculative_record(loop, new_tokens, num_draft, identical, sample, temperature, seed, block=None) -> dict:
+def _speculative_record(loop, new_tokens, num_draft, identical, sample, temperature, seed, drafter=None) -> dict:
     """The result's ``speculative`` entry: how decoding ran, and whether outputs matched (greedy only)."""
+    block = getattr(drafter, "block_size", None)
+    drafting = ("chain: one draft per drafter forward" if not getattr(drafter, "parallel", False) else
+                f"block: up to {block - 1} drafts from one drafter forward (block size {block})" if block else
+                f"parallel: {num_draft} drafts from one drafter forward (the pending token and {num_draft - 1} mask "
+                "tokens)")
     record = {"loop": loop, "new_tokens": new_tokens, "num_draft": num_draft,
-              "drafting": "chain: one draft per drafter forward" if block is None else
-              f"block: up to {block - 1} drafts from one drafter forward (block size {block})",
+              "drafting": drafting,
               "verification": "sampling" if sample else "greedy", "temperature": temperature if sample else None,
               "seed": seed if sample else None, "outputs_identical": None if sample else identical}
     if sample:

@@ -214,6 +214,10 @@ def test_eval_runs_a_dflash_drafter_end_to_end(folders, tmp_path):
     first = r["buckets"][0]  # n <= 16 = n_ref = the window: every variant is none there
     for variant in ("spec", "window", "sinks"):
         assert first[variant]["delta_vs_none"]["agreement"][0] == 0, variant
+    blocks = r["blocks"]  # per-position metrics of the B - 1 drafts of one forward
+    assert blocks["draft_length"] == BS - 1 and [b["n"] for b in blocks["buckets"]] == [16, 64]
+    cell = blocks["buckets"][1]["spec"]
+    assert len(cell["agreement_by_position"]) == BS - 1 and 0 <= cell["expected_accepted_length"] <= BS - 1
 
 
 def test_calibrate_selects_for_a_dflash_drafter(folders, tmp_path):

@@ -138,9 +138,13 @@ def test_eval_decodes_pard_in_the_chain_loop(folders, tmp_path):
             "--out", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    r = json.loads(out.read_text())["speculative"]
+    result = json.loads(out.read_text())
+    r = result["speculative"]
     assert r["loop"] == "sharpdraft-chain" and r["num_draft"] == 4 and r["outputs_identical"] is True
     assert set(r["drafters"].values()) == {"pard"}
+    assert r["drafting"].startswith("parallel: 4 drafts from one drafter forward")
+    assert result["blocks"]["draft_length"] == 4 and len(result["blocks"]["buckets"][0]["window"]
+                                                         ["expected_acceptance_by_position"]) == 4
 
 
 def test_a_pard_drafter_without_its_token_is_refused(folders):

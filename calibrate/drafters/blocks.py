@@ -121,9 +121,9 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
         proposals: torch.Tensor | None = None) -> TeacherForced:
     """Row ``t`` of ``input_ids`` (1, T): the block anchored at ``t`` (token ``x_t``, context ``x_0 .. x_{t-1}``)
     and its row 1's guess of token ``t + 1``, per run ``(spec, tap)``; the target once for the
-    features and its law. ``tap`` sees each call's scaled queries (with keys laid out as in
-    :func:`anchored_masks`, so a tap reading the first ``n_visible`` keys cannot use it: none is given
-    by ``tally_sequence``, which measures no attention mass for blocks)."""
+    features and its law. The taps are not called: the keys of a batched call are laid out as in
+    :func:`anchored_masks`, not as the first ``n_visible`` keys a tap (the attention-mass meter) reads,
+    so eval reports no mass for blocks (``sharpdraft calibrate`` measures it, one block at a time)."""
     from ..measure.metrics import NextTokenLaw
     from ..taps import ScalingTap, attention_tap
     from .target import hidden_state_features
@@ -144,7 +144,7 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     n_visible = None
     for r, (spec, tap) in enumerate(runs):
         check_block_spec(spec)
-        scaled = ScalingTap(spec, tap)
+        scaled = ScalingTap(spec)
         for a0 in range(0, T, ANCHORS_PER_CALL):
             anchors = torch.arange(a0, min(a0 + ANCHORS_PER_CALL, T), device=device)
             ids, pos = _blocks(model, target, anchors, input_ids[0, anchors])
@@ -214,6 +214,10 @@ class DFlashBlockDrafter:
             hidden = model.forward_block(_embed(model, self.target, ids), pos, context)
         self.forwards += 1
         return self.target.get_output_embeddings()(hidden[0, 1:])
+
+    def draft_logits(self, k: int) -> torch.Tensor:
+        """Rows 1 .. min(k, B - 1) of the block at ``N`` (:meth:`block_logits`): (min(k, B - 1), vocab)."""
+        return self.block_logits()[:k]
 
     def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
         """``min(k, B - 1)`` drafts from one forward, row ``j`` picked by ``rule`` from its own logits,

@@ -557,6 +557,7 @@ class DFlashDrafter:
 
     predicts = 1  # teacher-forced row t: the block anchored at t, its row 1 guessing token t + 1
     position_fixes = False  # distance fixes are not built for blocks (calibrate.drafters.blocks)
+    parallel = True  # drafts a block in one forward: eval adds per-position metrics (calibrate.measure.blocks)
 
     @property
     def block_size(self) -> int:

@@ -121,6 +121,11 @@ class CausalLMDrafter:
         return PardParallelDrafter(self.model, self.pard_token, spec)
 
     @property
+    def parallel(self) -> bool:
+        """PARD drafts K tokens in one forward: eval adds per-position metrics (``calibrate.measure.blocks``)."""
+        return self.kind == "pard"
+
+    @property
     def pard_token(self) -> int:
         """The reserved token a PARD drafter reads K - 1 copies of (config ``pard_token``)."""
         token = getattr(self.model.config.get_text_config(), "pard_token", None)

@@ -58,9 +58,9 @@ class PardParallelDrafter:
         self._forward(prompt[0].tolist())
         self.unfed = [pending]  # committed tokens not in the cache yet
 
-    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
-        """``k`` drafts from one forward over the unfed committed tokens and ``k - 1`` mask tokens, row ``j``
-        picked by ``rule`` from its own logits; the masks' cache entries are dropped again."""
+    def draft_logits(self, k: int) -> torch.Tensor:
+        """The logits (k, vocab) of one forward over the unfed committed tokens and ``k - 1`` mask tokens,
+        row ``j`` guessing token ``N + 1 + j``; the masks' cache entries are dropped again."""
         from ..speculative import crop_cache
 
         kept = self.cache.get_seq_length() + len(self.unfed)  # real tokens once these are fed
@@ -68,6 +68,11 @@ class PardParallelDrafter:
         self.forwards += 1
         crop_cache(self.cache, kept)
         self.unfed = []
+        return logits
+
+    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+        """``k`` drafts from one forward (:meth:`draft_logits`), row ``j`` picked by ``rule`` from its own logits."""
+        logits = self.draft_logits(k)
         drafts, laws = [], []
         for j in range(k):
             token, law = rule.pick(logits[j])
