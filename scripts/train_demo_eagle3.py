@@ -97,7 +97,8 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.
 
 
 def sample_windows(gen: torch.Generator, data: dict, windows: int, rows: int, ttt: int, context: int,
-                   far: int = 0, reach: int | None = None, weights: torch.Tensor | None = None, match: int = 0):
+                   far: int = 0, reach: int | None = None, weights: torch.Tensor | None = None, match: int = 0,
+                   copied: bool = False):
     """``windows`` random windows of ``rows`` base rows with their true positions.
 
     Base row ``r`` at position ``p``: step 0 pairs feature ``p`` with token ``p + 1``; step ``s``
@@ -116,7 +117,9 @@ def sample_windows(gen: torch.Generator, data: dict, windows: int, rows: int, tt
     Sequences are drawn uniformly, or with probabilities ``weights`` (S,) when given.
 
     Returns features (W, C + rows, 3H), tokens (W, C + rows + ttt - 1), teacher states
-    (W, rows + ttt - 1 after C leading rows, as tokens), positions (W, C + rows), and C.
+    (W, rows + ttt - 1 after C leading rows, as tokens), positions (W, C + rows), and C; with
+    ``copied``, a sixth: (W, rows, ttt) bool, whether the token row ``r`` guesses at step ``s``
+    (``p + 2 + s``) is copied (``data["copied"]``, a recall sequence's mask).
     """
     S, T = data["tokens"].shape
     if weights is None:
@@ -136,8 +139,12 @@ def sample_windows(gen: torch.Generator, data: dict, windows: int, rows: int, tt
     pos = torch.cat((front, window), dim=1)  # (W, C + rows)
     ahead = torch.cat((front + 1, start[:, None] + 1 + torch.arange(rows + ttt - 1)), dim=1)  # the token after each
     s = seq[:, None]
-    return (data["features"][s, pos].float(), data["tokens"][s, ahead], data["final"][s, ahead].float(), pos,
-            front.shape[1])
+    out = (data["features"][s, pos].float(), data["tokens"][s, ahead], data["final"][s, ahead].float(), pos,
+           front.shape[1])
+    if not copied:
+        return out
+    guessed = (window[:, :, None] + 2 + torch.arange(ttt)).clamp(max=T - 1)  # (W, rows, ttt): token p + 2 + s
+    return (*out, data["copied"][s[:, :, None], guessed])
 
 
 def match_positions(tokens: torch.Tensor, start: int, lowest: int, rows: int) -> torch.Tensor:
@@ -261,8 +268,11 @@ def unrolled_logits(head: Eagle3Head, features, tokens, pos, ttt: int, chunk: in
     return logits
 
 
-def unrolled_loss(head: Eagle3Head, teacher_w: torch.Tensor, batch, ttt: int, chunk: int):
-    """Weighted soft cross-entropy over ``ttt`` drafting steps, and top-1 agreement per step."""
+def unrolled_loss(head: Eagle3Head, teacher_w: torch.Tensor, batch, ttt: int, chunk: int,
+                  row_weights: torch.Tensor | None = None):
+    """Weighted soft cross-entropy over ``ttt`` drafting steps, and top-1 agreement per step.
+
+    ``row_weights`` (W, T, ttt): each row's weight at each step (None: 1), the loss a weighted mean."""
     features, tokens, final, pos, context = batch
     T = pos.shape[1] - context
     loss = torch.zeros(())
@@ -270,7 +280,9 @@ def unrolled_loss(head: Eagle3Head, teacher_w: torch.Tensor, batch, ttt: int, ch
     for s, logits in enumerate(unrolled_logits(head, features, tokens, pos, ttt, chunk, context)):
         with torch.no_grad():
             target_p = torch.softmax((final[:, context + s:context + s + T] @ teacher_w.T).float(), dim=-1)
-        step_loss = -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+        ce = -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # (W, T)
+        w = None if row_weights is None else row_weights[:, :, s].to(ce.dtype)
+        step_loss = ce.mean() if w is None else (ce * w).sum() / w.sum()
         loss = loss + STEP_DECAY ** s * step_loss
         agreement.append((logits.argmax(-1) == target_p.argmax(-1)).float().mean().item())
     return loss / sum(STEP_DECAY ** s for s in range(ttt)), agreement
@@ -310,6 +322,8 @@ def main() -> None:
     ap.add_argument("--copy-share", type=float, default=0.0,
                     help="share of the windows drawn from recall sequences (features with a copied mask) in "
                          "proportion to their copied tokens within the head's reach; the rest uniform")
+    ap.add_argument("--copy-weight", type=float, default=1.0,
+                    help="loss weight of the rows whose guessed token is copied (recall sequences), the others 1")
     ap.add_argument("--rows", type=int, default=2048, help="head rows per optimiser step")
     ap.add_argument("--ttt", type=int, default=4, help="drafting steps unrolled (training-time test)")
     ap.add_argument("--steps", type=int, default=360)
@@ -354,6 +368,8 @@ def main() -> None:
         raise SystemExit(f"--match {args.match}: give 0 up to --far {args.far}")
     if not 0 <= args.copy_share <= 1:
         raise SystemExit(f"--copy-share {args.copy_share}: give a share from 0 to 1")
+    if not (math.isfinite(args.copy_weight) and args.copy_weight > 0):
+        raise SystemExit(f"--copy-weight {args.copy_weight}: give a positive weight (1: copied rows weigh as the others)")
     if args.reach is not None and (not args.far or args.reach < args.span):
         raise SystemExit(f"--reach {args.reach}: give it with --far, at least --span {args.span}")
     device = check_device(args.device)
@@ -451,10 +467,11 @@ def main() -> None:
     for step in range(done + 1, args.steps + 1):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             batch = sample_windows(gen, data, windows, base, args.ttt, context, args.far, args.reach, weights,
-                                   args.match)
+                                   args.match, copied=args.copy_weight != 1)
+            row_weights = None if args.copy_weight == 1 else (1 + (args.copy_weight - 1) * batch[5].float()).to(device)
             batch = (*(t.to(device) for t in batch[:4]), batch[4])
             loss, agreement = unrolled_loss(head, teacher_w, batch,
-                                            args.ttt, args.chunk)
+                                            args.ttt, args.chunk, row_weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -197,8 +197,30 @@ def test_copy_share_weights_the_sequences_whose_copies_a_head_reaches():
     assert train.copy_weights(data, 0.0, reach=256) is None
 
 
+def test_copied_flags_are_those_of_the_guessed_tokens():
+    """With ``copied=True`` each row's flag at step s is the copied mask of token p + 2 + s, the token the
+    loss compares that row with (a flag off by one would weight the passage's first token, which the
+    row cannot copy)."""
+    train = _script()
+    data, _ = _recall_data()
+    gen = torch.Generator().manual_seed(3)
+    *_, pos, context, flags = train.sample_windows(gen, data, 4, 30, 3, 0, copied=True)
+    assert flags.shape == (4, 30, 3) and context == 0
+    for w in range(4):  # the window's sequence is not returned: one of the two must match
+        p = pos[w]  # (30,) positions of the rows
+        for seq in range(2):
+            want = data["copied"][seq][(p[:, None] + 2 + torch.arange(3)).clamp(max=399)]
+            if torch.equal(flags[w], want) and (seq == 0 or not want.any()):
+                break
+        else:
+            pytest.fail(f"window {w}: flags are not the copied mask of the guessed tokens")
+    assert flags.any()  # some window lands in the recall sequence's copies
+
+
 @pytest.mark.parametrize("script, args, named", [
     ("train_demo_eagle3", ["--copy-share", "1.5"], "--copy-share 1.5"),
+    ("train_demo_eagle3", ["--copy-weight", "0"], "--copy-weight 0.0"),
+    ("train_demo_eagle3", ["--copy-weight", "nan"], "--copy-weight nan"),
     ("train_demo_eagle3", ["--match", "3"], "--match 3"),  # more match keys than --far 0 draws
     ("train_demo_eagle3", ["--device", "gpu"], "--device gpu"),
     ("target_features", ["--per-source", "two"], "--per-source two"),
