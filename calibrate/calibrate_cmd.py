@@ -153,15 +153,17 @@ def print_selection(record: dict, collection_seconds: float | None = None) -> No
 
     table = Table(title=f"Candidates on the {record['sequences']} calibration sequences: gain over none, "
                         f"mean of n in {record['buckets']}")
+    within = any("within_n_ref" in c for c in record["candidates"].values())
     for col in ("candidate", "agreement [95%]", f"minus {record['best'] or 'the best'} [95%]",
-                "expected accept. [95%]"):
+                "expected accept. [95%]") + (("agreement at n <= n_ref [95%]",) if within else ()):
         table.add_column(col)
     for name, cell in record["candidates"].items():
         if name == "none":
             continue
         style = "bold green" if name == record["chosen"] else None
+        short = ((_triple((cell.get("within_n_ref") or {}).get("agreement")),) if within else ())
         table.add_row(name, _triple(cell["gain"]["agreement"]), _triple(cell.get("versus_best")),
-                      _triple(cell["gain"]["expected_acceptance"]), style=style)
+                      _triple(cell["gain"]["expected_acceptance"]), *short, style=style)
     console.print(table)
     console.print(f"[bold]{decision_line(record)}[/]")
     console.print(f"Why: {record['reason']}")

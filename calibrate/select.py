@@ -16,7 +16,9 @@ every candidate on the rows of one target pass per sequence (``calibrate.measure
 **The rule.** A candidate's score is its paired gain in top-1 agreement over ``none``, averaged
 with equal weights over the length buckets past n_ref (edges n_ref * 2^j up to the calibration
 length), with a 95% bootstrap interval over the calibration sequences. A candidate *qualifies*
-when its interval lies above 0; among them the *best by mean* has the largest mean gain. Every
+when its interval lies above 0 and it does not lose agreement at ``n <= n_ref`` (its gain in that
+bucket, ``within_n_ref``, does not have an interval below 0: a window narrower than n_ref changes
+the drafter at every length, and a deployment must not buy long contexts with short ones); among them the *best by mean* has the largest mean gain. Every
 qualifying candidate's paired difference from the best (its gain minus the best's, the same
 bootstrap over sequences) is measured too, and among the candidates whose difference does not
 exclude 0 (within noise of the best, the best included) the simplest deployment is written, in the
@@ -58,7 +60,7 @@ __all__ = ["SIMPLICITY", "kind_of", "candidates", "select", "judge", "choose", "
 SIMPLICITY = ("none", "scale", "window", "sinks", "lookup", "fix", "fix+scale", "lookup+head")
 
 RULE = ("among the candidates whose agreement gain over none (equal weights over the buckets past n_ref) has a 95% "
-        "interval over sequences above 0, the simplest whose paired difference from the largest mean gain does not "
+        "interval over sequences above 0 and whose gain at n <= n_ref has no interval below 0, the simplest whose paired difference from the largest mean gain does not "
         f"exclude 0, simplest first: {' < '.join(SIMPLICITY)}; none when no candidate qualifies")
 
 
@@ -124,7 +126,7 @@ def select(drafter, sequences: list[list[int]], fitted: ScaleSpec, *, n_ref: int
 def judge(tallies: list[Tally], arms: list[Arm], edges: np.ndarray, n_ref: int) -> dict:
     """The ``selection`` record (all but its ``seconds``) from the sequences' tallies: every candidate's
     gains over none, each qualifying one's paired difference from the best by mean, and the choice."""
-    past = np.flatnonzero(edges > n_ref)
+    past, within = np.flatnonzero(edges > n_ref), np.flatnonzero(edges <= n_ref)
     record = {"rule": RULE, "simplicity": list(SIMPLICITY), "metric": "agreement", "weights": "equal",
               "sequences": len(tallies), "buckets": [int(edges[b]) for b in past], "candidates": {}}
     cells = record["candidates"]
@@ -134,6 +136,8 @@ def judge(tallies: list[Tally], arms: list[Arm], edges: np.ndarray, n_ref: int) 
             cells[arm.name]["gain"] = {m: gain(tallies, arm.name, past, metric=m) for m in METRICS}
             cells[arm.name]["per_bucket"] = {str(int(edges[b])): {m: gain(tallies, arm.name, np.array([b]), metric=m)
                                                                   for m in METRICS} for b in past}
+            if len(within):
+                cells[arm.name]["within_n_ref"] = {m: gain(tallies, arm.name, within, metric=m) for m in METRICS}
     record["best"] = best = _best(cells)
     for name in _qualified(cells):  # the same bootstrap as the gains: resamples of the sequences, paired
         cells[name]["versus_best"] = gain(tallies, name, past, base=best)
@@ -141,14 +145,26 @@ def judge(tallies: list[Tally], arms: list[Arm], edges: np.ndarray, n_ref: int) 
     return record
 
 
-def _qualified(cells: dict) -> dict[str, float]:
-    """The candidates whose agreement gain over none has an interval above 0: name -> mean gain."""
+def _gains_past(cells: dict) -> dict[str, float]:
+    """The candidates whose agreement gain over none past n_ref has an interval above 0: name -> mean gain."""
     out = {}
     for name, c in cells.items():
         g = c.get("gain", {}).get("agreement")
         if name != "none" and g is not None and g[1] is not None and g[1] > 0:
             out[name] = g[0]
     return out
+
+
+def _harms_short(cell: dict) -> bool:
+    """Whether a candidate loses agreement at n <= n_ref: its ``within_n_ref`` gain has an interval below 0
+    (a record without the field, written before the rule read it, harms nothing)."""
+    w = (cell.get("within_n_ref") or {}).get("agreement")
+    return w is not None and w[2] is not None and w[2] < 0
+
+
+def _qualified(cells: dict) -> dict[str, float]:
+    """The candidates that qualify (the rule): a gain past n_ref above 0, no loss at n <= n_ref; name -> mean gain."""
+    return {name: g for name, g in _gains_past(cells).items() if not _harms_short(cells[name])}
 
 
 def _best(cells: dict) -> str | None:
@@ -160,8 +176,13 @@ def _best(cells: dict) -> str | None:
 def choose(cells: dict) -> tuple[str, str]:
     """The rule (``RULE``) on the candidates' cells (``judge``'s): the chosen name and the reason, in words."""
     qualified, best = _qualified(cells), _best(cells)
+    harming = [n for n in _gains_past(cells) if n not in qualified]
+    excluded = (f"; {', '.join(harming)} gain{'s' if len(harming) == 1 else ''} past n_ref but lose"
+                f"{'s' if len(harming) == 1 else ''} agreement at n <= n_ref, so "
+                f"{'it does' if len(harming) == 1 else 'they do'} not qualify") if harming else ""
     if best is None:
-        return "none", "no candidate's agreement gain has an interval above 0: the drafter is left as it is"
+        return "none", ("no candidate's agreement gain has an interval above 0 without a loss at n <= n_ref: the "
+                        "drafter is left as it is" + excluded)
 
     def within_noise(name):
         d = cells[name]["versus_best"]
@@ -173,10 +194,10 @@ def choose(cells: dict) -> tuple[str, str]:
         rivals = [n for n in qualified if SIMPLICITY.index(kind_of(n)) < SIMPLICITY.index(kind_of(best))]
         return chosen, (f"{chosen}: the largest agreement gain whose interval excludes 0"
                         + (f"; every simpler qualifying candidate ({', '.join(rivals)}) is below it beyond the noise"
-                           if rivals else ""))
+                           if rivals else "") + excluded)
     d = cells[chosen]["versus_best"]
     return chosen, (f"{chosen}: within noise of the best by mean, {best} (difference {_shown(d)}), and simpler "
-                    f"({kind_of(chosen)} before {kind_of(best)} in the simplicity order)")
+                    f"({kind_of(chosen)} before {kind_of(best)} in the simplicity order)" + excluded)
 
 
 def deployed(fitted: ScaleSpec, chosen: ScaleSpec | None, record: dict) -> ScaleSpec:

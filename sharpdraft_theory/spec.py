@@ -130,11 +130,12 @@ class Calibration:
 
 
 #: ``calibration.selection``'s fields (calibrate.select.judge writes them; all required) and a candidate's
-#: (``deployment`` always; ``gain`` and ``per_bucket`` for every candidate but none; ``versus_best`` for one that
-#: qualified). The JSON Schema's ``selection`` names the same (tests/test_spec.py keeps them in sync).
+#: (``deployment`` always; ``gain`` and ``per_bucket`` for every candidate but none; ``within_n_ref``, its gains at
+#: n <= n_ref, written since the rule reads them; ``versus_best`` for one that qualified). The JSON Schema's
+#: ``selection`` names the same (tests/test_spec.py keeps them in sync).
 SELECTION_FIELDS = ("rule", "simplicity", "metric", "weights", "sequences", "buckets", "seconds", "candidates", "best",
                     "chosen", "reason")
-CANDIDATE_FIELDS = ("deployment", "gain", "per_bucket", "versus_best")
+CANDIDATE_FIELDS = ("deployment", "gain", "per_bucket", "within_n_ref", "versus_best")
 
 
 def _selection(where: str, value) -> dict | None:
@@ -196,6 +197,8 @@ def _candidate(where: str, cell, measured: bool, metric: str, buckets: list[str]
                           per_bucket)
     for n, gains in per_bucket.items():
         _gains(f"{where}.per_bucket.{n}", gains, metric)
+    if "within_n_ref" in cell:
+        _gains(f"{where}.within_n_ref", cell["within_n_ref"], metric)
     if "versus_best" in cell:
         _triple(f"{where}.versus_best", cell["versus_best"])
 

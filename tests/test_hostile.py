@@ -457,7 +457,19 @@ SPEC_CLAMP_AT_N_REF = _spec(positions={"fix": "clamp", "window": 64})  # n_ref 6
 SPEC_CLAMP_ONLY = _spec(law="constant", n_ref=None, slope=0.0, positions={"fix": "clamp", "window": 64})
 SPEC_WITH_CLAMP = _spec(positions={"fix": "clamp", "window": 32})
 
+def _with_within(value) -> dict:
+    record = _selection()
+    record["candidates"]["spec"]["within_n_ref"] = value
+    return record
+
+
 SELECTION_CASES = [
+    _inspect("selection-within-n-ref-string", _spec(calibration=_calibration(_with_within("none"))),
+             "within_n_ref"),
+    _inspect("selection-within-n-ref-nan", _spec(calibration=_calibration(_with_within(
+        {"agreement": [float("nan"), 0.0, 0.1]}))), "within_n_ref"),
+    _inspect("selection-within-n-ref-no-metric", _spec(calibration=_calibration(_with_within(
+        {"expected_acceptance": [0.0, -0.1, 0.1]}))), "within_n_ref"),
     _inspect("selection-minimal", _spec(calibration=_calibration({"chosen": "none", "candidates": {"none": {}}})),
              "calibration.selection.rule': required field is missing"),
     _inspect("selection-empty-buckets", _spec(calibration=_calibration(_selection(buckets=[]))),

@@ -94,6 +94,34 @@ def test_within_noise_of_the_best_the_simpler_deployment_is_chosen():
     assert "best by mean, clamp+spec" in decision_line({**record, "seconds": 1.0})
 
 
+def test_a_candidate_that_loses_at_n_ref_or_below_does_not_qualify():
+    """A window narrower than n_ref can win past n_ref and lose within it: it must not be deployed, and the
+    reason names it. The same tallies with no loss within n_ref choose it."""
+    rng = np.random.default_rng(1)
+    rows = np.array([200.0, 200.0, 200.0])
+
+    def tallies(short_loss):
+        out = []
+        for _ in range(8):
+            base = 100 + rng.integers(-20, 21, size=3)
+            window = base + np.array([-short_loss, 0.10, 0.10]) * 200 + rng.integers(-4, 5, size=3)
+            spec = base + np.array([0.0, 0.03, 0.03]) * 200 + rng.integers(-4, 5, size=3)
+            hits = {"none": base, "window 32": window, "spec": spec}
+            out.append(Tally(rows=rows, sums={a: {m: np.asarray(h, dtype=float) for m in METRICS}
+                                              for a, h in hits.items()}, mass={a: np.zeros((2, 3)) for a in hits}))
+        return out
+
+    arms = _arms(("none", "window 32", "spec"))
+    record = judge(tallies(0.08), arms, np.array([64, 128, 256]), 64)
+    cells = record["candidates"]
+    assert cells["window 32"]["gain"]["agreement"][1] > 0  # it wins past n_ref ...
+    assert cells["window 32"]["within_n_ref"]["agreement"][2] < 0  # ... and loses within it
+    assert record["chosen"] == "spec" and "window 32 gains past n_ref but loses agreement at n <= n_ref" in \
+        record["reason"]
+    assert choose(cells) == (record["chosen"], record["reason"])
+    assert judge(tallies(0.0), arms, np.array([64, 128, 256]), 64)["chosen"] == "window 32"
+
+
 def test_the_more_complex_deployment_is_chosen_when_it_wins_beyond_the_noise():
     arms = _arms(("none", "window 64", "clamp+spec"))
     record = judge(_tallies(0.10, 0.25), arms, np.array([64, 128, 256]), 64)
