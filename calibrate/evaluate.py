@@ -210,6 +210,11 @@ def check_variants(names: list[str], *, window: int | None, sinks: int, has_refe
         raise UserError(f"--sinks {sinks}: must be below --window {window} (the sinks variant keeps S sinks "
                         f"plus the last W - S keys)")
     _check_fix_options(neighbour_window, group, n_ref, longest)
+    if window is not None and not {"window", "sinks"} & set(names):
+        raise UserError(f"--window {window}: no variant uses it (only window and sinks do); add one to --variants, "
+                        "or drop --window")
+    if sinks != DEFAULT_SINKS and "sinks" not in names:
+        raise UserError(f"--sinks {sinks}: no variant uses it (only sinks does); add it to --variants, or drop --sinks")
     for option, value, users in (("--neighbour-window", neighbour_window, ("clamp", "group")), ("--group", group,
                                                                                                  ("group",))):
         using = [f"{u}{plus}" for u in users for plus in ("", "+spec")]

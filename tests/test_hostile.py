@@ -247,6 +247,8 @@ EVAL_CASES = [
     Case("eval-drafter-path-missing", EVAL.replace("{fx}/pard", "{w}/none"), "none"),
     Case("eval-window-zero", EVAL + " --window 0", "--window 0"),
     Case("eval-sinks-negative", EVAL + " --sinks -1", "--sinks -1"),
+    Case("eval-window-unused", EVAL + " --variants none,spec --window 16", "--window 16: no variant uses it"),
+    Case("eval-sinks-unused", EVAL + " --variants none,window --sinks 8", "--sinks 8: no variant uses it"),
     Case("eval-neighbour-window-zero", EVAL + " --variants group --neighbour-window 0", "--neighbour-window 0"),
     Case("eval-neighbour-window-negative", EVAL + " --variants clamp --neighbour-window -5", "--neighbour-window -5"),
     Case("eval-neighbour-window-huge", EVAL + " --variants clamp --neighbour-window 100000", "--neighbour-window"),
