@@ -110,7 +110,8 @@ def block_loss(model: DFlashDraftModel, embed, lm_head: torch.Tensor, data: dict
     pos = (anchors[:, None] + torch.arange(B, device=device)).view(1, -1)
     own = torch.arange(A, device=device).repeat_interleave(B)
     visible = torch.cat((seen.to(device).repeat_interleave(B, dim=0), own[:, None] == own[None, :]), dim=1)
-    hidden = model.forward_block(embed(ids.view(1, -1)).to(dtype), pos, context,
+    noise = embed(ids.view(1, -1)).to(dtype) * c.input_embedding_scale  # as calibrate.drafters.blocks embeds a block
+    hidden = model.forward_block(noise, pos, context,
                                  [visible[None, None]] * c.num_hidden_layers)  # (1, A * B, H)
     rows = hidden.view(A, B, -1)[:, 1:]  # (A, B - 1, H): row k guesses token p + k
     logits = rows @ lm_head.T  # (A, B - 1, vocab)

@@ -254,3 +254,29 @@ def test_eval_refuses_what_blocks_do_not_run(folders, extra, message):
     result = CliRunner().invoke(app, args)
     assert isinstance(result.exception, UserError)  # main() prints it as one line and exits 1
     assert re.search(message, str(result.exception)), str(result.exception)
+
+
+def test_the_runtime_enabled_on_a_dflash_model_drafts_what_eval_measures(model, target, text):
+    """``sharpdraft_runtime.enable`` with a scale spec on the DFlash model gives the block drafter's logits
+    (float32 rounding, 1e-5); a window, which a block cannot take through a causal mask, is refused."""
+    import sharpdraft_runtime
+    from calibrate.drafters.target import hidden_state_features
+
+    spec = SPECS["scale"]
+    feats = hidden_state_features(target, text, model.config.hidden_state_ids)
+    drafter = DFlashBlockDrafter(model, target, spec)
+    drafter.start(text[:, :30], feats[:, :30], int(text[0, 30]))
+    want = drafter.block_logits()
+    ids, pos = _blocks(model, target, torch.tensor([30]), text[0, 30:31])
+    context = model.encode_context(feats[:, :30], torch.arange(30)[None])
+    with torch.no_grad():
+        sharpdraft_runtime.enable(model, spec)
+        try:
+            got = target.get_output_embeddings()(model.forward_block(_embed(model, target, ids), pos, context)[0, 1:])
+        finally:
+            sharpdraft_runtime.disable(model)
+        plain = target.get_output_embeddings()(model.forward_block(_embed(model, target, ids), pos, context)[0, 1:])
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert not torch.allclose(plain, want, atol=1e-3)  # the scale acts at 30 + 4 keys past n_ref = 8
+    with pytest.raises(ValueError, match="drafts non-causal blocks"):
+        sharpdraft_runtime.enable(model, SPECS["window"])

@@ -356,6 +356,8 @@ class DFlashDraftModel(nn.Module):
     """DFlash draft model with z-lab/dflash's parameter names (``fc``, ``hidden_norm``,
     ``layers.{i}.*``, ``norm``); the embedding and ``lm_head`` are the target's."""
 
+    block_drafter = True  # non-causal blocks: sharpdraft_runtime.enable takes a scale-only spec on it
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         c = config
