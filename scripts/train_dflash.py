@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from target_features import check_device, load_shards  # noqa: E402
 
+from calibrate.drafters.blocks import block_ids  # noqa: E402
 from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel  # noqa: E402
 from calibrate.smollm2 import load_smollm2  # noqa: E402
 
@@ -105,12 +106,10 @@ def block_loss(model: DFlashDraftModel, embed, lm_head: torch.Tensor, data: dict
     T = len(tokens)
     features = data["features"][seq][None].to(device, dtype)  # (1, T, 3H)
     context = model.encode_context(features, torch.arange(T, device=device)[None])
-    ids = torch.full((A, B), c.mask_token_id, dtype=torch.long, device=device)
-    ids[:, 0] = tokens[anchors]
-    pos = (anchors[:, None] + torch.arange(B, device=device)).view(1, -1)
+    ids, pos = block_ids(model, anchors, tokens[anchors])  # (1, A * B) each, as the block drafter builds them
     own = torch.arange(A, device=device).repeat_interleave(B)
     visible = torch.cat((seen.to(device).repeat_interleave(B, dim=0), own[:, None] == own[None, :]), dim=1)
-    noise = embed(ids.view(1, -1)).to(dtype) * c.input_embedding_scale  # as calibrate.drafters.blocks embeds a block
+    noise = embed(ids).to(dtype) * c.input_embedding_scale  # as calibrate.drafters.blocks embeds a block
     hidden = model.forward_block(noise, pos, context,
                                  [visible[None, None]] * c.num_hidden_layers)  # (1, A * B, H)
     rows = hidden.view(A, B, -1)[:, 1:]  # (A, B - 1, H): row k guesses token p + k

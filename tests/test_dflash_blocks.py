@@ -19,8 +19,8 @@ import re
 import pytest
 import torch
 
-from calibrate.drafters.blocks import (DFlashBlockDrafter, anchored_masks, block_teacher_forced, context_columns,
-                                       _blocks, _embed)
+from calibrate.drafters.blocks import (DFlashBlockDrafter, _embed, anchored_masks, block_ids, block_teacher_forced,
+                                       context_columns)
 from calibrate.drafters.dflash import DFlashDrafter, load_dflash
 from calibrate.errors import UserError
 from calibrate.speculative import Sampling, greedy_generate, speculative_generate
@@ -81,7 +81,7 @@ def one_block_logits(model, target, text, p, spec):
     ctx = model.encode_context(feats, torch.arange(T)[None])
     keep = context_columns(spec, p)
     ctx = [(k[:, :, :p], v[:, :, :p]) if keep is None else (k[:, :, keep], v[:, :, keep]) for k, v in ctx]
-    ids, pos = _blocks(model, target, torch.tensor([p]), text[0, p:p + 1])
+    ids, pos = block_ids(model, torch.tensor([p]), text[0, p:p + 1])
     masks = None
     if keep is not None and model.config.layer_types:  # a sliding layer's mask over the kept keys
         masks = [_kept_mask(model, i, p, keep) for i in range(model.config.num_hidden_layers)]
@@ -267,7 +267,7 @@ def test_the_runtime_enabled_on_a_dflash_model_drafts_what_eval_measures(model, 
     drafter = DFlashBlockDrafter(model, target, spec)
     drafter.start(text[:, :30], feats[:, :30], int(text[0, 30]))
     want = drafter.block_logits()
-    ids, pos = _blocks(model, target, torch.tensor([30]), text[0, 30:31])
+    ids, pos = block_ids(model, torch.tensor([30]), text[0, 30:31])
     context = model.encode_context(feats[:, :30], torch.arange(30)[None])
     with torch.no_grad():
         sharpdraft_runtime.enable(model, spec)

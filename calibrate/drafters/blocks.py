@@ -41,7 +41,8 @@ from sharpdraft_theory import ScaleSpec
 from ..errors import UserError
 from .base import AttentionTap, TeacherForced
 
-__all__ = ["DFlashBlockDrafter", "anchored_masks", "block_teacher_forced", "check_block_spec", "context_columns"]
+__all__ = ["DFlashBlockDrafter", "anchored_masks", "block_ids", "block_teacher_forced", "check_block_spec",
+           "context_columns"]
 
 ANCHORS_PER_CALL = 32  # blocks batched into one drafter forward by the teacher-forced pass
 
@@ -106,8 +107,9 @@ def _embed(model, target, ids: torch.Tensor) -> torch.Tensor:
     return embed(ids).to(model.fc.weight.dtype) * model.config.input_embedding_scale
 
 
-def _blocks(model, target, anchors: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block ids (1, a * B), anchor token then masks, and their positions (1, a * B)."""
+def block_ids(model, anchors: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks at ``anchors`` (a,) whose anchor tokens are ``tokens`` (a,): ids (1, a * B), each anchor token
+    then ``B - 1`` mask tokens, and their positions (1, a * B)."""
     B = model.config.block_size
     ids = torch.full((len(anchors), B), model.config.mask_token_id, dtype=torch.long, device=anchors.device)
     ids[:, 0] = tokens
@@ -142,12 +144,12 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     drafted = torch.empty(len(runs), T, dtype=torch.long, device=device)
     accept = torch.empty(len(runs), T, dtype=torch.float32, device=device)
     n_visible = None
-    for r, (spec, tap) in enumerate(runs):
+    for r, (spec, _tap) in enumerate(runs):
         check_block_spec(spec)
         scaled = ScalingTap(spec)
         for a0 in range(0, T, ANCHORS_PER_CALL):
             anchors = torch.arange(a0, min(a0 + ANCHORS_PER_CALL, T), device=device)
-            ids, pos = _blocks(model, target, anchors, input_ids[0, anchors])
+            ids, pos = block_ids(model, anchors, input_ids[0, anchors])
             width_c = int(anchors[-1])  # the last anchor's context: every other block's is a prefix of it
             masks = anchored_masks(model, anchors, width_c, spec)
             with attention_tap(model, scaled):
@@ -207,7 +209,7 @@ class DFlashBlockDrafter:
         model, N = self.model, self.length
         device = model.fc.weight.device
         anchor = torch.tensor([N], device=device)
-        ids, pos = _blocks(model, self.target, anchor, torch.tensor([self.pending], device=device))
+        ids, pos = block_ids(model, anchor, torch.tensor([self.pending], device=device))
         keep = context_columns(self.spec, N)
         context = self.context if keep is None else [(k[:, :, keep], v[:, :, keep]) for k, v in self.context]
         with attention_tap(model, ScalingTap(self.spec)):
