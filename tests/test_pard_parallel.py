@@ -153,3 +153,18 @@ def test_a_pard_drafter_without_its_token_is_refused(folders):
     d = load_drafter("pard", str(folders / "no-token"), str(folders / "target"), torch.device("cpu"), torch.float32)
     with pytest.raises(UserError, match="config.json has pard_token None"):
         d.chain_drafter(None)
+
+
+def test_without_its_token_a_pard_drafter_is_measured_as_a_causal_lm(folders, tmp_path):
+    """eval without --speculative still runs teacher-forced; no per-position metrics (they need the mask token)."""
+    from typer.testing import CliRunner
+
+    from calibrate.cli import app
+
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, [
+        "eval", "--drafter", "pard", "--drafter-path", str(folders / "no-token"), "--target-path",
+        str(folders / "target"), "--corpus", str(folders / "corpus.txt"), "--lengths", "32,64", "--sequences", "1",
+        "--variants", "none", "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["blocks"] is None

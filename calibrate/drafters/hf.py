@@ -122,8 +122,15 @@ class CausalLMDrafter:
 
     @property
     def parallel(self) -> bool:
-        """PARD drafts K tokens in one forward: eval adds per-position metrics (``calibrate.measure.blocks``)."""
-        return self.kind == "pard"
+        """PARD drafts K tokens in one forward: eval adds per-position metrics (``calibrate.measure.blocks``); a
+        checkpoint without a usable ``pard_token`` cannot, and is measured teacher-forced as a causal LM only."""
+        if self.kind != "pard":
+            return False
+        try:
+            self.pard_token  # noqa: B018
+        except UserError:
+            return False
+        return True
 
     @property
     def pard_token(self) -> int:
