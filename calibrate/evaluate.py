@@ -381,6 +381,10 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     num_draft = draft_length(drafter, num_draft)
+    block = getattr(drafter, "block_size", None)
+    if block is not None and num_draft > block - 1:
+        raise UserError(f"--num-draft {num_draft}: a block of {block} drafts at most {block - 1} tokens a forward; "
+                        f"give {block - 1} or fewer (or leave it out)")
     edges = bucket_edges(lengths)
     recall = is_recall(corpus)
     variants = with_lookup(variants, corpus)

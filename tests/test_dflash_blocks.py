@@ -242,6 +242,7 @@ def test_calibrate_selects_for_a_dflash_drafter(folders, tmp_path):
     (["--variants", "none,clamp"], "--variants clamp: distance fixes are not built for DFlash blocks"),
     (["--variants", "none,pi+spec"], "--variants pi\\+spec: distance fixes are not built for DFlash blocks"),
     (["--num-draft", "0"], "--num-draft 0: need at least 1"),
+    (["--num-draft", "9"], "--num-draft 9: a block of 4 drafts at most 3 tokens a forward"),
 ])
 def test_eval_refuses_what_blocks_do_not_run(folders, extra, message):
     from typer.testing import CliRunner
