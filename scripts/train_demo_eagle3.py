@@ -498,15 +498,11 @@ def write_head(args, config: Eagle3Config, head: Eagle3Head, history: list[dict]
                previous: dict | None, data_record: dict) -> None:
     """The checkpoint folder after ``step`` optimiser steps: config.json, model.safetensors (fp16, no
     ``embed_tokens``) and training_log.json, each written atomically."""
-    from safetensors.torch import save_file
-
     args.out.mkdir(parents=True, exist_ok=True)
-    _atomic_text(args.out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+    atomic_text(args.out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
     state = {k: (v.half() if v.is_floating_point() else v).cpu().contiguous()
              for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
-    tmp = args.out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, args.out / "model.safetensors")
+    atomic_weights(state, args.out / "model.safetensors")
     manifest = json.loads((args.features / "manifest.json").read_text())
     record = {"command": "python scripts/train_demo_eagle3.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
@@ -523,12 +519,22 @@ def write_head(args, config: Eagle3Config, head: Eagle3Head, history: list[dict]
         record["max_distance"] = args.reach or data_record["seq_len"] - 1
     if previous is not None:
         record["init"] = {"from": args.init.name, **previous}
-    _atomic_text(args.out / "training_log.json", json.dumps(record, indent=1) + "\n")
+    atomic_text(args.out / "training_log.json", json.dumps(record, indent=1) + "\n")
 
 
-def _atomic_text(path: Path, text: str) -> None:
+def atomic_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never half a file."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def atomic_weights(state: dict, path: Path) -> None:
+    """Write ``state`` as safetensors to ``path`` through a temporary file and a rename."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(state, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
 
 

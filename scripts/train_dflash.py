@@ -42,28 +42,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from target_features import check_device, load_shards  # noqa: E402
+from target_features import check_device, load_shards, log  # noqa: E402
+from train_demo_eagle3 import atomic_save, atomic_text, atomic_weights  # noqa: E402
 
 from calibrate.drafters.blocks import block_ids  # noqa: E402
 from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel  # noqa: E402
 from calibrate.smollm2 import load_smollm2  # noqa: E402
 
 TARGET_LAYER_IDS = (1, 14, 26)  # read as hidden_states[2, 15, 27]: the shards' features
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def context_keys(gen: torch.Generator, tokens: torch.Tensor, p: int, context: int, local: int, match: int,
@@ -123,18 +118,6 @@ def block_loss(model: DFlashDraftModel, embed, lm_head: torch.Tensor, data: dict
     loss = (ce * weights).sum(-1).mean() / weights.sum()
     agree = (logits.argmax(-1) == teacher.argmax(-1)).float().mean(0)  # (B - 1,)
     return loss, agree.tolist()
-
-
-def atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -254,14 +237,10 @@ def main(argv=None) -> None:
 def write_head(args, config: DFlashConfig, model: DFlashDraftModel, history: list[dict], step: int,
                seconds: float, seq_len: int) -> None:
     """config.json, model.safetensors (fp16) and training_log.json, each written atomically."""
-    from safetensors.torch import save_file
-
     args.out.mkdir(parents=True, exist_ok=True)
-    _atomic_text(args.out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
+    atomic_text(args.out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
     state = {k: v.half().cpu().contiguous() for k, v in model.state_dict().items()}
-    tmp = args.out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, args.out / "model.safetensors")
+    atomic_weights(state, args.out / "model.safetensors")
     manifest = json.loads((args.features / "manifest.json").read_text())
     record = {"command": "python scripts/train_dflash.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
@@ -273,7 +252,7 @@ def write_head(args, config: DFlashConfig, model: DFlashDraftModel, history: lis
               "corpus": manifest.get("per_source"), "seq_len": seq_len, "steps_done": step,
               "train_seconds": round(seconds, 1), "torch": torch.__version__, "threads": args.threads,
               "history": history[::10] + ([history[-1]] if len(history) % 10 != 1 else [])}
-    _atomic_text(args.out / "training_log.json", json.dumps(record, indent=1) + "\n")
+    atomic_text(args.out / "training_log.json", json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import torch
 
 from sharpdraft_theory.bootstrap import paired_bootstrap
 
+from .forced import _counts
+
 __all__ = ["BLOCK_NOTE", "block_anchors", "block_rows", "block_sums", "summarize_blocks", "check_block_unit"]
 
 BLOCK_NOTE = ("teacher-forced: K drafts from one forward at anchors of the true text, against the target's greedy "
@@ -123,12 +125,7 @@ def check_block_unit(unit, names: list[str], buckets: int, draft: int) -> dict:
     for where, value, shape in [("anchors", unit["anchors"], (buckets,))] + [
             (f"{n}.{m}", (unit[n] or {}).get(m) if isinstance(unit[n], dict) else None, s)
             for n in names for m, s in shapes.items()]:
-        try:
-            array = np.asarray(value, dtype=float)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}: expected numbers") from None
-        if array.shape != shape or not (np.isfinite(array) & (array >= 0)).all():
-            raise ValueError(f"{where}: expected finite numbers >= 0 of shape {shape}")
+        _counts(where, value, shape)
     return unit
 
 
