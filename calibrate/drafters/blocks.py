@@ -143,7 +143,6 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     B = model.config.block_size
     drafted = torch.empty(len(runs), T, dtype=torch.long, device=device)
     accept = torch.empty(len(runs), T, dtype=torch.float32, device=device)
-    n_visible = None
     for r, (spec, _tap) in enumerate(runs):
         check_block_spec(spec)
         scaled = ScalingTap(spec)
@@ -158,8 +157,7 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
             logits = head(hidden.view(len(anchors), B, -1)[:, 1])  # (a, vocab): row 1 of each block
             drafted[r, anchors] = logits.argmax(-1)
             accept[r, anchors] = law.acceptance(logits, start=a0)
-        if r == 0:
-            n_visible = torch.arange(T, device=device) + 1  # the bucket's count, as for every adapter: t + 1
+    n_visible = torch.arange(T, device=device) + 1  # the bucket's count, as for every adapter: t + 1
     return TeacherForced(n_visible=n_visible, target_next=law.greedy, drafted=drafted, accept=accept,
                          proposed_accept=law.point_accept)
 
