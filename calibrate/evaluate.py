@@ -385,6 +385,9 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     if block is not None and num_draft > block - 1:
         raise UserError(f"--num-draft {num_draft}: a block of {block} drafts at most {block - 1} tokens a forward; "
                         f"give {block - 1} or fewer (or leave it out)")
+    if getattr(drafter, "parallel", False) and num_draft > max(lengths) - 2:
+        raise UserError(f"--num-draft {num_draft}: one forward would draft past the sequences of {max(lengths)} tokens; "
+                        f"give at most {max(lengths) - 2}")
     edges = bucket_edges(lengths)
     recall = is_recall(corpus)
     variants = with_lookup(variants, corpus)

@@ -150,6 +150,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit(f"--local {args.local}: at most --context {args.context}")
     if not (args.decay > 0 and math.isfinite(args.decay)) or not (args.lr > 0 and math.isfinite(args.lr)):
         raise SystemExit(f"--decay {args.decay} / --lr {args.lr}: give positive numbers")
+    if args.out.resolve() == args.features.resolve():
+        raise SystemExit(f"--out {args.out} is also --features: write the head to another folder")
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"--out {args.out}: a file, not a folder; give a folder for the head")
     if not (args.features / "manifest.json").is_file():
         raise SystemExit(f"--features {args.features}: no manifest.json; run scripts/target_features.py first")
     return args

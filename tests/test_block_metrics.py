@@ -146,3 +146,11 @@ def test_a_damaged_saved_unit_is_refused(edit, message):
     edit(unit)
     with pytest.raises(ValueError, match=message):
         check_block_unit(unit, ["none", "spec"], 2, K)
+
+
+def test_a_text_too_short_for_an_anchor_measures_nothing():
+    anchors, buckets = block_anchors(np.array([4]), 4, 3, 16)  # p + 3 must stay inside 4 tokens from p = 1
+    assert len(anchors) == 0
+    rows = block_rows(None, torch.zeros(1, 4, dtype=torch.long), {"none": None}, anchors, 3)
+    sums = block_sums(rows, buckets, 1)
+    assert sums["anchors"] == [0] and sums["none"]["accepted_length"] == [0.0]

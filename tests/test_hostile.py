@@ -232,6 +232,8 @@ EVAL_CASES = [
     Case("eval-pard-token-out-of-range", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter pard "
                                                        "--drafter-path {fx}/pard-bad-token") + " --speculative",
          "pard_token 9999"),
+    Case("eval-pard-num-draft-huge", EVAL.replace("--drafter hf", "--drafter pard") + " --num-draft 1000000",
+         "--num-draft 1000000"),
     Case("eval-device-unknown", EVAL + " --device tpu", "--device tpu"),
     Case("eval-dtype-unknown", EVAL + " --dtype float8", "--dtype float8"),
     Case("eval-corpus-missing", EVAL + " --corpus {w}/none.txt", "none.txt"),

@@ -117,6 +117,16 @@ def test_bad_options_are_refused_in_one_line(shards, tmp_path, args, named):
     assert named in str(stop.value)
 
 
+def test_an_out_that_is_an_input_or_a_file_is_refused(shards, tmp_path):
+    script = _script()
+    with pytest.raises(SystemExit, match="is also --features"):
+        script.parse_args(["--features", str(shards), "--out", str(shards)])
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit, match="a file, not a folder"):
+        script.parse_args(["--features", str(shards), "--out", str(tmp_path / "f")])
+    assert (tmp_path / "f").read_text() == "x"
+
+
 def test_features_without_a_manifest_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="no manifest.json"):
         _script().parse_args(["--features", str(tmp_path), "--out", str(tmp_path / "h")])

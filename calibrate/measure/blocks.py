@@ -64,6 +64,8 @@ def block_rows(source, input_ids: torch.Tensor, specs: dict, anchors: np.ndarray
     from ..drafters.target import hidden_state_features
     from .metrics import NextTokenLaw
 
+    if not len(anchors):  # a text too short for one anchor: nothing to measure
+        return {name: (np.zeros((0, draft), dtype=bool), np.zeros((0, draft))) for name in specs}
     target = source.target
     input_ids = input_ids.to(source.device)
     feature_ids = source.chain_drafter(None).feature_ids
