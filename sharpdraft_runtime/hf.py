@@ -31,6 +31,8 @@ rotation frequencies of the model's own rotary embedding (:func:`model_inv_freq`
 :func:`enable`; RoPE types whose frequencies change with the length, such as ``dynamic`` and
 ``longrope``, are refused by name). Keys must sit at their cache slots (unpadded causal sequences,
 ``position_ids`` = slots); calls within the fix's identity limit run the wrapped kernel untouched.
+The layers of one forward share what is the same for all of them (a decoding step's rotation table,
+the check of ``position_ids``) through a dict that two forward hooks on the model open and drop.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class _Binding:
     host_n: int = -1  # the n of host_alpha
     host_alpha: dict = field(default_factory=dict)  # layer (None for a global spec) -> alpha(host_n)
     inv_freq: torch.Tensor | None = None  # the model's RoPE frequencies, for a spec with positions; else None
+    tables: dict | None = None  # during a forward of a model with positions: what its layers share (one step)
+    hooks: list = field(default_factory=list)  # the forward hooks that open and drop ``tables``
 
     def scaler(self, device: torch.device) -> QueryScaler:
         if device not in self.scalers:
@@ -155,7 +159,7 @@ def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
             query = scaler.scale_query_(query, n, layer)
     if binding.inv_freq is not None:
         out = positions_attention(module, query, key, value, attention_mask, scaling, spec, binding.inv_freq, attend,
-                                  dropout=dropout, **kwargs)
+                                  dropout=dropout, shared=binding.tables, **kwargs)
         if out is not None:
             return out
     return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -192,7 +196,8 @@ def model_inv_freq(model) -> torch.Tensor:
 
 def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, scaling: float | None, spec: ScaleSpec,
-                        inv_freq: torch.Tensor, attend, dropout: float = 0.0, **kwargs) -> tuple | None:
+                        inv_freq: torch.Tensor, attend, dropout: float = 0.0, shared: dict | None = None,
+                        **kwargs) -> tuple | None:
     """Attention of one transformers call at the spec's remapped positions, as a kernel returns it
     (output (batch, q_len, heads, head_dim), weights or None); None when the call is within the fix's
     identity limit (the caller's kernel runs instead).
@@ -203,6 +208,8 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     :func:`~sharpdraft_runtime.positions.decode_keys` with everything else as the call gave it; more rows
     run :func:`~sharpdraft_runtime.positions.remapped_attention`, the mask the call received selecting
     the keys (none: causal by position). A call without a mask that is not causal (a draft block) is refused.
+    ``shared``: a dict the layers of one forward share (the decoding step's rotation table, the
+    ``position_ids`` already checked), dropped by the caller when the forward returns; None: nothing shared.
     """
     q_len, k_len = query.shape[2], key.shape[2]
     fix = spec.positions
@@ -212,14 +219,16 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         raise ValueError(f"the spec's positions ({fix.fix}) remap causal attention; this call is a non-causal block "
                          "without a mask")
     position_ids = kwargs.get("position_ids")
-    if position_ids is not None:
+    if position_ids is not None and (shared is None or shared.get("position_ids") is not position_ids):
         q_pos, _ = slot_positions(q_len, k_len, position_ids.device)
         if not torch.equal(position_ids, q_pos.expand(position_ids.shape[0], q_len)):
             raise ValueError(f"the spec's positions ({fix.fix}) need each key at its cache slot (unpadded sequences); "
                              "this call's position_ids differ")
+        if shared is not None:
+            shared["position_ids"] = position_ids  # the same tensor reaches every layer of the forward
     inv_freq = inv_freq.to(query.device)
     if q_len == 1:
-        return attend(module, query, decode_keys(key, fix, inv_freq), value, attention_mask, dropout=dropout,
+        return attend(module, query, decode_keys(key, fix, inv_freq, shared), value, attention_mask, dropout=dropout,
                       scaling=scaling, **kwargs)
     visible = None
     if attention_mask is not None:
@@ -308,7 +317,11 @@ def enable(model, spec: ScaleSpec):
     inv_freq = None if spec.positions is None else model_inv_freq(model)
     AttentionInterface.register(NAME, sharpdraft_attention)
     AttentionMaskInterface.register(NAME, sharpdraft_mask)
+    if is_enabled(model):
+        _drop_hooks(_BINDINGS[id(config)])
     binding = _Binding(spec=spec, wrapped=previous, inv_freq=inv_freq)
+    if inv_freq is not None:
+        binding.hooks = _share_per_forward(model, binding)
     for key, bound in _configs(model).items():
         if key not in _BINDINGS:
             weakref.finalize(bound, _BINDINGS.pop, key, None)
@@ -324,10 +337,31 @@ def disable(model):
     """Restore the attention implementation the model had before :func:`enable`; returns the model."""
     if not is_enabled(model):
         raise ValueError(f"{NAME} is not enabled on this model")
-    model.set_attn_implementation(_BINDINGS[id(model.config)].wrapped)
+    binding = _BINDINGS[id(model.config)]
+    model.set_attn_implementation(binding.wrapped)
+    _drop_hooks(binding)
     for key in _configs(model):
         _BINDINGS.pop(key, None)
     return model
+
+
+def _share_per_forward(model: torch.nn.Module, binding: _Binding) -> list:
+    """Hooks that give the layers of each forward of ``model`` one dict to share (``binding.tables``: a
+    decoding step's rotation table is the same in every layer) and drop it when the forward ends, raised
+    or not: nothing outlives the forward."""
+    def open_(module, args):
+        binding.tables = {}
+
+    def drop(module, args, output):
+        binding.tables = None
+
+    return [model.register_forward_pre_hook(open_), model.register_forward_hook(drop, always_call=True)]
+
+
+def _drop_hooks(binding: _Binding) -> None:
+    for hook in binding.hooks:
+        hook.remove()
+    binding.hooks, binding.tables = [], None
 
 
 def is_enabled(model) -> bool:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from sharpdraft_theory.positions import PositionFix
 
-__all__ = ["rotate", "cos_sin", "slot_positions", "remapped_logits", "decode_keys", "remapped_attention"]
+__all__ = ["rotate", "rotate_by", "cos_sin", "slot_positions", "remapped_logits", "decode_keys", "remapped_attention"]
 
 _CHUNK_ELEMENTS = 1 << 24  # logits held at once per chunk of query rows (64 MiB in float32)
 
@@ -55,7 +55,12 @@ def rotate(x: torch.Tensor, shift: np.ndarray, inv_freq: torch.Tensor, out: torc
     None), which is returned.
     """
     dtype = torch.promote_types(x.dtype, torch.float32)
-    cos, sin = cos_sin(np.asarray(shift, dtype=np.float64), inv_freq, dtype, x.device, period)
+    return rotate_by(x, *cos_sin(np.asarray(shift, dtype=np.float64), inv_freq, dtype, x.device, period), out)
+
+
+def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rotate` with its table given: ``cos`` and ``sin`` (T, R/2) in ``x``'s precision (float32 at least)."""
+    dtype = cos.dtype
     half = cos.shape[-1]
     width = 2 * half
     if out is None:
@@ -85,21 +90,22 @@ def cos_sin(shift: np.ndarray, inv_freq: torch.Tensor, dtype: torch.dtype, devic
     ``T / M + M`` rows of trigonometry instead of ``T``, the products in ``dtype`` (a few ulps of it). Any
     other shifts take theirs directly.
     """
+    shift = np.asarray(shift, dtype=np.float64)
     T = shift.shape[0]
-    freq = inv_freq.detach().cpu().double().numpy()
+    freq = inv_freq.detach().to(device=device, dtype=torch.float64)
     M = period * max(1, round(T ** 0.5 / period))
     U = -(-T // M)
     if T > 2 * M and _adds_up(shift, M):
-        a = shift[::M, None] * freq  # (U, R/2): the angles at u M
-        b = (shift[:M, None] - shift[0]) * freq  # (M, R/2): the angles added at u M + v
-        small = torch.from_numpy(np.stack((np.cos(a), np.sin(a)))).to(device, dtype)[:, :, None]  # (2, U, 1, R/2)
-        fine = torch.from_numpy(np.stack((np.cos(b), np.sin(b)))).to(device, dtype)  # (2, M, R/2)
-        cos = torch.mul(small[0], fine[0])
-        cos.addcmul_(small[1], fine[1], value=-1)
-        sin = torch.mul(small[1], fine[0])
-        sin.addcmul_(small[0], fine[1])
+        # angles at u M (U rows) and added at u M + v (M rows): one float64 table, one cos and one sin
+        angles = torch.outer(torch.from_numpy(np.concatenate((shift[::M], shift[:M] - shift[0]))).to(device), freq)
+        c, s = angles.cos().to(dtype), angles.sin().to(dtype)
+        c_u, s_u, c_v, s_v = c[:U, None], s[:U, None], c[U:], s[U:]  # (U, 1, R/2), (M, R/2)
+        cos = torch.mul(c_u, c_v)
+        cos.addcmul_(s_u, s_v, value=-1)
+        sin = torch.mul(s_u, c_v)
+        sin.addcmul_(c_u, s_v)
         return cos.view(U * M, -1)[:T], sin.view(U * M, -1)[:T]  # (T, R/2) each
-    angles = torch.from_numpy(shift[:, None] * freq).to(device)  # (T, R/2), float64
+    angles = torch.outer(torch.from_numpy(shift).to(device), freq)  # (T, R/2), float64
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -180,7 +186,8 @@ def _far_columns(fix: PositionFix, first: int, last: int, k_len: int) -> tuple[i
     return clip(first - fix.window + 1), clip(last - fix.window + 1)
 
 
-def decode_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor) -> torch.Tensor:
+def decode_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor, tables: dict | None = None
+                ) -> torch.Tensor:
     """The keys whose plain logits with a decoding step's query are its remapped logits.
 
     The query sits at the last slot ``i = k_len - 1`` and key ``j`` at slot ``j``. Its far logit is
@@ -193,6 +200,10 @@ def decode_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor) -> 
         Post-RoPE keys at their slots.
     fix, inv_freq
         As for :func:`remapped_logits`.
+    tables : dict, optional
+        Where the rotation table is kept for other calls with the same ``fix``, ``inv_freq`` and
+        ``k_len`` (the layers of one decoding step), keyed by ``k_len``, dtype and device; the caller
+        owns it and drops it when the step ends. None: the table is made for this call alone.
 
     Returns
     -------
@@ -201,10 +212,17 @@ def decode_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor) -> 
     """
     k_len = key.shape[2]
     far, _ = _far_columns(fix, k_len - 1, k_len - 1, k_len)
-    q_shift, k_shift = _shifts(fix, np.array([k_len - 1]), np.arange(far))
+    dtype = torch.promote_types(key.dtype, torch.float32)
+    memo = (k_len, dtype, key.device)
+    table = None if tables is None else tables.get(memo)
+    if table is None:
+        q_shift, k_shift = _shifts(fix, np.array([k_len - 1]), np.arange(far))
+        table = cos_sin(k_shift - q_shift, inv_freq, dtype, key.device, fix.group or 1)
+        if tables is not None:
+            tables[memo] = table
     keys = torch.empty_like(key)
     keys[:, :, far:] = key[:, :, far:]
-    rotate(key[:, :, :far], k_shift - q_shift, inv_freq, out=keys[:, :, :far], period=fix.group or 1)
+    rotate_by(key[:, :, :far], *table, out=keys[:, :, :far])
     return keys
 
 

@@ -366,6 +366,38 @@ def test_enable_gives_what_eval_measured(variant):
     assert (got - unfixed).abs().max() > 100 * ATOL_SAME32  # the fix changes the logits (this test can fail)
 
 
+def test_the_layers_of_a_decoding_step_share_one_table_dropped_when_the_forward_ends(monkeypatch):
+    """Under ``enable``, the two layers of a decoding step build one rotation table between them (not
+    one each), and nothing of it is left once the forward returns or raises."""
+    from sharpdraft_runtime import hf, positions
+
+    made = []
+    real = positions.cos_sin
+    monkeypatch.setattr(positions, "cos_sin", lambda *a, **k: made.append(a[0].shape) or real(*a, **k))
+    model = _tiny_llama()
+    spec = variant_specs(SPEC, 8, ["clamp"], longest=40)["clamp"]
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(6))
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        sr.enable(model, spec)
+        try:
+            binding = hf._BINDINGS[id(model.config)]
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :20], cache=cache)
+            made.clear()
+            for t in range(20, 23):
+                model(ids[:, t:t + 1], cache=cache)
+                assert binding.tables is None  # dropped with the forward
+            assert len(made) == 3  # one table per step for 2 layers (this test can fail: 6 without sharing)
+            with pytest.raises(ValueError, match="cache slot"):
+                model(ids[:, 23:24], cache=cache, position_ids=torch.tensor([[5]]))
+            assert binding.tables is None  # dropped when the forward raised too
+        finally:
+            sr.disable(model)
+    assert not binding.hooks and not model._forward_hooks and not model._forward_pre_hooks  # disable removes them
+
+
 def _tapped(model, spec: ScaleSpec, ids: torch.Tensor) -> torch.Tensor:
     """Logits of ``model`` under eval's attention tap with ``spec`` (scaled queries, restrictions, positions)."""
     from calibrate.taps import ScalingTap, attention_tap
