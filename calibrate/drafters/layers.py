@@ -270,9 +270,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scali
 
     ``visible`` is a bool mask broadcastable to (B, heads, q, k) or None (all keys visible).
     ``"eager"`` is the plain-math path (fp32 softmax, as EAGLE computes it); ``"sdpa"`` calls
-    PyTorch's fused kernel with the same mask.
+    PyTorch's kernel with the same mask (on CPU, or without a mask, each key head read in place by its
+    query heads; otherwise the keys and values repeated per query head, as the eager path does).
     """
     groups = query.shape[1] // key.shape[1]
+    if implementation == "sdpa" and (visible is None or query.device.type == "cpu"):
+        # GQA in the kernel, each key head read in place (CUDA's fused kernels take it without a mask only)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling,
+                                              enable_gqa=groups > 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if implementation == "sdpa":
         return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling)
