@@ -27,8 +27,11 @@ demo: $(STAMP)
 	$(VENV)/bin/sharpdraft eval --drafter eagle3 --spec out/select.json --corpus stdlib:heldout --sequences 4 \
 		--lengths 256,1024 --variants none,spec,window --speculative --new-tokens 16 --threads 1 --out out/eval.json --plot out/eval.png
 
+# The suite in TEST_JOBS parallel workers (pytest-xdist), one thread each, each test file on one worker
+# so a file's loaded model serves all its tests (about 4 minutes on 2 CPU cores); TEST_JOBS=0 runs it serially.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
 
 # The README's result table: the demo head against window, sinks, qwen-logn and the long-trained
 # reference, with greedy speculative decoding, on 12 held-out sequences of 8,192 tokens of the

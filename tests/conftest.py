@@ -1,4 +1,7 @@
-"""Shared test settings: hypothesis runs derandomized so CI cannot flake; tiny models on one thread."""
+"""Shared test settings: hypothesis runs derandomized so CI cannot flake; tiny models on one thread; one
+thread per worker when the suite runs in parallel (pytest-xdist, ``-n``)."""
+
+import os
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -24,3 +27,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_configure(config):
+    """A parallel worker (pytest-xdist sets ``PYTEST_XDIST_WORKER``) keeps to one thread, and so do the
+    commands it starts: the workers already fill the cores, more threads would only contend for them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)

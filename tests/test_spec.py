@@ -159,7 +159,14 @@ def _set(d, path, value):
     return d
 
 
-_DELETE = object()
+class _Deleted:
+    """Marks a field to delete; its repr is stable, so test ids match across parallel workers."""
+
+    def __repr__(self):
+        return "<deleted>"
+
+
+_DELETE = _Deleted()
 
 # (path to change, new value, field the error must name, fragment of the message). Each case is
 # rejected by the loader; `schema_too` says whether the JSON Schema alone can see it (the rest
