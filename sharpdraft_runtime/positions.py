@@ -92,21 +92,33 @@ def cos_sin(shift: np.ndarray, inv_freq: torch.Tensor, dtype: torch.dtype, devic
     """
     shift = np.asarray(shift, dtype=np.float64)
     T = shift.shape[0]
-    freq = inv_freq.detach().to(device=device, dtype=torch.float64)
-    M = period * max(1, round(T ** 0.5 / period))
-    U = -(-T // M)
+    M = _period(T, period)
     if T > 2 * M and _adds_up(shift, M):
-        # angles at u M (U rows) and added at u M + v (M rows): one float64 table, one cos and one sin
-        angles = torch.outer(torch.from_numpy(np.concatenate((shift[::M], shift[:M] - shift[0]))).to(device), freq)
-        c, s = angles.cos().to(dtype), angles.sin().to(dtype)
-        c_u, s_u, c_v, s_v = c[:U, None], s[:U, None], c[U:], s[U:]  # (U, 1, R/2), (M, R/2)
-        cos = torch.mul(c_u, c_v)
-        cos.addcmul_(s_u, s_v, value=-1)
-        sin = torch.mul(s_u, c_v)
-        sin.addcmul_(c_u, s_v)
-        return cos.view(U * M, -1)[:T], sin.view(U * M, -1)[:T]  # (T, R/2) each
+        return _added(shift[::M], shift[:M] - shift[0], inv_freq, dtype, device, T)
+    freq = inv_freq.detach().to(device=device, dtype=torch.float64)
     angles = torch.outer(torch.from_numpy(shift).to(device), freq)  # (T, R/2), float64
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _period(T: int, period: int) -> int:
+    """The ``M`` of :func:`cos_sin` for ``T`` shifts: a multiple of ``period`` near ``sqrt(T)``."""
+    return period * max(1, round(T ** 0.5 / period))
+
+
+def _added(coarse: np.ndarray, fine: np.ndarray, inv_freq: torch.Tensor, dtype: torch.dtype, device, T: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cos_sin` of the ``T`` shifts ``coarse[u] + fine[v]`` at ``u M + v`` (``M = len(fine)``), by angle
+    addition from one float64 table over both: ``len(coarse) + M`` rows of trigonometry."""
+    U, M = len(coarse), len(fine)
+    freq = inv_freq.detach().to(device=device, dtype=torch.float64)
+    angles = torch.outer(torch.from_numpy(np.concatenate((coarse, fine))).to(device), freq)
+    c, s = angles.cos().to(dtype), angles.sin().to(dtype)
+    c_u, s_u, c_v, s_v = c[:U, None], s[:U, None], c[U:], s[U:]  # (U, 1, R/2), (M, R/2)
+    cos = torch.mul(c_u, c_v)
+    cos.addcmul_(s_u, s_v, value=-1)
+    sin = torch.mul(s_u, c_v)
+    sin.addcmul_(c_u, s_v)
+    return cos.view(U * M, -1)[:T], sin.view(U * M, -1)[:T]  # (T, R/2) each
 
 
 def _adds_up(shift: np.ndarray, M: int) -> bool:
@@ -216,14 +228,32 @@ def decode_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor, tab
     memo = (k_len, dtype, key.device)
     table = None if tables is None else tables.get(memo)
     if table is None:
-        q_shift, k_shift = _shifts(fix, np.array([k_len - 1]), np.arange(far))
-        table = cos_sin(k_shift - q_shift, inv_freq, dtype, key.device, fix.group or 1)
+        table = _decode_table(fix, k_len, far, inv_freq, dtype, key.device)
         if tables is not None:
             tables[memo] = table
     keys = torch.empty_like(key)
     keys[:, :, far:] = key[:, :, far:]
     rotate_by(key[:, :, :far], *table, out=keys[:, :, :far])
     return keys
+
+
+def _decode_table(fix: PositionFix, k_len: int, far: int, inv_freq: torch.Tensor, dtype: torch.dtype, device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation table of :func:`decode_keys`: cos and sin (far, R/2) of the far keys' shifts.
+
+    For one query row a far key's position is ``0`` (clamp), ``j // G`` (group) or ``j / 2^e`` (pi, a
+    dyadic scale: exact in float64), so its shift ``p_k - j - (p_q - i)`` adds up over a period ``M``
+    (a multiple of ``G`` for group; :func:`cos_sin`) by construction: only the ``far / M + M`` shifts
+    the angle addition reads are formed, and none is checked.
+    """
+    M = _period(far, fix.group or 1)
+    if far <= 2 * M:
+        q_shift, k_shift = _shifts(fix, np.array([k_len - 1]), np.arange(far))
+        return cos_sin(k_shift - q_shift, inv_freq, dtype, device)
+    U = -(-far // M)
+    q_shift, k_shift = _shifts(fix, np.array([k_len - 1]), np.concatenate((np.arange(0, far, M), np.arange(M))))
+    shift = k_shift - q_shift
+    return _added(shift[:U], shift[U:] - shift[U], inv_freq, dtype, device, far)
 
 
 def remapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,

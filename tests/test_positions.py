@@ -234,6 +234,27 @@ def test_cos_sin_by_angle_addition_matches_the_direct_tables(length, first, fix,
             np.testing.assert_allclose(sin.double().numpy(), np.sin(angle), rtol=0, atol=atol)
 
 
+@settings(derandomize=True, deadline=None, max_examples=20)
+@given(k_len=st.integers(2, 9000), fix=st.sampled_from(["clamp", "group", "pi"]), window=st.integers(1, 300),
+       group=st.integers(2, 70), n_ref=st.integers(2, 512))
+def test_the_decode_table_forms_only_the_shifts_it_adds_up_yet_equals_the_definition(k_len, fix, window, group,
+                                                                                      n_ref):
+    """``decode_keys``' table, built from the ``far / M + M`` shifts angle addition reads (no check that they
+    add up: they do by construction), equals cos and sin of every far key's own shift in float64."""
+    fix = {"clamp": PositionFix("clamp", window=window), "group": PositionFix("group", window=window, group=group),
+           "pi": PositionFix("pi", n_ref=n_ref)}[fix]
+    far, _ = positions._far_columns(fix, k_len - 1, k_len - 1, k_len)
+    if far == 0:
+        return
+    q_shift, k_shift = positions._shifts(fix, np.array([k_len - 1]), np.arange(far))
+    angle = (k_shift - q_shift)[:, None] * rope_inv_freq(16, 10000.0)[0].double().numpy()
+    for dtype, atol in ((torch.float64, ATOL_TABLE64), (torch.float32, ATOL_TABLE32)):
+        cos, sin = positions._decode_table(fix, k_len, far, rope_inv_freq(16, 10000.0)[0], dtype, "cpu")
+        assert cos.dtype == sin.dtype == dtype and cos.shape == angle.shape
+        np.testing.assert_allclose(cos.double().numpy(), np.cos(angle), rtol=0, atol=atol)
+        np.testing.assert_allclose(sin.double().numpy(), np.sin(angle), rtol=0, atol=atol)
+
+
 def test_rotate_by_zero_is_exact():
     x = torch.randn(1, 2, 5, 8)
     assert torch.equal(rotate(x, torch.zeros(5), rope_inv_freq(8, 10000.0)[0]), x)
@@ -372,8 +393,8 @@ def test_the_layers_of_a_decoding_step_share_one_table_dropped_when_the_forward_
     from sharpdraft_runtime import hf, positions
 
     made = []
-    real = positions.cos_sin
-    monkeypatch.setattr(positions, "cos_sin", lambda *a, **k: made.append(a[0].shape) or real(*a, **k))
+    real = positions._decode_table
+    monkeypatch.setattr(positions, "_decode_table", lambda *a, **k: made.append(a[2]) or real(*a, **k))
     model = _tiny_llama()
     spec = variant_specs(SPEC, 8, ["clamp"], longest=40)["clamp"]
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(6))

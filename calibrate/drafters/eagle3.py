@@ -294,7 +294,8 @@ class Eagle3Attention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, h, T, D), (B, kv, T, D)
         value = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(position_ids, c.rotary_dim, c.rope_theta, query.dtype, c.rope_scaling)
+        frequencies = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling, x.device)
+        cos, sin = rope_cos_sin(position_ids, c.rotary_dim, c.rope_theta, query.dtype, c.rope_scaling, frequencies)
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         if past is not None:
             key, value = torch.cat((past[0], key), dim=2), torch.cat((past[1], value), dim=2)
@@ -314,7 +315,7 @@ class Eagle3Attention(nn.Module):
             if not torch.equal(position_ids, q_pos.expand(B, T)):
                 raise ValueError(f"the spec's positions ({positions.fix}) need each row at its cache slot; "
                                  "these position_ids differ")
-            inv_freq, _ = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling, x.device)
+            inv_freq, _ = frequencies
             if T == 1:  # a decoding step: the plain kernel over re-rotated keys
                 out = attention(query, decode_keys(key, positions, inv_freq), value, self.scaling, visible,
                                 self.implementation)

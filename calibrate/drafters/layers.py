@@ -235,14 +235,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scaling: RopeScaling | None = None, frequencies: tuple[torch.Tensor, float] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``a cos``, ``a sin`` of shape (B, 1, T, head_dim) for rotate-half RoPE at ``position_ids`` (B, T).
 
     ``head_dim`` is the rotated width: the whole head, or :func:`rotary_dim` with a partial factor
     (then :func:`apply_rope` leaves the remaining dimensions as they are). Computed in fp32 and cast
-    to ``dtype``, in transformers' order (``a``: :func:`rope_inv_freq`).
+    to ``dtype``, in transformers' order (``a``: :func:`rope_inv_freq`; ``frequencies``: its result when the
+    caller already has it).
     """
-    inv_freq, factor = rope_inv_freq(head_dim, theta, scaling, position_ids.device)
+    inv_freq, factor = frequencies or rope_inv_freq(head_dim, theta, scaling, position_ids.device)
     freqs = position_ids.float()[..., None] * inv_freq  # (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
     return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
