@@ -9,24 +9,18 @@ SmolLM2 as its target, and a stopped run resumes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tiny_checkpoints import load_script
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
 
 def _script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("train_dflash", ROOT / "scripts" / "train_dflash.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_dflash")
 
 
 def test_context_keys_keep_the_window_and_the_match_spans_within_the_budget():

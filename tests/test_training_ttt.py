@@ -10,7 +10,6 @@ O(1) numbers, far above float64 rounding, far below any real difference).
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -19,11 +18,13 @@ import torch
 
 from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head
 
+from tiny_checkpoints import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script():
-    return _load("train_demo_eagle3")
+    return load_script("train_demo_eagle3")
 
 
 def _head(seed: int) -> Eagle3Head:
@@ -233,7 +234,7 @@ def test_training_options_are_refused_in_one_line_before_any_work(tmp_path, monk
     the target loads or anything is written."""
     import calibrate.smollm2
 
-    module = _script() if script == "train_demo_eagle3" else _load("target_features")
+    module = _script() if script == "train_demo_eagle3" else load_script("target_features")
     monkeypatch.setattr(module, "load_smollm2", lambda *a, **k: pytest.fail("the target loaded"), raising=False)
     monkeypatch.setattr(calibrate.smollm2, "load_smollm2", lambda *a, **k: pytest.fail("the target loaded"))
     work = ["--work", str(tmp_path / "work")] if script == "train_demo_eagle3" else []
@@ -242,11 +243,3 @@ def test_training_options_are_refused_in_one_line_before_any_work(tmp_path, monk
         module.main()
     assert isinstance(stop.value.code, str) and named in stop.value.code and "\n" not in stop.value.code
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
-
-
-def _load(name: str):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
