@@ -1,30 +1,41 @@
-"""Train a PARD drafter for SmolLM2-135M-Instruct (a ``--drafter pard`` folder).
+"""Train a PARD drafter for SmolLM2-135M-Instruct (a folder for ``calibrate.drafters.pard_smollm2``).
 
 PARD (AMD-AGI/PARD, arXiv:2504.18583) adapts a small causal LM that shares the target's vocabulary
 into a parallel drafter: one forward over the last token and ``K - 1`` mask tokens drafts ``K``
-tokens (``calibrate/drafters/parallel.py``). The recipe, as ``calibrate/drafters/pard_recipe.py``
-lays it out:
+tokens (``calibrate/drafters/parallel.py``). The recipe, as ``pard/pard_train.py`` trains it and
+``calibrate/drafters/pard_recipe.py`` lays it out:
 
-1. The drafter: SmolLM2's embedding, its first ``--layers`` decoder layers, its final norm and its
-   (tied) LM head, weights copied, so a forward costs a fraction of the target's (4 of 30 layers plus
-   the LM head by default). Every weight trains except the embedding and the LM head it is tied to
-   (frozen: the drafter keeps the target's token space).
+1. The drafter: SmolLM2's embedding, ``--layers`` of its decoder layers (the first ``--layers -
+   --last``, then its last ``--last``: by default layers 0, 1, 2 and 29), its final norm and its tied
+   LM head, weights copied, so a forward costs about a third of the target's. The layers and the norm
+   train in full; the embedding and the LM head tied to it stay frozen (the drafter keeps the
+   target's token space) and are not saved.
 2. Each training sequence of ``--seq-len`` tokens (``n_ref``, the config's ``max_seq_length``) is
-   laid out with ``--copies - 1`` mask copies (mask token ``--mask-token``: SmolLM2's
-   ``<empty_output>``, id 16, which the corpora never contain), each row seeing exactly what it would
-   see at inference, and PARD's conditional drop keeping a fraction ``max(r^c, r_min)`` of copy ``c``
-   (``--ratio``, ``--min-ratio``). Defaults are PARD's: 8 copies, 0.7, 0.2, length 512.
-3. Loss: the mean cross-entropy of every row against the true next token (copy 0: the next token;
-   copy ``c``: ``c + 1`` tokens past the last real one), AdamW at a constant ``--lr``.
-4. Progress is saved every ``--save-every`` steps under ``--work`` (atomically; a stopped run
-   resumes with the same options), and the drafter folder is written to ``--out`` (bf16, about 85 MB
-   at 4 layers) with ``training_log.json`` (the command, n_ref and the loss history).
+   followed by ``--k - 1`` copies made of the mask token (``--mask-token``: SmolLM2's
+   ``<empty_output>``, id 16, which the corpora never contain), every copy at positions ``0 ..
+   L - 1``, all in one forward with a 4-D attention mask and explicit ``position_ids``. The row of copy
+   ``c`` at position ``t`` stands for mask ``c`` after the anchor ``a = t - c``: it sees the real
+   tokens ``x_0 .. x_a`` and the masks of its anchor up to itself, what that mask sees at inference,
+   and is trained on ``x_{t + 1}``. Copy 0 is the plain next-token layout.
+3. Conditional drop (PARD's COD): copy ``c`` keeps ``max(r^c, r_min)`` of its anchors (``--ratio``,
+   ``--min-ratio``), drawn among those copy ``c - 1`` kept, so a kept row still has the masks it
+   needs; a step's draw depends only on ``--seed`` and the step number. Defaults are PARD's: 8 copies
+   (``K`` up to 8 at inference, 4 in this toolkit's runs), 0.7, 0.2, length 512.
+4. Loss: the mean cross-entropy of every kept row against its token, AdamW at a constant ``--lr``,
+   gradients clipped to norm 1 (the Trainer's defaults PARD runs under).
+5. Progress is saved every ``--save-every`` steps under ``--work`` (atomically; a stopped run resumes
+   with the same options), and the drafter folder is written to ``--out``, replaced whole: ``config.json``,
+   ``model.safetensors`` with the trained tensors only (float32, 57 MB at 4 layers) and
+   ``training_log.json`` (the command, n_ref and the loss history). ``calibrate.drafters.pard_smollm2.
+   build_pard_drafter`` puts it back together with SmolLM2's embedding.
+
+Training text: ``--sources`` (train splits only: ``pydoc``, ``stdlib``, their ``recall:`` forms, or
+text files), packed as ``calibrate.corpus.pack`` packs evaluation text, or a ``--tokens`` .npy file.
 
 Usage (``--device cuda`` on a GPU machine)::
 
-    python scripts/train_pard.py --out .cache/heads/pard-smollm2
-    sharpdraft eval --drafter pard --drafter-path .cache/heads/pard-smollm2 --corpus stdlib:heldout \\
-        --lengths 256 --sequences 12 --speculative --num-draft 4
+    OMP_NUM_THREADS=1 python scripts/train_pard.py --out .cache/heads/pard-smollm2 --threads 1
+    python scripts/train_pard.py --out .cache/heads/pard-smollm2 --device cuda --batch 16
 """
 
 from __future__ import annotations
@@ -46,12 +57,17 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 from target_features import check_device, log  # noqa: E402
-from train_demo_eagle3 import atomic_save, atomic_text  # noqa: E402
+from train_demo_eagle3 import atomic_save, atomic_text, atomic_weights  # noqa: E402
 
-from calibrate.drafters.pard_recipe import IGNORE, pard_rows, truncated_drafter  # noqa: E402
+from calibrate.drafters.pard_recipe import IGNORE, pard_rows  # noqa: E402
+from calibrate.drafters.pard_smollm2 import (SMOLLM2, SMOLLM2_LAYERS, SMOLLM2_VOCAB, cut_drafter,  # noqa: E402
+                                             layers_from, trained_state)
 
-SAVED_OPTIONS = ("base", "layers", "copies", "ratio", "min_ratio", "seq_len", "sources", "tokens", "sequences",
+SAVED_OPTIONS = ("base", "layers", "last", "k", "ratio", "min_ratio", "seq_len", "sources", "tokens", "sequences",
                  "batch", "lr", "mask_token", "seed")  # a resumed run must have been started with these
+LEGACY_OPTIONS = {"copies": "k"}  # progress saved before --k was named so
+LEGACY_DEFAULTS = {"last": "0"}  # ... and before --last existed: the first layers
+CORPUS_SPLITS = ("pydoc", "stdlib")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -60,8 +76,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--work", type=Path, default=None, help="progress folder (default .cache/train-<out name>)")
     ap.add_argument("--base", type=Path, default=None,
                     help="a transformers causal LM folder to cut the drafter from (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers the drafter keeps (from the first)")
-    ap.add_argument("--copies", type=int, default=8, help="copies of each sequence: the real one and mask copies")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers the drafter has")
+    ap.add_argument("--last", type=int, default=1,
+                    help="of them, how many are the base's last layers (the others are its first)")
+    ap.add_argument("--k", type=int, default=8, help="copies of each sequence: the real one and k - 1 of mask tokens")
     ap.add_argument("--ratio", type=float, default=0.7, help="conditional drop: copy c keeps ratio^c of its rows")
     ap.add_argument("--min-ratio", type=float, default=0.2, help="conditional drop: the least fraction a copy keeps")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (n_ref)")
@@ -71,7 +89,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--sequences", type=int, default=256, help="training sequences drawn from --sources")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--mask-token", type=int, default=16, help="the drafter's pard_token")
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
@@ -82,43 +100,88 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def _base_shape(args) -> tuple[int, int]:
+    """(decoder layers, vocabulary) of the base model, read without loading it."""
+    if args.base is None:
+        return SMOLLM2_LAYERS, SMOLLM2_VOCAB
+    try:
+        config = json.loads((args.base / "config.json").read_text())
+        config = config.get("text_config", config)
+        return int(config["num_hidden_layers"]), int(config["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise SystemExit(f"--base {args.base}: cannot read its config.json ({err.__class__.__name__}); give a "
+                         "transformers causal LM folder") from None
+
+
+def _check_source(source: str) -> None:
+    """A training source: pydoc or stdlib's train split (or recall: of it), or a file or folder of text."""
+    inner = source.removeprefix("recall:")
+    name, _, split = inner.partition(":")
+    if not inner:
+        raise SystemExit(f"--sources {source!r}: an empty source; give e.g. pydoc:train,stdlib")
+    if name in CORPUS_SPLITS:
+        if split not in ("", "train"):
+            raise SystemExit(f"--sources {source}: train only on the train split ({name}:train); {split!r} "
+                             "holds held-out text or is no split")
+    elif not Path(inner).exists():
+        raise SystemExit(f"--sources {source}: no such file or folder; give pydoc:train, stdlib, their recall: "
+                         "forms, or text files")
+
+
 def check_options(args: argparse.Namespace) -> None:
     """Every option's bad values refused in one line, before any model loads."""
-    for name, least in (("layers", 1), ("copies", 2), ("seq_len", 4), ("sequences", 1), ("batch", 1),
+    for name, least in (("layers", 1), ("last", 0), ("k", 2), ("seq_len", 4), ("sequences", 1), ("batch", 1),
                         ("steps", 1), ("save_every", 1), ("threads", 1), ("mask_token", 0)):
         if getattr(args, name) < least:
             raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= {least}")
-    if args.copies >= args.seq_len - 1:
-        raise SystemExit(f"--copies {args.copies}: give fewer than --seq-len - 1 ({args.seq_len - 1})")
+    if args.out.exists() and not args.out.is_dir():
+        raise SystemExit(f"--out {args.out}: is a file; give a folder to write the drafter to")
+    if args.base is not None:
+        if args.out.resolve() == args.base.resolve():
+            raise SystemExit(f"--out {args.out}: is the --base folder; give another folder")
+        if not (args.base / "config.json").is_file():
+            raise SystemExit(f"--base {args.base}: no config.json there; give a transformers causal LM folder")
+    base_layers, vocab = _base_shape(args)
+    where = "SmolLM2 has" if args.base is None else "the --base model has"
+    if args.layers > base_layers:
+        raise SystemExit(f"--layers {args.layers}: {where} {base_layers} decoder layers; give 1 to {base_layers}")
+    if args.last > args.layers:
+        raise SystemExit(f"--last {args.last}: more than --layers {args.layers}")
+    if args.k >= args.seq_len - 1:
+        raise SystemExit(f"--k {args.k}: give fewer than --seq-len - 1 ({args.seq_len - 1})")
+    if args.mask_token >= vocab:
+        raise SystemExit(f"--mask-token {args.mask_token}: {where} {vocab} tokens; give an unused token id below it")
     for name in ("ratio", "min_ratio"):
         value = getattr(args, name)
         if not (math.isfinite(value) and 0 < value <= 1):
             raise SystemExit(f"--{name.replace('_', '-')} {value}: give a fraction in (0, 1]")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise SystemExit(f"--lr {args.lr}: give a positive learning rate")
-    if args.out.exists() and not args.out.is_dir():
-        raise SystemExit(f"--out {args.out}: is a file; give a folder to write the drafter to")
-    if args.base is not None and args.out.resolve() == args.base.resolve():
-        raise SystemExit(f"--out {args.out}: is the --base folder; give another folder")
-    if args.base is not None and not (args.base / "config.json").is_file():
-        raise SystemExit(f"--base {args.base}: no config.json there; give a transformers causal LM folder")
-    if args.tokens is not None and not args.tokens.is_file():
-        raise SystemExit(f"--tokens {args.tokens}: no such file; give a .npy of token sequences")
+    if args.tokens is not None:
+        if not args.tokens.is_file():
+            raise SystemExit(f"--tokens {args.tokens}: no such file; give a .npy of token sequences")
+    else:
+        for source in args.sources.split(","):
+            _check_source(source)
     if args.work is None:
         args.work = Path(".cache") / f"train-{args.out.name}"
+    if args.work.exists() and not args.work.is_dir():
+        raise SystemExit(f"--work {args.work}: is a file; give a folder for the progress")
     if args.work.resolve() == args.out.resolve():
         raise SystemExit(f"--work {args.work}: is --out; give another folder")
 
 
 def load_base(args):
-    """(base model, tokenizer or None)."""
+    """(base model, tokenizer or None, the config's embedding marker)."""
     if args.base is None:
         from calibrate.smollm2 import load_smollm2
 
-        return load_smollm2()
+        model, tokenizer = load_smollm2()
+        return model, tokenizer, SMOLLM2
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32).eval(), None
+    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32).eval()
+    return model, None, str(args.base.resolve())
 
 
 def training_tokens(args, tokenizer, vocab: int) -> torch.Tensor:
@@ -132,44 +195,64 @@ def training_tokens(args, tokenizer, vocab: int) -> torch.Tensor:
             sys.exit(f"--base {args.base}: with a base folder give --tokens (no tokenizer is read from it)")
         from calibrate.corpus import pack
         from calibrate.drafters.target import eos_token_id
+        from calibrate.errors import UserError
 
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         sources = args.sources.split(",")
         per = -(-args.sequences // len(sources))
-        seqs = [s for source in sources for s in pack(source, encode, eos_token_id(tokenizer), args.seq_len, per)]
+        try:
+            seqs = [s for source in sources
+                    for s in pack(source, encode, eos_token_id(tokenizer), args.seq_len, per)]
+        except UserError as err:
+            sys.exit(str(err).replace("--corpus", "--sources").replace("--max-length", "--seq-len"))
         ids = torch.tensor(seqs[:args.sequences])
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         sys.exit(f"training tokens outside the vocabulary of {vocab}")
-    if args.mask_token >= vocab or bool((ids == args.mask_token).any()):
-        sys.exit(f"--mask-token {args.mask_token}: outside the vocabulary of {vocab} or present in the training "
-                 "text; give an unused token id")
+    if bool((ids == args.mask_token).any()):
+        sys.exit(f"--mask-token {args.mask_token}: present in the training text; give an unused token id")
     return ids
 
 
-def step_loss(model, ids: torch.Tensor, args, generator: torch.Generator, device) -> torch.Tensor:
-    """The mean cross-entropy over the PARD rows of the sequences ``ids`` (B, L), one forward each."""
-    total, count = 0.0, 0
-    for seq in ids:
-        rows = pard_rows(seq, args.copies, args.mask_token, args.ratio, args.min_ratio, generator)
-        logits = model(input_ids=rows.input_ids[None].to(device), position_ids=rows.position_ids[None].to(device),
-                       attention_mask=rows.mask().to(device)).logits[0]
-        targets = rows.targets.to(device)
-        total = total + torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE,
-                                                          reduction="sum")
-        count += int((targets != IGNORE).sum())
-    return total / count
+def step_rows(ids: torch.Tensor, args, step: int) -> list:
+    """The PARD rows (``pard_recipe.PardRows``) of the sequences ``ids`` (B, L) at ``step``: their conditional
+    drop drawn from ``--seed`` and the step alone, so a resumed run draws what an unbroken one does."""
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    return [pard_rows(seq, args.k, args.mask_token, args.ratio, args.min_ratio, generator) for seq in ids]
 
 
-def write_drafter(model, args, history: list, step: int) -> None:
-    """The drafter folder (bf16) and its training log, swapped in whole: never half a folder."""
+def step_loss(model, rows: list, device, backward: bool = True) -> float:
+    """The mean cross-entropy over every kept row of ``rows`` (one forward per sequence; with ``backward``,
+    each sequence's share of the gradient is accumulated as it goes, so one graph is held at a time)."""
+    count = sum(int((r.targets != IGNORE).sum()) for r in rows)
+    total = 0.0
+    for r in rows:
+        logits = model(input_ids=r.input_ids[None].to(device), position_ids=r.position_ids[None].to(device),
+                       attention_mask=r.mask().to(device)).logits[0]
+        loss = torch.nn.functional.cross_entropy(logits.float(), r.targets.to(device), ignore_index=IGNORE,
+                                                 reduction="sum") / count
+        if backward:
+            loss.backward()
+        total += loss.item()
+    return total
+
+
+def write_drafter(model, args, history: list, step: int, seconds: float) -> None:
+    """The drafter folder, swapped in whole (never half a folder): config.json, the trained tensors, the log."""
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tied = model.config.get_text_config().tie_word_embeddings  # the LM head is the embedding: stored once
-    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    model.save_pretrained(tmp, state_dict=state)
-    log_record = {"n_ref": args.seq_len, "step": step, "command": " ".join(sys.argv),
-                  "recipe": {k: str(getattr(args, k)) for k in SAVED_OPTIONS}, "loss": history}
-    atomic_text(tmp / "training_log.json", json.dumps(log_record, indent=1) + "\n")
+    tmp.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("transformers_version", None)
+    atomic_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    atomic_weights(trained_state(model), tmp / "model.safetensors")
+    argv = sys.argv[1:] if args.argv is None else args.argv
+    record = {"command": "python scripts/train_pard.py " + " ".join(argv), "n_ref": args.seq_len, "k": args.k,
+              "layers_from": model.config.sharpdraft_layers_from,
+              "embedding_from": model.config.sharpdraft_embedding_from, "steps_done": step,
+              "train_seconds": round(seconds, 1), "threads": args.threads, "device": args.device,
+              "torch": torch.__version__, "recipe": {k: str(getattr(args, k)) for k in SAVED_OPTIONS},
+              "loss": history}
+    atomic_text(tmp / "training_log.json", json.dumps(record, indent=1) + "\n")
     old = args.out.with_name(args.out.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if args.out.exists():
@@ -178,57 +261,65 @@ def write_drafter(model, args, history: list, step: int) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _saved_options(saved: dict) -> dict:
+    """A progress file's options under today's names (older runs: ``copies`` for ``k``, no ``last``)."""
+    options = {LEGACY_OPTIONS.get(k, k): v for k, v in saved["options"].items()}
+    return {**LEGACY_DEFAULTS, **options}
+
+
 def main(argv=None) -> None:
     args = parse(argv)
+    args.argv = argv
     torch.set_num_threads(args.threads)
     device = check_device(args.device)
     args.work.mkdir(parents=True, exist_ok=True)
     state_path = args.work / "state.pt"
-    saved = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    saved = torch.load(state_path, weights_only=False, map_location="cpu") if state_path.exists() else None
     options = {k: str(getattr(args, k)) for k in SAVED_OPTIONS}
-    if saved is not None and saved["options"] != options:
-        changed = [k for k in SAVED_OPTIONS if saved["options"].get(k) != options[k]]
+    if saved is not None and _saved_options(saved) != options:
+        changed = [k for k in SAVED_OPTIONS if _saved_options(saved).get(k) != options[k]]
         sys.exit(f"--work {args.work}: holds a run started with other options ({', '.join(changed)}); "
                  "give the same options or another --work")
 
-    base, tokenizer = load_base(args)
-    if args.layers > base.config.num_hidden_layers:
-        sys.exit(f"--layers {args.layers}: the base model has {base.config.num_hidden_layers}")
+    base, tokenizer, embedding_from = load_base(args)
     vocab = base.get_input_embeddings().weight.shape[0]
     ids = training_tokens(args, tokenizer, vocab)
-    model = truncated_drafter(base, args.layers, args.mask_token, args.seq_len).to(device)
+    source_layers = layers_from(args.layers, args.last, base.config.get_text_config().num_hidden_layers)
+    model = cut_drafter(base, source_layers, args.mask_token, args.seq_len, embedding_from).to(device)
     del base
     for frozen in (model.get_input_embeddings(), model.get_output_embeddings()):  # the target's token space
         frozen.weight.requires_grad_(False)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
-    step, history = 0, []
+    step, history, seconds = 0, [], 0.0
     if saved is not None:
         model.load_state_dict(saved["model"], strict=False)
         optimizer.load_state_dict(saved["optimizer"])
-        step, history = saved["step"], saved["history"]
+        step, history, seconds = saved["step"], saved["history"], saved.get("seconds", 0.0)
         log(f"resumed at step {step}")
     model.train()
-    log(f"{len(ids)} sequences of {args.seq_len}; {sum(p.numel() for p in trained):,} trained weights; "
-        f"{args.copies} copies, drop {args.ratio}/{args.min_ratio}")
-    started = time.time()
+    log(f"{len(ids)} sequences of {args.seq_len}; {sum(p.numel() for p in trained):,} trained weights in layers "
+        f"{source_layers} of the base; k {args.k}, drop {args.ratio}/{args.min_ratio}")
+    started = time.time() - seconds
     while step < args.steps:
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # the same draw when resumed
-        batch = ids[torch.randint(len(ids), (args.batch,), generator=generator)]
-        loss = step_loss(model, batch, args, generator, device)
+        pick = torch.Generator().manual_seed(args.seed * 1_000_003 + step + 500_009)
+        batch = ids[torch.randint(len(ids), (args.batch,), generator=pick)]
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = step_loss(model, step_rows(batch, args, step), device)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         step += 1
-        history.append([step, round(loss.item(), 4)])
+        history.append([step, round(loss, 4)])
+        log(f"step {step}/{args.steps}: loss {loss:.4f} ({time.time() - started:.0f} s)")
         if step % args.save_every == 0 or step == args.steps:
+            seconds = time.time() - started
             trainable = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
             atomic_save({"options": options, "model": trainable, "optimizer": optimizer.state_dict(),
-                         "step": step, "history": history}, state_path)
+                         "step": step, "history": history, "seconds": seconds}, state_path)
             model.eval()
-            write_drafter(model, args, history, step)
+            write_drafter(model, args, history, step, seconds)
             model.train()
-            log(f"step {step}/{args.steps}: loss {loss.item():.4f} ({(time.time() - started) / 60:.1f} min)")
+    log(f"saved {args.out}")
 
 
 if __name__ == "__main__":

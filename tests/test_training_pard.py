@@ -1,10 +1,14 @@
-"""PARD's training layout (calibrate.drafters.pard_recipe) and scripts/train_pard.py.
+"""PARD's training layout (calibrate.drafters.pard_recipe), scripts/train_pard.py and its folder's loader
+(calibrate.drafters.pard_smollm2).
 
 * every training row, in one packed forward, has the logits of the inference forward it stands for
   (the committed text up to its anchor, then its masks), with and without conditional drop;
-* the layout by hand on a short sequence; conditional drop keeps nested anchors in the stated numbers;
-* a short run writes a drafter folder that drafts in the one speculative loop with target-only greedy
-  output, and a stopped run resumes to the same losses as an unbroken one;
+* the layout, mask and labels by hand on a short sequence; conditional drop keeps nested anchors in the
+  stated numbers, the same for the same seed;
+* the cut drafter is its base's layers (first and last); a short run writes a folder of the trained
+  tensors only, which the loader puts back together and which drafts in the one speculative loop with
+  target-only greedy output; a stopped run resumes to the same losses as an unbroken one;
+* the loader refuses a folder with a missing, extra or misshapen tensor or a base of another width;
 * bad options are refused in one line before any model loads.
 """
 
@@ -15,9 +19,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from calibrate.drafters.pard_recipe import IGNORE, kept_anchors, pard_rows
+from calibrate.drafters.pard_smollm2 import build_pard_drafter, cut_drafter, layers_from
 from calibrate.drafters.parallel import PardParallelDrafter
+from calibrate.errors import UserError
 from calibrate.speculative import greedy_generate, speculative_generate
 
 from tiny_checkpoints import load_script, tiny_target
@@ -47,13 +54,15 @@ def test_each_packed_row_has_the_logits_of_the_inference_forward_it_stands_for(r
             a, c = int(rows.anchor[r]), int(rows.copy[r])
             alone = model(input_ids=torch.cat([ids[:a + 1], torch.full((c,), MASK)])[None]).logits[0, -1]
             torch.testing.assert_close(packed[r], alone, rtol=0, atol=ATOL_SAME32)
+            if int(rows.targets[r]) != IGNORE:  # the row is trained on the token its inference row guesses
+                assert int(rows.targets[r]) == int(ids[a + c + 1])
     # this test can fail: a plain causal mask over the packed rows gives other logits
     with torch.no_grad():
         causal = model(input_ids=rows.input_ids[None], position_ids=rows.position_ids[None]).logits[0]
     assert (causal[rows.copy > 0] - packed[rows.copy > 0]).abs().max() > 1e-2
 
 
-def test_the_layout_by_hand():
+def test_the_layout_mask_and_labels_by_hand():
     ids = torch.tensor([10, 11, 12, 13, 14, 15])
     rows = pard_rows(ids, 3, MASK)  # no drop
     # copy 0: every position; copy 1: anchors 0..3 (row guesses x_{a+2} <= x_5); copy 2: anchors 0..2
@@ -62,9 +71,15 @@ def test_the_layout_by_hand():
     assert rows.input_ids.tolist() == [10, 11, 12, 13, 14, 15] + [MASK] * 7
     assert rows.targets.tolist() == [11, 12, 13, 14, 15, IGNORE] + [12, 13, 14, 15] + [13, 14, 15]
     seen = rows.mask()[0, 0]
-    # copy 2 at position 4 (anchor 2): x_0..x_2, copy 1 at position 3, itself; nothing else
-    row = 6 + 4 + 2
-    assert seen[row].nonzero().flatten().tolist() == [0, 1, 2, 6 + 2, row]
+    assert seen.shape == (13, 13) and seen.dtype == torch.bool
+    keys = [seen[r].nonzero().flatten().tolist() for r in range(13)]
+    # copy 0: causal over the real tokens
+    assert keys[:6] == [list(range(i + 1)) for i in range(6)]
+    # copy 1 at position 2 (row 7, anchor 1): x_0, x_1 and itself; at position 4 (row 9, anchor 3)
+    assert keys[7] == [0, 1, 7] and keys[9] == [0, 1, 2, 3, 9]
+    # copy 2 at position 4 (row 12, anchor 2): x_0..x_2, copy 1 at position 3 (row 8), itself
+    assert keys[12] == [0, 1, 2, 8, 12]
+    assert keys[10] == [0, 6, 10]  # copy 2 at position 2 (anchor 0): x_0, copy 1 at position 1, itself
 
 
 def test_conditional_drop_keeps_nested_anchors_in_the_stated_numbers():
@@ -75,8 +90,31 @@ def test_conditional_drop_keeps_nested_anchors_in_the_stated_numbers():
         assert len(anchors) == min(L - 1 - c, int(L * max(ratio ** c, minimum)))
         assert set(anchors.tolist()) <= previous and int(anchors.max()) <= L - 2 - c
         previous = set(anchors.tolist())
+    # 0.7, 0.49, 0.343, 0.2401, then the floor 0.2; int() of 100 * 0.7 ** 2 = 48.999... in floats, as PARD counts
+    assert [len(a) for a in kept] == [70, 48, 34, 24, 20]
     again = kept_anchors(L, copies, ratio, minimum, torch.Generator().manual_seed(3))
     assert all(torch.equal(a, b) for a, b in zip(kept, again))
+    other = kept_anchors(L, copies, ratio, minimum, torch.Generator().manual_seed(4))
+    assert not all(torch.equal(a, b) for a, b in zip(kept, other))
+
+
+def test_the_cut_drafter_is_its_bases_first_and_last_layers():
+    base = tiny_target(num_layers=5, vocab_size=64)
+    assert layers_from(3, 1, 5) == [0, 1, 4] and layers_from(3, 0, 5) == [0, 1, 2] and layers_from(2, 2, 5) == [3, 4]
+    ids = torch.randint(1, 60, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for source in ([0, 1, 4], [0, 1, 2]):
+            drafter = cut_drafter(base, source, MASK, 32, "base")
+            assert drafter.config.num_hidden_layers == 3 and drafter.config.pard_token == MASK
+            h = base.model.embed_tokens(ids)
+            pos = torch.arange(12)[None]
+            emb = base.model.rotary_emb(h, pos)
+            causal = torch.full((12, 12), float("-inf")).triu(1)[None, None]
+            for i in source:
+                h = base.model.layers[i](h, attention_mask=causal, position_ids=pos, position_embeddings=emb)
+                h = h[0] if isinstance(h, tuple) else h
+            expected = base.lm_head(base.model.norm(h))
+            torch.testing.assert_close(drafter(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
 
 
 @pytest.fixture
@@ -92,7 +130,7 @@ def _argv(tmp, out, work, steps):
             "--mask-token", str(MASK), "--lr", "1e-3", "--batch", "2"]
 
 
-def test_a_short_run_writes_a_drafter_that_drafts_exactly_and_resumes_to_the_same_losses(base):
+def test_a_short_run_writes_a_small_folder_that_loads_drafts_exactly_and_resumes_to_the_same_losses(base):
     from transformers import AutoModelForCausalLM
 
     script = _script()
@@ -101,49 +139,137 @@ def test_a_short_run_writes_a_drafter_that_drafts_exactly_and_resumes_to_the_sam
     script.main(_argv(base, "straight", "w2", 6))
     logs = [json.loads((base / name / "training_log.json").read_text()) for name in ("stopped", "straight")]
     assert logs[0]["loss"] == logs[1]["loss"] and len(logs[0]["loss"]) == 6 and logs[0]["n_ref"] == 32
-    drafter = AutoModelForCausalLM.from_pretrained(base / "straight", dtype=torch.float32).eval()
-    assert drafter.config.num_hidden_layers == 2 and drafter.config.pard_token == MASK
-    assert drafter.config.max_seq_length == 32
+    assert logs[1]["layers_from"] == [0, 2] and logs[1]["k"] == 8 and "--layers 2" in logs[1]["command"]
+    assert logs[1]["loss"][-1][1] < logs[1]["loss"][0][1]
+    folder = base / "straight"
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "training_log.json"]
+    tensors = load_file(folder / "model.safetensors")
+    assert all(k.startswith("model.layers.") or k == "model.norm.weight" for k in tensors)
+    assert {k.split(".")[2] for k in tensors if k.startswith("model.layers.")} == {"0", "1"}
+    assert all(v.dtype == torch.float32 for v in tensors.values())
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config["pard_token"] == MASK and config["max_seq_length"] == 32
+    assert config["sharpdraft_embedding_from"] == str((base / "base").resolve())
+
+    drafter = build_pard_drafter(folder)
     target = AutoModelForCausalLM.from_pretrained(base / "base", dtype=torch.float32).eval()
-    assert torch.equal(drafter.get_input_embeddings().weight, target.get_input_embeddings().weight.bfloat16().float())
+    assert torch.equal(drafter.get_input_embeddings().weight, target.get_input_embeddings().weight)
+    assert torch.equal(drafter.model.layers[1].mlp.up_proj.weight, tensors["model.layers.1.mlp.up_proj.weight"])
+    assert not torch.equal(drafter.model.layers[1].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
     prompt = torch.randint(1, 60, (1, 9), generator=torch.Generator().manual_seed(2))
-    parallel = PardParallelDrafter(drafter, MASK)
+    parallel = PardParallelDrafter(drafter, drafter.config.pard_token)
     out = speculative_generate(target, parallel, prompt, 12, num_draft=4)
     assert out.tokens == greedy_generate(target, prompt, 12).tokens and parallel.forwards == out.steps
 
+    # `--drafter pard --drafter-path FOLDER` puts it together the same way
+    from test_calibrate import _write_tokenizer
+
+    from calibrate.drafters import load_drafter
+
+    _write_tokenizer(base / "base")
+    loaded = load_drafter("pard", str(folder), str(base / "base"), torch.device("cpu"), torch.float32)
+    assert loaded.parallel and loaded.pard_token == MASK and loaded.default_n_ref == 32
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), drafter.state_dict().values()))
+
+
+def test_the_loader_refuses_a_folder_that_does_not_fit(base):
+    script = _script()
+    script.main(_argv(base, "good", "w", 2))
+    good = base / "good"
+    bad = base / "bad"
+
+    def edited(edit_weights=None, edit_config=None):
+        bad.mkdir(exist_ok=True)
+        tensors = load_file(good / "model.safetensors")
+        config = json.loads((good / "config.json").read_text())
+        if edit_weights:
+            edit_weights(tensors)
+        if edit_config:
+            edit_config(config)
+        save_file(tensors, str(bad / "model.safetensors"))
+        (bad / "config.json").write_text(json.dumps(config))
+        return bad
+
+    with pytest.raises(UserError, match="lacks model.layers.1.input_layernorm.weight"):
+        build_pard_drafter(edited(lambda t: t.pop("model.layers.1.input_layernorm.weight")))
+    with pytest.raises(UserError, match="holds model.embed_tokens.weight"):
+        build_pard_drafter(edited(lambda t: t.update({"model.embed_tokens.weight": torch.zeros(64, 64)})))
+    with pytest.raises(UserError, match=r"model.norm.weight has shape \[63\], the config expects \[64\]"):
+        build_pard_drafter(edited(lambda t: t.update({"model.norm.weight": torch.zeros(63)})))
+    with pytest.raises(UserError, match="lacks model.layers.2"):
+        build_pard_drafter(edited(edit_config=lambda c: c.update(num_hidden_layers=3)))
+    with pytest.raises(UserError, match="sharpdraft_embedding_from None"):
+        build_pard_drafter(edited(edit_config=lambda c: c.pop("sharpdraft_embedding_from")))
+    with pytest.raises(UserError, match="pard_token 64"):
+        build_pard_drafter(edited(edit_config=lambda c: c.update(pard_token=64)))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    narrow = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(UserError, match="hidden_size 64, its base model has 32"):
+        build_pard_drafter(good, base=narrow)
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(UserError, match="no model.safetensors"):
+        build_pard_drafter(bad)
+
 
 @pytest.mark.parametrize("args,named", [
-    (["--copies", "1"], "--copies 1"),
-    (["--copies", "31"], "--copies 31"),
+    (["--k", "1"], "--k 1"),
+    (["--k", "31"], "--k 31"),
     (["--layers", "0"], "--layers 0"),
+    (["--layers", "4"], "--layers 4: the --base model has 3"),
+    (["--last", "3"], "--last 3"),
+    (["--last", "-1"], "--last -1"),
     (["--ratio", "nan"], "--ratio nan"),
     (["--min-ratio", "0"], "--min-ratio 0.0"),
     (["--ratio", "1.5"], "--ratio 1.5"),
+    (["--lr", "nan"], "--lr nan"),
     (["--lr", "-1"], "--lr -1.0"),
     (["--seq-len", "0"], "--seq-len 0"),
     (["--batch", "0"], "--batch 0"),
+    (["--steps", "0"], "--steps 0"),
     (["--mask-token", "-1"], "--mask-token -1"),
+    (["--mask-token", "64"], "--mask-token 64: the --base model has 64 tokens"),
     (["--tokens", "missing.npy"], "--tokens missing.npy"),
+    (["--device", "tpu"], "--device tpu"),
 ])
 def test_bad_options_are_refused_in_one_line(base, args, named):
+    script = _script()
     with pytest.raises(SystemExit) as stop:
-        _script().parse(_argv(base, "out", "w", 2) + args)
+        script.main(_argv(base, "out", "w", 2) + args)
+    assert named in str(stop.value) and "\n" not in str(stop.value)
+    assert not (base / "out").exists()
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--layers", "31"], "--layers 31: SmolLM2 has 30 decoder layers"),
+    (["--mask-token", "49152"], "--mask-token 49152"),
+    (["--sources", "pydoc:heldout"], "--sources pydoc:heldout"),
+    (["--sources", "stdlib,recall:stdlib:all"], "--sources recall:stdlib:all"),
+    (["--sources", "pydoc,"], "--sources ''"),
+    (["--sources", "nowhere.txt"], "--sources nowhere.txt"),
+])
+def test_smollm2_options_are_refused_before_smollm2_loads(tmp_path, monkeypatch, args, named):
+    import calibrate.smollm2
+
+    monkeypatch.setattr(calibrate.smollm2, "load_smollm2", lambda *a, **k: pytest.fail("SmolLM2 loaded"))
+    with pytest.raises(SystemExit) as stop:
+        _script().main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "w")] + args)
     assert named in str(stop.value) and "\n" not in str(stop.value)
 
 
 def test_outputs_that_are_inputs_or_files_are_refused(base):
     script = _script()
     (base / "f").write_text("x")
-    for out, fragment in (("f", "is a file"), ("base", "is the --base folder")):
+    for option, value, fragment in (("--out", "f", "--out .*f: is a file"), ("--out", "base", "is the --base folder"),
+                                    ("--work", "f", "--work .*f: is a file"), ("--work", "out", "is --out")):
         argv = _argv(base, "out", "w", 2)
-        argv[argv.index("--out") + 1] = str(base / out)
+        argv[argv.index(option) + 1] = str(base / value)
         with pytest.raises(SystemExit, match=fragment):
             script.parse(argv)
     assert (base / "f").read_text() == "x"
-    with pytest.raises(SystemExit, match="layers 9: the base model has 3"):
-        script.main(_argv(base, "out", "w", 2) + ["--layers", "9"])
     script.main(_argv(base, "out", "w3", 2))
-    with pytest.raises(SystemExit, match="other options"):
+    with pytest.raises(SystemExit, match=r"other options \(lr\)"):
         script.main(_argv(base, "out", "w3", 2) + ["--lr", "2e-3"])
 
 
@@ -154,6 +280,6 @@ def test_tokens_of_the_wrong_shape_or_holding_the_mask_are_refused(base):
     argv[argv.index("--tokens") + 1] = str(base / "flat.npy")
     with pytest.raises(SystemExit, match=r"shape \(32,\); expected \(N, --seq-len 32\)"):
         script.main(argv)
-    with pytest.raises(SystemExit, match="--mask-token 5: .* present in the training text"):
+    with pytest.raises(SystemExit, match="--mask-token 5: present in the training text"):
         script.main(_argv(base, "out", "w", 2) + ["--mask-token", "5"])
     assert not (base / "out").exists()

@@ -7,9 +7,11 @@ the vocabulary are not needed.
 
 Loading (``load``): no ``--drafter-path`` with ``--drafter hf`` is the embedded
 SmolLM2-135M-Instruct (``calibrate.smollm2``); otherwise a local folder, a ``.gguf`` file or a hub
-id (``calibrate.drafters.target``). Tokenizer: the drafter folder's own tokenizer files, else the
-``--target-path`` folder's (PARD and other drafters share their target's vocabulary); with
-neither, a ``UserError`` says so. The target (``sharpdraft eval`` compares the drafter with it) is
+id (``calibrate.drafters.target``); a folder written by ``scripts/train_pard.py`` (its config names
+``sharpdraft_embedding_from``) is put together by ``calibrate.drafters.pard_smollm2.build_pard_drafter``
+with its base model's embedding. Tokenizer: the drafter folder's own tokenizer files, else the
+``--target-path`` folder's (PARD and other drafters share their target's vocabulary), else, for a
+drafter cut from SmolLM2, SmolLM2's; with none, a ``UserError`` says so. The target (``sharpdraft eval`` compares the drafter with it) is
 the ``--target-path`` model, else SmolLM2, loaded when first needed.
 
 Evaluation: teacher-forced runs are one causal pass each, its queries scaled through the
@@ -49,7 +51,8 @@ from ..taps import ScalingTap, attention_tap
 from .base import AttentionTap, TeacherForced
 from .checkpoint import read_config
 from .fields import check_fields
-from .target import eos_token_id, load_causal_lm, load_target, load_tokenizer
+from .pard_smollm2 import EMBEDDING_FROM, SMOLLM2, build_pard_drafter
+from .target import eos_token_id, has_tokenizer, load_causal_lm, load_target, load_tokenizer
 
 __all__ = ["CausalLMDrafter", "load", "PARD_N_REF"]
 
@@ -170,25 +173,34 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device: t
             raise UserError(f"--drafter {kind} needs --drafter-path (a local checkpoint folder or a hub id)")
         model, tokenizer = load_smollm2(device, dtype)
         return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=SMOLLM2_N_REF, target=target)
-    _check_pard_fields(drafter_path)
-    model = load_causal_lm(drafter_path, device, dtype, option="--drafter-path")
-    tokenizer = load_tokenizer(drafter_path, option="--drafter-path", shared_with=target_path)
+    config = _check_pard_fields(drafter_path)
+    if config is not None and EMBEDDING_FROM in config:  # a scripts/train_pard.py folder: layers without embedding
+        model = build_pard_drafter(Path(drafter_path).expanduser(), device, dtype)
+        if target_path is None and config[EMBEDDING_FROM] == SMOLLM2 and not has_tokenizer(drafter_path):
+            tokenizer = load_smollm2(device, dtype)[1]  # cut from SmolLM2: its vocabulary, its tokenizer
+        else:
+            tokenizer = load_tokenizer(drafter_path, option="--drafter-path", shared_with=target_path)
+    else:
+        model = load_causal_lm(drafter_path, device, dtype, option="--drafter-path")
+        tokenizer = load_tokenizer(drafter_path, option="--drafter-path", shared_with=target_path)
     return CausalLMDrafter(model, tokenizer, kind=kind, path=drafter_path,
                            default_n_ref=_default_n_ref(kind, model.config), target=target)
 
 
-def _check_pard_fields(drafter_path: str) -> None:
-    """Refuse a PARD-2 checkpoint before loading it (``calibrate.drafters.fields``, format pard): its
-    ``pard2`` / ``spd_type: pard2`` fields add a target-feature term a plain causal-LM run would drop."""
+def _check_pard_fields(drafter_path: str) -> dict | None:
+    """The folder's config (None when it has none, e.g. a hub id or a .gguf file), after refusing a PARD-2
+    checkpoint (``calibrate.drafters.fields``, format pard): its ``pard2`` / ``spd_type: pard2`` fields add a
+    target-feature term a plain causal-LM run would drop."""
     path = Path(drafter_path).expanduser() / "config.json"
     if not path.is_file():
-        return
-    config = read_config(path, "PARD")
+        return None
+    config = found = read_config(path, "PARD")
     if config.get("spd_type") == "pard2" and not config.get("pard2"):
         config = {**config, "pard2": True}  # either spelling marks PARD-2 (pard2_infer.py reads both)
     if config.get("pard2") is False:
         config = {k: v for k, v in config.items() if k != "pard2"}
     check_fields(config, "pard", str(path), strict=False)
+    return found
 
 
 def _default_n_ref(kind: str, config) -> int:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PardRows", "pard_rows", "visible", "kept_anchors", "truncated_drafter"]
+__all__ = ["PardRows", "pard_rows", "visible", "kept_anchors"]
 
 IGNORE = -100  # target of a row that guesses past the sequence (cross_entropy's ignore_index)
 
@@ -99,26 +99,3 @@ def pard_rows(ids: torch.Tensor, copies: int, mask_token: int, ratio: float = 1.
     targets = torch.where(nxt < L, ids[nxt.clamp(max=L - 1)], torch.full_like(nxt, IGNORE))
     return PardRows(input_ids, position_ids, copy, targets)
 
-
-def truncated_drafter(base, layers: int, pard_token: int, max_seq_length: int):
-    """A PARD drafter cut from the causal LM ``base``: its embedding, first ``layers`` decoder layers, final
-    norm and LM head (weights copied), its config naming ``pard_token`` and ``max_seq_length`` (n_ref)."""
-    import copy as _copy
-
-    from transformers import AutoModelForCausalLM
-
-    config = _copy.deepcopy(base.config)
-    config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:layers]
-    config.pard_token = int(pard_token)
-    config.max_seq_length = int(max_seq_length)
-    config.spd_type = "pard"
-    drafter = AutoModelForCausalLM.from_config(config)
-    missing = drafter.load_state_dict(base.state_dict(), strict=False)
-    unexpected = [k for k in missing.unexpected_keys if not k.startswith("model.layers.")]
-    if missing.missing_keys or unexpected:
-        raise ValueError(f"the base model's weights do not fit a {layers}-layer copy: missing "
-                         f"{missing.missing_keys[:3]}, unexpected {unexpected[:3]}")
-    drafter.tie_weights()
-    return drafter.float()

@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import UserError
 from ..smollm2 import load_smollm2, quiet_transformers
 
-__all__ = ["load_causal_lm", "load_tokenizer", "load_target", "eos_token_id", "hidden_state_features"]
+__all__ = ["load_causal_lm", "has_tokenizer", "load_tokenizer", "load_target", "eos_token_id", "hidden_state_features"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -65,6 +65,11 @@ def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype, *, optio
     return model.eval()
 
 
+def has_tokenizer(path: str) -> bool:
+    """Whether the local folder ``path`` holds tokenizer files of its own."""
+    return any((Path(path).expanduser() / f).is_file() for f in _TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str, *, option: str, shared_with: str | None = None):
     """The tokenizer of the checkpoint at ``path``, else that of the ``--target-path`` folder ``shared_with``
     (drafters share their target's vocabulary); a ``UserError`` when neither has one."""
@@ -72,7 +77,7 @@ def load_tokenizer(path: str, *, option: str, shared_with: str | None = None):
 
     folder, gguf_file, local = _locate(path, option)
     candidates = []
-    if gguf_file or not local or any((Path(folder) / f).is_file() for f in _TOKENIZER_FILES):
+    if gguf_file or not local or has_tokenizer(folder):
         candidates.append((folder, gguf_file, local))
     if shared_with is not None:
         target = Path(shared_with).expanduser()
