@@ -289,6 +289,16 @@ EVAL_CASES = [
          (("c.txt", ""),)),
 ]
 
+# scripts/train_pard.py folders (layers and norm only; the embedding from the base model their config names)
+EVAL_CUT = EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter pard --drafter-path {fx}/cut-{how}")
+EVAL_CASES += [Case(f"eval-pard-cut-{how}", EVAL_CUT.replace("{how}", how), fragment) for how, fragment in (
+    ("base-unknown", "sharpdraft_embedding_from '/no/such/base'"),
+    ("layer-missing", "lacks model.layers.1.mlp.down_proj.weight"),
+    ("embedding-stored", "holds model.embed_tokens.weight"),
+    ("truncated", "cannot read model.safetensors"),
+    ("no-weights", "no model.safetensors"),
+)]
+
 CAL = ("calibrate --drafter pard --drafter-path {fx}/pard --corpus {fx}/corpus.txt --n-ref 64 --max-length 256 "
        "--sequences 2 --device cpu")
 
@@ -610,6 +620,7 @@ def fx(tmp_path_factory) -> Path:
     target.save_pretrained(root / "target")
     _write_tokenizer(root / "target")
     write_tiny_eagle3(root / "eagle3", target, seed=1)
+    _write_cut_pard(root, target)
     shutil.copytree(root / "pard", root / "pard-truncated")
     _truncate(root / "pard-truncated" / "model.safetensors")
     for name in ("eagle3-truncated", "eagle3-array", "eagle3-rope", "eagle3-notjson", "eagle3-null"):
@@ -647,6 +658,30 @@ def fx(tmp_path_factory) -> Path:
         code, _, err, escaped = _run_main(argv)
     assert code == 0 and escaped is None, err
     return root
+
+
+def _write_cut_pard(root: Path, target) -> None:
+    """``cut-good``, a train_pard.py folder cut from ``root/target``, and broken copies ``cut-<how>``."""
+    from safetensors.torch import load_file, save_file
+
+    from calibrate.drafters.pard_smollm2 import cut_drafter, trained_state
+
+    drafter = cut_drafter(target, [0, 7], 258, 64, str(root / "target"))
+    good = root / "cut-good"
+    good.mkdir()
+    (good / "config.json").write_text(json.dumps(drafter.config.to_dict()))
+    save_file(trained_state(drafter), good / "model.safetensors")
+    config, tensors = json.loads((good / "config.json").read_text()), load_file(good / "model.safetensors")
+    for how in ("base-unknown", "layer-missing", "embedding-stored", "truncated", "no-weights"):
+        shutil.copytree(good, root / f"cut-{how}")
+    (root / "cut-base-unknown" / "config.json").write_text(
+        json.dumps({**config, "sharpdraft_embedding_from": "/no/such/base"}))
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.down_proj.weight"},
+              root / "cut-layer-missing" / "model.safetensors")
+    save_file({**tensors, "model.embed_tokens.weight": target.get_input_embeddings().weight.detach().clone()},
+              root / "cut-embedding-stored" / "model.safetensors")
+    _truncate(root / "cut-truncated" / "model.safetensors")
+    (root / "cut-no-weights" / "model.safetensors").unlink()
 
 
 def _hashes(root: Path) -> dict[str, str]:

@@ -96,9 +96,10 @@ def _base_model(config: dict, folder: Path):
 
         return load_smollm2()[0]
     if isinstance(source, str) and (Path(source) / "config.json").is_file():
-        from transformers import AutoModelForCausalLM
+        from .target import load_causal_lm
 
-        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        return load_causal_lm(source, torch.device("cpu"), torch.float32,
+                              option=f"PARD drafter {folder}: its {EMBEDDING_FROM}")
     raise UserError(f"PARD drafter {folder}: config.json has {EMBEDDING_FROM} {source!r}, neither 'smollm2' nor a "
                     "model folder; it names where the drafter's embedding comes from (scripts/train_pard.py writes it)")
 
@@ -132,13 +133,6 @@ def build_pard_drafter(folder, device: str | torch.device = "cpu", dtype: torch.
     if not isinstance(token, int) or isinstance(token, bool) or not isinstance(vocab, int) or not 0 <= token < vocab:
         raise UserError(f"PARD drafter {folder}: config.json has pard_token {token!r}, not a token id below its "
                         f"vocab_size {vocab!r}")
-    if base is None:
-        base = _base_model(fields, folder)
-    bc = base.config.get_text_config()
-    for name in ("hidden_size", "vocab_size"):
-        if getattr(bc, name) != fields.get(name):
-            raise UserError(f"PARD drafter {folder}: {name} {fields.get(name)!r}, its base model has "
-                            f"{getattr(bc, name)}; the drafter's embedding must be its base's")
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError) as err:
@@ -162,6 +156,13 @@ def build_pard_drafter(folder, device: str | torch.device = "cpu", dtype: torch.
         if tuple(tensors[name].shape) != tuple(shape):
             raise UserError(f"PARD drafter {folder}: {name} has shape {list(tensors[name].shape)}, the config "
                             f"expects {list(shape)}")
+    if base is None:  # the folder is sound: now the (larger) base model
+        base = _base_model(fields, folder)
+    bc = base.config.get_text_config()
+    for name in ("hidden_size", "vocab_size"):
+        if getattr(bc, name) != fields.get(name):
+            raise UserError(f"PARD drafter {folder}: {name} {fields.get(name)!r}, its base model has "
+                            f"{getattr(bc, name)}; the drafter's embedding must be its base's")
     state = {k: v.float() for k, v in tensors.items()}
     state["model.embed_tokens.weight"] = base.get_input_embeddings().weight.detach().float()
     if not config.tie_word_embeddings:
