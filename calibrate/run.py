@@ -49,6 +49,7 @@ from .collect import DEFAULT_K_MAX, RowCollector, log_grid
 from .corpus import pack
 from .distributed import Ranks
 from .drafters import drafter_kind, load_drafter, resolve_device, resolve_dtype
+from .drafters.pard_smollm2 import cut_from_smollm2
 from .errors import UserError
 from .fit import (LAWS_WRITTEN, MAX_N_PER_N_REF, Collection, FitSettings, check_fit_options, check_max_n, fit_spec,
                   plausibility_notes, record_meta)
@@ -334,9 +335,10 @@ def check_options(opts: CalibrateOptions) -> None:
         if not kind.evaluates:
             raise UserError(f"--select: the {opts.drafter} drafter has no teacher-forced pass to measure candidates "
                             "with yet; drop --select (the fitted spec is written) and compare deployments by hand")
-        if kind.causal_lm and opts.target_path is None:
+        if kind.causal_lm and opts.target_path is None and not cut_from_smollm2(opts.drafter_path):
             raise UserError(f"--select with --drafter {opts.drafter}: give --target-path, the target the candidates' "
-                            "agreement is measured against")
+                            "agreement is measured against (only a drafter cut from SmolLM2 by scripts/train_pard.py "
+                            "has a default: SmolLM2)")
     # --top-k against the lengths known before loading: --n-ref, the built-in drafter's, or --max-length
     # (n_ref lies below it); a checkpoint's own n_ref is checked as soon as it is read (_prepare)
     builtin = SMOLLM2_N_REF if opts.drafter == "hf" and opts.drafter_path is None else None

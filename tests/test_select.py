@@ -197,6 +197,21 @@ def test_select_refuses_what_it_cannot_measure(tmp_path, kw, match):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_drafter_cut_from_smollm2_selects_against_smollm2_by_default(tmp_path):
+    """Its config names SmolLM2 as its embedding's source, so SmolLM2 is its target: --select needs no
+    --target-path (the run then fails on this folder's missing weights, after the check passed)."""
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "sharpdraft_embedding_from": "smollm2"}))
+    with pytest.raises(UserError, match="no model.safetensors"):
+        run_calibration(CalibrateOptions(out=tmp_path / "x.json", select=True, device="cpu", drafter="pard",
+                                         drafter_path=str(folder), corpus="pydoc", sequences=1, max_length=256))
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "sharpdraft_embedding_from": "/elsewhere"}))
+    with pytest.raises(UserError, match="give --target-path"):
+        run_calibration(CalibrateOptions(out=tmp_path / "x.json", select=True, device="cpu", drafter="pard",
+                                         drafter_path=str(folder)))
+
+
 def test_the_written_spec_is_the_variant_eval_measures(tmp_path, tiny):
     """Whatever wins, the file holds eval's variant of that name (same law, slope, window, positions):
     enable() with it drafts as eval's arm does. Every candidate is checked, not only the winner."""

@@ -29,7 +29,7 @@ import torch
 from ..errors import UserError
 
 __all__ = ["EMBEDDING_FROM", "LAYERS_FROM", "SMOLLM2", "SMOLLM2_LAYERS", "SMOLLM2_VOCAB", "layers_from",
-           "cut_drafter", "trained_state", "build_pard_drafter"]
+           "cut_drafter", "trained_state", "build_pard_drafter", "cut_from_smollm2"]
 
 EMBEDDING_FROM = "sharpdraft_embedding_from"  # config field: where the embedding and LM head come from
 LAYERS_FROM = "sharpdraft_layers_from"  # config field: the base layers the drafter's layers started as
@@ -86,6 +86,18 @@ def cut_drafter(base, source_layers: list[int], pard_token: int, max_seq_length:
 def trained_state(model) -> dict[str, torch.Tensor]:
     """The tensors a drafter folder keeps: its decoder layers and final norm (float32, on the CPU)."""
     return {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items() if _is_trained(k)}
+
+
+def cut_from_smollm2(path: str | None) -> bool:
+    """Whether ``path`` is a folder whose config says its drafter was cut from SmolLM2 (so SmolLM2 is its
+    target); False for anything else, unreadable configs included (they are refused when loaded)."""
+    if path is None:
+        return False
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(config, dict) and config.get(EMBEDDING_FROM) == SMOLLM2
 
 
 def _base_model(config: dict, folder: Path):
