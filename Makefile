@@ -48,9 +48,9 @@ table: $(STAMP)
 # The PARD drafter at long context (docs/results.md "A PARD drafter at long context"): a spec fitted per
 # drafter, per layer and per head on the stdlib training split, each against no change and a window on
 # held-out sequences of 8,192 tokens, with greedy speculative decoding (K = 4 drafts a forward).
-# PARD names a scripts/train_pard.py folder; about 25 minutes per sequence on 2 CPU cores. Writes out/pard-table/.
+# PARD names a scripts/train_pard.py folder; about 80 minutes on 2 CPU cores. Writes out/pard-table/.
 PARD ?= .cache/heads/pard-smollm2
-PARD_SEQUENCES ?= 4
+PARD_SEQUENCES ?= 3
 PARD_EVAL = $(VENV)/bin/sharpdraft eval --drafter pard --drafter-path $(PARD) --corpus stdlib:heldout \
 	--lengths 512,2048,8192 --sequences $(PARD_SEQUENCES) --speculative --num-draft 4 --threads 2
 pard-table: $(STAMP)
