@@ -73,6 +73,10 @@ def eval_command(
         "--target-path", help="Target model folder (default: built-in SmolLM2).")] = None,
     spec: Annotated[Optional[Path], typer.Option(help="Scale spec JSON to evaluate (default: log-linear, slope 0.2, "
                                                  "at the drafter's n_ref).")] = None,
+    extra_spec: Annotated[Optional[list[str]], typer.Option(
+        "--extra-spec", help="Another spec measured on the same passes, as NAME=FILE (repeatable; the variant "
+                             "spec:NAME): e.g. --extra-spec layer=spec-layer.json --extra-spec head=spec-head.json "
+                             "pairs per-layer and per-head specs with the global --spec on one target pass.")] = None,
     lengths: Annotated[str, typer.Option(help="Context-length bucket edges; the largest is the sequence length.")]
         = "256,512,1024,2048",
     corpus: Annotated[str, typer.Option(help="Held-out text: pydoc:heldout, stdlib:heldout, a .txt or .jsonl file, "
@@ -161,12 +165,11 @@ def eval_command(
     """Mass, agreement and (with --speculative) acceptance per context length, per variant, with paired intervals."""
     import torch
 
-    from sharpdraft_theory import ScaleSpec, SpecError
     from sharpdraft_theory.atomic import atomic_write_text
 
     from .drafters import load_drafter, resolve_device, resolve_dtype
     from .evaluate import (LOOKUP_VARIANTS, bucket_edges, check_block_variants, check_lookup_loop, check_variants,
-                           default_spec, evaluate, with_lookup)
+                           default_spec, evaluate, parse_extra_specs, with_lookup)
     from .measure import SavedUnits, parse_grid, partial_dir
     from .online import online_options
     from .preflight import check_corpus, check_outputs, load_spec, local_inputs
@@ -204,20 +207,25 @@ def eval_command(
     slope_grid, alpha_grid = parse_grid("--slopes", slopes), parse_grid("--alphas", alphas)
     if plot is not None and plot.suffix.lower() != ".png":
         raise UserError(f"--plot {plot}: give a .png file name")
+    extra_files = parse_extra_specs(extra_spec)
     check_outputs({"--out": out, "--plot": plot},
-                  local_inputs(spec=spec, corpus=corpus, drafter_path=drafter_path, target_path=target_path,
-                               reference_drafter_path=reference_drafter_path))
+                  {**local_inputs(spec=spec, corpus=corpus, drafter_path=drafter_path, target_path=target_path,
+                                  reference_drafter_path=reference_drafter_path),
+                   **{f"--extra-spec {name.removeprefix('spec:')}": path for name, file in extra_files.items()
+                      for path in local_inputs(file=file).values()}})
     lookup = check_lookup(lookup_max_ngram, lookup_min_ngram)
     check_lookup_loop(drafter, with_lookup(chosen, corpus), speculative)
     check_corpus(corpus, max(edges))
     loaded_spec = load_spec(spec) if spec is not None else None
     check_block_variants(drafter, chosen, loaded_spec, spec)
     k = top_k or (loaded_spec.top_k if loaded_spec else 4)
-    if loaded_spec is not None and loaded_spec.top_k != k:
-        try:
-            loaded_spec = ScaleSpec.from_dict({**loaded_spec.to_dict(), "top_k": k})
-        except SpecError as err:
-            raise UserError(f"--top-k {k}: does not fit the spec {spec} ({err})") from None
+    if loaded_spec is not None:
+        loaded_spec = _at_top_k(loaded_spec, k, f"--spec {spec}")
+    extras = {name: _at_top_k(load_spec(file), k, f"--extra-spec {name.removeprefix('spec:')}={file}")
+              for name, file in extra_files.items()}
+    for name, extra in extras.items():
+        check_block_variants(drafter, (), extra, f"{name.removeprefix('spec:')}={extra_files[name]}",
+                             option="--extra-spec")
     if n_ref is not None:  # the grid's specs are checked before loading when n_ref is known
         from .measure import scale_grid
         scale_grid(slope_grid, alpha_grid, n_ref, k)
@@ -229,7 +237,8 @@ def eval_command(
               "alphas": alpha_grid, "dtype": dtype, "neighbour_window": neighbour_window, "group": group,
               "sample": sample, "seed": seed,
               "lookup": lookup.to_dict() if set(LOOKUP_VARIANTS) & set(with_lookup(chosen, corpus)) else None,
-              "online": None if online is None else online.to_dict()}
+              "online": None if online is None else online.to_dict(),
+              "extra_specs": {name: extra.to_dict() for name, extra in extras.items()} or None}
     saved = SavedUnits(None if out is None else partial_dir(out), params, resume)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -242,23 +251,18 @@ def eval_command(
         n_ref = d.default_n_ref if n_ref is None else n_ref
         if loaded_spec is None:
             loaded_spec = default_spec(n_ref, k)
-        try:
-            loaded_spec.check_fits(d.info.num_layers, d.info.num_heads, what=f"the {drafter} drafter")
-        except SpecError as err:
-            raise UserError(f"--spec {spec}: {err}") from None
-        fix = loaded_spec.positions
-        if fix is not None and fix.window is not None and fix.window >= n_ref:
-            raise UserError(f"--spec {spec}: positions.window {fix.window} must be below the drafter's n_ref ({n_ref}), "
-                            "as --neighbour-window: past n_ref a distance is itself untrained; write a smaller "
-                            "window, or pass --n-ref if the drafter's training length is larger")
+        _check_on_drafter(loaded_spec, d, drafter, n_ref, f"--spec {spec}")
+        for name, extra in extras.items():
+            _check_on_drafter(extra, d, drafter, n_ref, f"--extra-spec {name.removeprefix('spec:')}={extra_files[name]}")
         progress = None if as_json else (lambda msg: err_console.print(f"[dim]{msg}[/]"))
         result = evaluate(d, spec=loaded_spec, lengths=edges, corpus=corpus, sequences=sequences, skip=skip,
                           speculative=speculative, new_tokens=new_tokens, num_draft=num_draft, variants=chosen,
                           window=window, sinks=sinks, reference=ref, progress=progress, n_ref=n_ref,
                           temperature=temperature, slopes=slope_grid, alphas=alpha_grid, saved=saved,
                           neighbour_window=neighbour_window, group=group, sample=sample, seed=seed, lookup=lookup,
-                          online=online)
+                          online=online, extra_specs=extras)
     result["spec_file"] = str(spec) if spec is not None else None
+    result["extra_spec_files"] = {name: str(file) for name, file in extra_files.items()} or None
     text = json.dumps(result, indent=2)
     try:
         if out is not None:
@@ -273,6 +277,33 @@ def eval_command(
         print(text)
         return
     _table(result)
+
+
+def _at_top_k(spec, k: int, label: str):
+    """``spec`` with top-k ``k`` (the run's: every variant's mass is read at one k)."""
+    from sharpdraft_theory import ScaleSpec, SpecError
+
+    if spec.top_k == k:
+        return spec
+    try:
+        return ScaleSpec.from_dict({**spec.to_dict(), "top_k": k})
+    except SpecError as err:
+        raise UserError(f"--top-k {k}: does not fit {label} ({err})") from None
+
+
+def _check_on_drafter(spec, d, kind: str, n_ref: int, label: str) -> None:
+    """A spec file against the loaded drafter: its layers and heads, and a fix's window below n_ref."""
+    from sharpdraft_theory import SpecError
+
+    try:
+        spec.check_fits(d.info.num_layers, d.info.num_heads, what=f"the {kind} drafter")
+    except SpecError as err:
+        raise UserError(f"{label}: {err}") from None
+    fix = spec.positions
+    if fix is not None and fix.window is not None and fix.window >= n_ref:
+        raise UserError(f"{label}: positions.window {fix.window} must be below the drafter's n_ref ({n_ref}), "
+                        "as --neighbour-window: past n_ref a distance is itself untrained; write a smaller "
+                        "window, or pass --n-ref if the drafter's training length is larger")
 
 
 def _table(result: dict) -> None:

@@ -126,6 +126,7 @@ assistant model).
 from __future__ import annotations
 
 import math
+import re
 import time
 import zlib
 from collections import defaultdict
@@ -154,12 +155,14 @@ from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, 
 __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "POSITION_VARIANTS", "LOOKUP_VARIANTS", "with_lookup", "check_lookup_loop",
            "position_fix", "DEFAULT_SINKS", "default_spec",
            "variant_specs", "check_variants", "bucket_edges", "paired_bootstrap", "describe_spec", "evaluate",
-           "prompt_seed"]
+           "prompt_seed", "parse_extra_specs", "EXTRA_PREFIX"]
 
 POSITION_VARIANTS = FIXES + tuple(f"{fix}+spec" for fix in FIXES)  # distance fixes, alone and with the spec
 LOOKUP_VARIANTS = ("lookup", "lookup+head")  # prompt lookup, alone and with the drafter where it finds no match
 VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks", *POSITION_VARIANTS, *LOOKUP_VARIANTS, "reference",
             *ONLINE_VARIANTS)  # every variant eval knows
+EXTRA_PREFIX = "spec:"  # the variant of an --extra-spec file: spec:NAME
+EXTRA_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,23}")
 DEFAULT_VARIANTS = ("none", "spec", "qwen-logn", "window", "sinks")  # reference joins when a reference head is given
 MAX_LENGTH = 8192  # the longest bucket edge eval accepts
 
@@ -174,9 +177,9 @@ def default_spec(n_ref: int, top_k: int) -> ScaleSpec:
     return ScaleSpec(law="log-linear", n_ref=n_ref, slope=round(float(slope), 6), top_k=top_k)
 
 
-def check_block_variants(kind: str, names, spec: ScaleSpec | None = None, spec_file=None) -> None:
-    """A ``UserError`` when a DFlash (block) drafter is asked for a distance fix, as a variant or in the spec:
-    blocks run the scale, windows and sinks only (``calibrate.drafters.blocks``)."""
+def check_block_variants(kind: str, names, spec: ScaleSpec | None = None, spec_file=None, option: str = "--spec") -> None:
+    """A ``UserError`` when a DFlash (block) drafter is asked for a distance fix, as a variant or in the spec
+    (given as ``option spec_file``): blocks run the scale, windows and sinks only (``calibrate.drafters.blocks``)."""
     if kind != "dflash":
         return
     fixes = [n for n in names if n in POSITION_VARIANTS]
@@ -184,7 +187,7 @@ def check_block_variants(kind: str, names, spec: ScaleSpec | None = None, spec_f
         raise UserError(f"--variants {fixes[0]}: distance fixes are not built for DFlash blocks; drop "
                         f"{', '.join(fixes)} (blocks run none, spec, qwen-logn, window, sinks, lookup)")
     if spec is not None and spec.positions is not None:
-        raise UserError(f"--spec {spec_file}: its distance fix ({spec.positions.fix}) is not built for DFlash "
+        raise UserError(f"{option} {spec_file}: its distance fix ({spec.positions.fix}) is not built for DFlash "
                         "blocks; give a spec without positions")
 
 
@@ -239,6 +242,25 @@ def _check_fix_options(neighbour_window: int | None, group: int | None, n_ref: i
     if neighbour_window is not None and n_ref is not None and neighbour_window >= n_ref:
         raise UserError(f"--neighbour-window {neighbour_window}: must be below the drafter's n_ref ({n_ref}); the "
                         f"far keys' distances start at W, and the drafter was trained on distances below n_ref")
+
+
+def parse_extra_specs(values) -> dict[str, str]:
+    """``--extra-spec NAME=FILE`` values (repeatable) as ``{"spec:NAME": FILE}``, in order; a ``UserError``
+    for a value without ``=``, a bad or repeated NAME, or no FILE (the file is read by the caller)."""
+    found: dict[str, str] = {}
+    for value in values or ():
+        name, sep, file = str(value).partition("=")
+        if not sep:
+            raise UserError(f"--extra-spec {value}: expected NAME=FILE, e.g. --extra-spec layer=spec-layer.json")
+        if not EXTRA_NAME.fullmatch(name):
+            raise UserError(f"--extra-spec {value}: the name {name!r} must be 1 to 24 lowercase letters, digits, "
+                            "'-' or '_', starting with a letter or digit (the variant is reported as spec:NAME)")
+        if not file.strip():
+            raise UserError(f"--extra-spec {value}: give the spec file after '='")
+        if EXTRA_PREFIX + name in found:
+            raise UserError(f"--extra-spec {value}: the name {name} is given twice; give each spec its own name")
+        found[EXTRA_PREFIX + name] = file
+    return found
 
 
 def with_lookup(variants, corpus: str) -> tuple[str, ...]:
@@ -336,7 +358,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
              temperature: float = 1.0, slopes=(), alphas=(), saved: SavedUnits | None = None,
              neighbour_window: int | None = None, group: int | None = None,
              sample: bool = False, seed: int = 0, lookup: LookupSettings | None = None,
-             online: OnlineOptions | None = None) -> dict:
+             online: OnlineOptions | None = None, extra_specs: dict[str, ScaleSpec] | None = None) -> dict:
     """Run the evaluation; returns the JSON-ready result (see the module docstring).
 
     Parameters
@@ -378,6 +400,9 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         token is the drafter's, whatever is given.
     online : OnlineOptions, optional
         How the online variants learn (default ``OnlineOptions()``; ``calibrate.online``).
+    extra_specs : dict, optional
+        More specs measured as variants on the same passes, ``{"spec:NAME": spec}`` (``--extra-spec``),
+        each at ``spec``'s top-k: a per-layer or per-head spec paired with the global one.
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     num_draft = draft_length(drafter, num_draft)
@@ -411,6 +436,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         raise UserError(f"--variants {learning[0].name} with --speculative: online arms run teacher-forced only")
     specs = variant_specs(spec, n_ref, [v for v in variants if v not in ONLINE_VARIANTS], window=window, sinks=sinks,
                           neighbour_window=neighbour_window, group=group, longest=int(edges[-1]))
+    specs.update(_extra_specs(extra_specs, spec.top_k, drafter.kind))
     grid = scale_grid(list(slopes), list(alphas), n_ref, spec.top_k)
     arms = ([Arm(v, s, drafts=v if v in LOOKUP_VARIANTS else "head") for v, s in specs.items()] + grid
             + ([Arm("reference", None, other=True)] if reference is not None else []))
@@ -490,6 +516,19 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     }
 
 
+def _extra_specs(extra: dict | None, top_k: int, kind: str) -> dict[str, ScaleSpec]:
+    """The ``--extra-spec`` variants, checked: named ``spec:NAME``, at the run's top-k, no fix on blocks."""
+    extra = dict(extra or {})
+    for name, spec in extra.items():
+        if not (name.startswith(EXTRA_PREFIX) and EXTRA_NAME.fullmatch(name.removeprefix(EXTRA_PREFIX))):
+            raise ValueError(f"extra spec variant {name!r}: expected {EXTRA_PREFIX}NAME")
+        if spec.top_k != top_k:
+            raise UserError(f"--extra-spec {name.removeprefix(EXTRA_PREFIX)}: its top_k {spec.top_k} is not the run's "
+                            f"{top_k}; every variant's mass is read at one top-k")
+        check_block_variants(kind, (), spec, name.removeprefix(EXTRA_PREFIX), option="--extra-spec")
+    return extra
+
+
 BLOCK_ANCHORS = 16  # anchors per bucket and sequence of the parallel drafters' per-position metrics
 
 
@@ -566,7 +605,8 @@ def describe_spec(spec: ScaleSpec | None) -> dict | None:
     if spec is None:
         return None
     return {"law": spec.law, "n_ref": spec.n_ref, "slope": _slope(spec), "window": spec.window, "sinks": spec.sinks,
-            "positions": None if spec.positions is None else spec.positions.to_dict(), **({"alpha": spec.table.alpha[-1]} if spec.table is not None and spec.granularity == "global" else {})}
+            "positions": None if spec.positions is None else spec.positions.to_dict(),
+            **({"granularity": spec.granularity} if spec.granularity != "global" else {}), **({"alpha": spec.table.alpha[-1]} if spec.table is not None and spec.granularity == "global" else {})}
 
 
 def _oracle(tallies, grid, edges: np.ndarray, n_ref: int) -> dict | None:

@@ -383,3 +383,63 @@ def test_the_summary_names_each_deployment_in_a_few_words():
     assert spec_label({"law": "constant", "slope": 0.0, "window": 256, "sinks": 4}) == "window 256 + 4 sinks"
     assert spec_label({"law": "log-linear", "slope": 0.2}) == "log-linear slope 0.2"
     assert spec_label({"law": "constant", "slope": 0.0, "alpha": 1.25}) == "constant alpha 1.25"
+
+
+def test_extra_specs_share_the_passes_and_pair_with_spec(eagle3, corpus):
+    """``--extra-spec``: a per-head spec whose heads all carry the global slope measures exactly as ``spec``
+    (same rows, same drafts, speculative runs included); another slope leaves n <= n_ref alone and moves
+    the mass past it; the pairing with ``spec`` needs no second pass."""
+    heads = ScaleSpec(law="log-linear", n_ref=64, slope=[[0.5] * 4], top_k=2, granularity="head")
+    steeper = ScaleSpec(law="log-linear", n_ref=64, slope=1.5, top_k=2)
+    r = evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=2, rows_per_bucket=16,
+                 speculative=True, new_tokens=6, num_draft=2, variants=["none", "spec"],
+                 extra_specs={"spec:heads": heads, "spec:steep": steeper})
+    assert list(r["variants"]) == ["none", "spec", "spec:heads", "spec:steep"]
+    assert r["speculative"]["outputs_identical"] is True
+    table = _eval_table()
+    for row in r["buckets"]:
+        for metric in ("mass", "agreement", "expected_acceptance", "acceptance_length"):
+            assert row["spec:heads"][metric] == row["spec"][metric]
+        assert table.contrast(row, "spec:heads", "spec", "agreement")[0] == 0
+    for row in r["buckets"][:2]:  # n <= n_ref
+        assert row["spec:steep"]["mass"] == row["none"]["mass"]
+    last = r["buckets"][-1]
+    assert last["spec:steep"]["mass"] > last["spec"]["mass"] > last["none"]["mass"]
+    with pytest.raises(UserError, match="top_k 4 is not the run's 2"):
+        evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, variants=["none"],
+                 extra_specs={"spec:k4": ScaleSpec(law="log-linear", n_ref=64, slope=0.5, top_k=4)})
+
+
+def test_cli_extra_spec_is_a_variant_and_resumes(tmp_path, monkeypatch):
+    """``sharpdraft eval --extra-spec layer=FILE``: the variant spec:layer in the JSON and the summary, its
+    file named in the result; a --resume whose file now holds another spec is refused, the same one resumes."""
+    from test_calibrate import _write_tokenizer
+
+    from calibrate.measure import SavedUnits
+
+    target = tiny_target(0)
+    target.save_pretrained(tmp_path / "target")
+    _write_tokenizer(tmp_path / "target")
+    write_tiny_eagle3(tmp_path / "eagle3", target, seed=1)
+    (tmp_path / "corpus.txt").write_text(" ".join(["the query sees more keys as the context grows"] * 40))
+    layer = tmp_path / "layer.json"
+    ScaleSpec(law="log-linear", n_ref=64, slope=[0.3], top_k=4, granularity="layer").save(layer)
+    args = ["eval", "--drafter-path", str(tmp_path / "eagle3"), "--target-path", str(tmp_path / "target"),
+            "--corpus", str(tmp_path / "corpus.txt"), "--lengths", "32,64,128", "--sequences", "1",
+            "--device", "cpu", "--variants", "none,spec", "--extra-spec", f"layer={layer}",
+            "--out", str(tmp_path / "r.json")]
+    monkeypatch.setattr(SavedUnits, "finish", lambda self: None)  # the partial stays, as an interrupted run's
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "spec:layer" in result.stdout
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert list(saved["variants"]) == ["none", "spec", "spec:layer"]
+    assert saved["extra_spec_files"] == {"spec:layer": str(layer)}
+    assert saved["variants"]["spec:layer"]["granularity"] == "layer"
+    ScaleSpec(law="log-linear", n_ref=64, slope=[0.4], top_k=4, granularity="layer").save(layer)
+    refused = CliRunner().invoke(app, [*args, "--resume"])
+    assert isinstance(refused.exception, UserError) and "extra_specs" in str(refused.exception)
+    ScaleSpec(law="log-linear", n_ref=64, slope=[0.3], top_k=4, granularity="layer").save(layer)
+    resumed = CliRunner().invoke(app, [*args, "--resume", "--json"])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.stdout)["buckets"] == saved["buckets"]

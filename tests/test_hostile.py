@@ -238,6 +238,26 @@ EVAL_CASES = [
     Case("eval-dtype-unknown", EVAL + " --dtype float8", "--dtype float8"),
     Case("eval-corpus-missing", EVAL + " --corpus {w}/none.txt", "none.txt"),
     Case("eval-spec-missing", EVAL + " --spec {w}/none.json", "none.json"),
+    Case("eval-extra-spec-no-name", EVAL + " --extra-spec {w}/s.json", "NAME=FILE", (("s.json", _spec()),)),
+    Case("eval-extra-spec-empty-name", EVAL + " --extra-spec ={w}/s.json", "the name ''", (("s.json", _spec()),)),
+    Case("eval-extra-spec-bad-name", EVAL + " --extra-spec Layer/1={w}/s.json", "'Layer/1'", (("s.json", _spec()),)),
+    Case("eval-extra-spec-long-name", EVAL + " --extra-spec " + "a" * 25 + "={w}/s.json", "1 to 24",
+         (("s.json", _spec()),)),
+    Case("eval-extra-spec-no-file", EVAL + " --extra-spec layer=", "after '='"),
+    Case("eval-extra-spec-twice", EVAL + " --extra-spec a={w}/s.json --extra-spec a={w}/s.json", "given twice",
+         (("s.json", _spec()),)),
+    Case("eval-extra-spec-missing", EVAL + " --extra-spec a={w}/none.json", "none.json"),
+    Case("eval-extra-spec-not-json", EVAL + " --extra-spec a={w}/s.json", "s.json", (("s.json", "{law"),)),
+    Case("eval-extra-spec-is-out", EVAL + " --extra-spec a={w}/s.json --out {w}/s.json", "--out",
+         (("s.json", _spec()),)),
+    Case("eval-extra-spec-other-drafter", EVAL + " --extra-spec a={w}/s.json", "--extra-spec a=",
+         (("s.json", SPEC_9_HEADS),)),
+    Case("eval-extra-spec-window-past-n-ref", EVAL + " --n-ref 64 --extra-spec a={w}/s.json", "positions.window",
+         (("s.json", _spec(positions={"fix": "clamp", "window": 64, "group": None, "n_ref": None})),)),
+    Case("eval-extra-spec-dflash-fix", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter dflash "
+                                                     "--drafter-path {fx}/dflash") + " --extra-spec a={w}/s.json",
+         "--extra-spec a=", (("s.json", _spec(positions={"fix": "clamp", "window": 16, "group": None,
+                                                          "n_ref": None})),)),
     Case("eval-spec-not-json", EVAL + " --spec {w}/s.json", "s.json", (("s.json", "{oops"),)),
     Case("eval-spec-negative-slope", EVAL + " --spec {w}/s.json", "slope", (("s.json", _spec(slope=-1.0)),)),
     Case("eval-spec-9-heads", EVAL + " --spec {w}/s.json", "9 heads", (("s.json", SPEC_9_HEADS),)),
@@ -802,7 +822,8 @@ def test_hostile_input_is_refused_in_one_line(case, fx, tmp_path, monkeypatch):
 BEFORE_LOADING = ["calibrate-top-k-huge", "calibrate-top-k-above-half-n-ref", "calibrate-top-k-huge-max-length",
                   "calibrate-top-k-huge-built-in", "calibrate-corpus-empty", "calibrate-corpus-blank",
                   "calibrate-corpus-jsonl-blank", "calibrate-n-ref-small", "calibrate-alpha-max-nan",
-                  "eval-corpus-empty", "eval-threads-text"] + [c.id for c in ONLINE]
+                  "eval-corpus-empty", "eval-threads-text", "eval-extra-spec-no-name", "eval-extra-spec-twice",
+                  "eval-extra-spec-missing", "eval-extra-spec-is-out", "eval-extra-spec-dflash-fix"] + [c.id for c in ONLINE]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in BEFORE_LOADING], ids=BEFORE_LOADING)
