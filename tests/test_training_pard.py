@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -115,6 +116,15 @@ def test_the_cut_drafter_is_its_bases_first_and_last_layers():
                 h = h[0] if isinstance(h, tuple) else h
             expected = base.lm_head(base.model.norm(h))
             torch.testing.assert_close(drafter(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("cuts, message", [("4-1", "'4-1' is not F+L"), ("4+", "'4+' is not F+L"),
+                                           ("a+1", "'a+1' is not F+L"), ("30+1", "do not fit a base of 30"),
+                                           ("0+0", "do not fit"), ("3+1,", "'' is not F+L")])
+def test_cut_agreement_refuses_a_malformed_cut(cuts, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        load_script("pard_cut_agreement").parse_cuts(cuts)
+    assert load_script("pard_cut_agreement").parse_cuts("3+1,12+0") == [(3, 1), (12, 0)]
 
 
 @pytest.fixture
