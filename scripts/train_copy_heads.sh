@@ -24,6 +24,7 @@ FEATURES=.cache/smollm2-features-copy-mix
 
 "$PY" scripts/target_features.py --sources recall:pydoc:train,recall:stdlib,pydoc:train,stdlib \
     --per-source 16,16,13,51 --tokens $((96 * 8192)) --device "$DEVICE" --threads "$THREADS" --out "$FEATURES"
+[[ "${FEATURES_ONLY:-0}" == 1 ]] && exit 0  # the features alone (the DFlash head reads them too)
 
 COMMON=(--features "$FEATURES" --copy-share 0.5 --lr 1e-3 --steps "$STEPS" --precision "$PRECISION"
         --device "$DEVICE" --threads "$THREADS" --write-every-save)

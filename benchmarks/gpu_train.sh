@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# One prepared GPU job, sized for one call of under 10 minutes on one H200: every drafter this
+# toolkit trains, at once, each for at most TRAIN_S seconds, then each checked on held-out text.
+#
+#   bash benchmarks/gpu_train.sh              # on the GPU machine, after scripts/gpu_stage.py's parts arrived
+#   FETCH=pard bash benchmarks/gpu_train.sh   # a later call: the PARD drafter, in parts of 14 MiB
+#
+# JOBS (default "copy dflash pard") picks among:
+#   copy    the three EAGLE-3 heads retrained on the recall mix (scripts/train_copy_heads.sh, PARALLEL=1);
+#   dflash  a DFlash head on the same features (scripts/train_dflash.py, blocks of 16);
+#   pard    a PARD drafter (scripts/train_pard.py, SmolLM2's layers 0-2 and 29, 16 sequences a step).
+# SmolLM2 comes from .gpu/ (scripts/gpu_stage.py unpack; docs/training.md "On a GPU machine" gives the
+# transfers that bring it). A drafter stopped at TRAIN_S (default 300 s) keeps its last save. Under $OUT
+# (else ./gpu_out): job.log, results.tar.gz (configs, training logs, each check's JSON), the EAGLE-3
+# heads' and the DFlash head's model.safetensors (14 and 15 MiB). The PARD drafter (54 MiB) does not fit
+# beside them in what one call returns: FETCH=pard returns it, split, with its config and log.
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+OUT="${OUT:-$REPO/gpu_out}"
+PY="${PYTHON:-python3}"
+SITE="${SITE:-/tmp/sharpdraft-site}"
+TRAIN_S="${TRAIN_S:-300}"
+JOBS="${JOBS:-copy dflash pard}"
+FEATURES=.cache/smollm2-features-copy-mix  # scripts/train_copy_heads.sh writes it
+mkdir -p "$OUT"
+if [[ "${FETCH:-}" == pard ]]; then
+    folder=.cache/heads/pard-smollm2
+    [[ -f "$folder/model.safetensors" ]] || { echo "no PARD drafter in $folder: run the job first"; exit 1; }
+    split -b 14M -d "$folder/model.safetensors" "$OUT/pard.safetensors.part"
+    cp "$folder/config.json" "$OUT/pard.config.json"
+    cp "$folder/training_log.json" "$OUT/pard.training_log.json"
+    sha256sum "$folder/model.safetensors" | tee "$OUT/pard.sha256"
+    exit 0
+fi
+mkdir -p "$OUT/results"
+exec > >(tee "$OUT/job.log") 2>&1
+export PYTHONUNBUFFERED=1
+started=$SECONDS
+stamp() { echo "[$((SECONDS - started)) s] $*"; }
+wants() { [[ " $JOBS " == *" $1 "* ]]; }
+
+stamp "unpacking SmolLM2"
+"$PY" scripts/gpu_stage.py unpack --site "$SITE" || exit 1
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.__version__, torch.cuda.get_device_name(0))" \
+    || exit 1
+
+rm -f .cache/train-*.log
+mkdir -p .cache
+pids=()
+if wants pard; then  # needs no features: starts at once
+    stamp "pard: training"
+    "$PY" scripts/train_pard.py --out .cache/heads/pard-smollm2 --device cuda --batch 16 --sequences 4096 \
+        --save-every 25 > .cache/train-pard-smollm2.log 2>&1 &
+    pids+=($!)
+fi
+if wants copy || wants dflash; then
+    stamp "features (and, with copy, the three EAGLE-3 heads at once)"
+    if wants copy; then
+        PARALLEL=1 DEVICE=cuda PYTHON="$PY" THREADS=4 PRECISION=bf16 bash scripts/train_copy_heads.sh &
+        copy=$!
+        while kill -0 "$copy" 2>/dev/null && ! ls .cache/train-eagle3-smollm2*.log >/dev/null 2>&1; do sleep 2; done
+        pids+=("$copy")
+    else
+        FEATURES_ONLY=1 DEVICE=cuda PYTHON="$PY" THREADS=8 bash scripts/train_copy_heads.sh
+    fi
+    if wants dflash; then
+        stamp "dflash: training"
+        "$PY" scripts/train_dflash.py --features "$FEATURES" --out .cache/heads/dflash-smollm2 --device cuda \
+            --write-every-save > .cache/train-dflash-smollm2.log 2>&1 &
+        pids+=($!)
+    fi
+fi
+deadline=$((SECONDS + TRAIN_S))
+running() { for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1; }
+while running && (( SECONDS < deadline )); do sleep 2; done
+if running; then
+    stamp "training time is up: stopping (each drafter keeps its last save)"
+    pkill -TERM -f "scripts/train_(demo_eagle3|dflash|pard).py"  # background jobs ignore SIGINT; saves are atomic
+fi
+for pid in "${pids[@]}"; do wait "$pid"; done
+cp .cache/train-*.log "$OUT/results/" 2>/dev/null
+
+check() {  # name, folder, eval arguments...
+    local name="$1" folder="$2"; shift 2
+    [[ -f "$folder/model.safetensors" ]] || { stamp "$name: nothing written"; return; }
+    stamp "$name: checks"
+    "$PY" -m calibrate eval --drafter-path "$folder" --corpus stdlib:heldout --lengths 256 --sequences 12 \
+        --variants none --speculative --json "$@" > "$OUT/results/accept-$name.json"
+    "$PY" -m calibrate eval --drafter-path "$folder" --corpus recall:stdlib:heldout --lengths 256 --sequences 4 \
+        --variants none --json "$@" > "$OUT/results/copy-$name.json"
+    cp "$folder/config.json" "$OUT/results/$name.config.json"
+    cp "$folder/training_log.json" "$OUT/results/$name.training_log.json"
+}
+if wants copy; then
+    for head in eagle3-smollm2 eagle3-smollm2-far eagle3-smollm2-long; do
+        check "$head" ".cache/heads/$head" --drafter eagle3
+        cp ".cache/heads/$head/model.safetensors" "$OUT/$head.safetensors" 2>/dev/null
+    done
+fi
+if wants dflash; then
+    check dflash-smollm2 .cache/heads/dflash-smollm2 --drafter dflash
+    cp .cache/heads/dflash-smollm2/model.safetensors "$OUT/dflash-smollm2.safetensors" 2>/dev/null
+fi
+wants pard && check pard-smollm2 .cache/heads/pard-smollm2 --drafter pard --num-draft 4
+stamp "done"
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
