@@ -315,6 +315,7 @@ def _table(result: dict) -> None:
                   f"{result['sequences']} sequence(s) x {result['sequence_length']} tokens of {result['corpus']}"
                   + (f" after {result['skip']}" if result["skip"] else "") + "; "
                   + (f"spec: {spec_label(spec)}; " if spec else "")
+                  + "".join(f"{name}: {spec_label(d)}; " for name, d in v.items() if name.startswith("spec:") and d)
                   + f"top-{result['top_k']} mass; rows whose context n_prev < n <= n; Δ: paired difference from "
                   "none, 95% bootstrap interval over sequences; every interval in --json")
     for table in summary_tables(result, console.width):
@@ -361,7 +362,8 @@ def spec_label(d: dict) -> str:
     if d.get("law") == "constant" and "alpha" in d:
         parts.append(f"constant alpha {d['alpha']:.4g}")
     elif slope is not None and slope != 0 or not parts:
-        parts.append(d["law"] + ("" if slope is None else f" slope {slope:.4g}"))
+        granular = {"layer": " (mean of one per layer)", "head": " (mean of one per head)"}.get(d.get("granularity"), "")
+        parts.append(d["law"] + ("" if slope is None else f" slope {slope:.4g}{granular}"))
     return " + ".join(parts)
 
 

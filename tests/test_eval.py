@@ -431,7 +431,7 @@ def test_cli_extra_spec_is_a_variant_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(SavedUnits, "finish", lambda self: None)  # the partial stays, as an interrupted run's
     result = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
     assert result.exit_code == 0, result.output
-    assert "spec:layer" in result.stdout
+    assert "spec:layer: log-linear slope 0.3 (mean of one per layer)" in " ".join(result.stdout.split())
     saved = json.loads((tmp_path / "r.json").read_text())
     assert list(saved["variants"]) == ["none", "spec", "spec:layer"]
     assert saved["extra_spec_files"] == {"spec:layer": str(layer)}
