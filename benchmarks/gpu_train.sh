@@ -10,7 +10,7 @@
 #   dflash  a DFlash head on the same features (scripts/train_dflash.py, blocks of 16);
 #   pard    a PARD drafter (scripts/train_pard.py, SmolLM2's layers 0-2 and 29, 16 sequences a step).
 # SmolLM2 comes from .gpu/ (scripts/gpu_stage.py unpack; docs/training.md "On a GPU machine" gives the
-# transfers that bring it). A drafter stopped at TRAIN_S (default 300 s) keeps its last save. Under $OUT
+# transfers that bring it). A drafter stopped at TRAIN_S (default 240 s) keeps its last save. Under $OUT
 # (else ./gpu_out): job.log, results.tar.gz (configs, training logs, each check's JSON), the EAGLE-3
 # heads' and the DFlash head's model.safetensors (14 and 15 MiB). The PARD drafter (54 MiB) does not fit
 # beside them in what one call returns: FETCH=pard returns it, split, with its config and log.
@@ -20,7 +20,7 @@ cd "$REPO"
 OUT="${OUT:-$REPO/gpu_out}"
 PY="${PYTHON:-python3}"
 SITE="${SITE:-/tmp/sharpdraft-site}"
-TRAIN_S="${TRAIN_S:-300}"
+TRAIN_S="${TRAIN_S:-240}"
 JOBS="${JOBS:-copy dflash pard}"
 FEATURES=.cache/smollm2-features-copy-mix  # scripts/train_copy_heads.sh writes it
 mkdir -p "$OUT"
@@ -93,16 +93,18 @@ check() {  # name, folder, eval arguments...
     cp "$folder/config.json" "$OUT/results/$name.config.json"
     cp "$folder/training_log.json" "$OUT/results/$name.training_log.json"
 }
+checks=()  # the drafters' checks at once, each on its own CPU threads and the one GPU
 if wants copy; then
     for head in eagle3-smollm2 eagle3-smollm2-far eagle3-smollm2-long; do
-        check "$head" ".cache/heads/$head" --drafter eagle3
+        check "$head" ".cache/heads/$head" --drafter eagle3 --threads 2 & checks+=($!)
         cp ".cache/heads/$head/model.safetensors" "$OUT/$head.safetensors" 2>/dev/null
     done
 fi
 if wants dflash; then
-    check dflash-smollm2 .cache/heads/dflash-smollm2 --drafter dflash
+    check dflash-smollm2 .cache/heads/dflash-smollm2 --drafter dflash --threads 2 & checks+=($!)
     cp .cache/heads/dflash-smollm2/model.safetensors "$OUT/dflash-smollm2.safetensors" 2>/dev/null
 fi
-wants pard && check pard-smollm2 .cache/heads/pard-smollm2 --drafter pard --num-draft 4
+wants pard && { check pard-smollm2 .cache/heads/pard-smollm2 --drafter pard --num-draft 4 --threads 2 & checks+=($!); }
+for pid in "${checks[@]}"; do wait "$pid"; done
 stamp "done"
 tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
