@@ -77,7 +77,10 @@ running() { for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; 
 while running && (( SECONDS < deadline )); do sleep 2; done
 if running; then
     stamp "training time is up: stopping (each drafter keeps its last save)"
-    pkill -TERM -f "scripts/train_(demo_eagle3|dflash|pard).py"  # background jobs ignore SIGINT; saves are atomic
+    for pid in "${pids[@]}"; do  # this job's trainers only (background jobs ignore SIGINT; saves are atomic)
+        pkill -TERM -P "$pid" 2>/dev/null
+        kill -TERM "$pid" 2>/dev/null
+    done
 fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 cp .cache/train-*.log "$OUT/results/" 2>/dev/null
