@@ -96,7 +96,7 @@ def calibrate(
     _summary(result, out)
     if stats is not None:
         console.print(f"Wrote [bold]{stats}[/] (per-row statistics and the run's settings; "
-                      f"`sharpdraft plot {stats}` and `sharpdraft fit {stats}` read them)")
+                      f"`sharpdraft plot {stats}` and `sharpdraft fit {stats}` read them)", soft_wrap=True)
 
 
 class _RichProgress:
@@ -206,11 +206,12 @@ def print_fit(spec, fit, out: Path, *, chosen: str | None = None) -> None:
         if verdict.note:
             console.print(f"[yellow]note:[/] {verdict.note}", highlight=False)
     if chosen not in (None, "spec"):
-        console.print(f"Wrote [bold]{out}[/]: {chosen}, the deployment --select chose (below), not the fitted law")
+        console.print(f"Wrote [bold]{out}[/]: {chosen}, the deployment --select chose (below), not the fitted law",
+                      soft_wrap=True)
         return
     what = "slopes" if spec.table is None else "table values"
     shape = "" if spec.granularity == "global" else f" ({spec.granularity} {what}, shape {spec.shape()})"
-    console.print(f"Wrote [bold]{out}[/]{shape}")
+    console.print(f"Wrote [bold]{out}[/]{shape}", soft_wrap=True)  # a path is never broken across lines
     if spec.table is not None:
         t = spec.table
         console.print(f"Tabulated law: {len(t.n)} knots, {t.measured} calibrated up to n = {t.n[t.measured - 1]:,}"

@@ -267,13 +267,14 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, ckpts):
 
 
 def test_cli_calibrates_and_prints_the_summary(tmp_path, ckpts):
-    out = tmp_path / "cli.json"
+    out = tmp_path / ("a-folder-name-long-enough-that-the-path-passes-80-columns-" * 2) / "cli.json"
+    out.parent.mkdir()
     res = CliRunner().invoke(app, ["calibrate", "--drafter", "pard", "--drafter-path", str(ckpts["pard"]),
                                    "--n-ref", "64", "--max-length", "256", "--sequences", "2", "--device", "cpu",
                                    "--out", str(out)], terminal_width=200)
     assert res.exit_code == 0, res.output
     for text in ("mean top-4 mass", "fitted alpha", "mass-matching", "closed-form", "gaussian", "95% interval",
-                 "tokens/s", str(out)):
+                 "tokens/s", str(out)):  # the path whole on one line, however wide the terminal
         assert text in res.output
     assert ScaleSpec.load(out).calibration.sequences == 2
 
