@@ -1,0 +1,159 @@
+"""The copy circuit (calibrate.drafters.induction) and its fitting script's option checks.
+
+* the codes' slots and rotation are the head's own RoPE: a query/key product through
+  :func:`rotate_codes` equals the one through the head's ``apply_rope`` on full head vectors;
+* a head grown by a group with a zero output computes exactly what it did (logits, hidden states
+  and the cached keys and values of its own heads), prefill and decoding alike;
+* on a hand-built head whose features carry their own token, the grown head copies: where the known
+  token occurred before, it drafts the token that followed it, and where it did not, what it drafted
+  before (unless it sees a single key, whose value softmax then takes whole);
+* the match loss is the attention mass on the target rows, checked by hand;
+* bad options of scripts/induction_head.py are refused in one line before any model loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head
+from calibrate.drafters.induction import low_frequency_slots, match_loss, rotate_codes, with_copy_group
+from calibrate.drafters.layers import apply_rope, rope_cos_sin, rope_inv_freq
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_head(seed: int = 0, hidden: int = 16, vocab: int = 32, theta: float = 10000.0, head_dim: int = 0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    config = Eagle3Config(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, intermediate_size=24,
+                          vocab_size=vocab, draft_vocab_size=vocab, max_position_embeddings=64, rope_theta=theta,
+                          head_dim=head_dim)
+    head = Eagle3Head(config)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+        head.d2t.zero_()
+    return head.eval()
+
+
+def test_slots_are_the_lowest_frequency_pairs_and_bad_counts_are_refused():
+    assert low_frequency_slots(8, 2) == [2, 3, 6, 7]
+    assert low_frequency_slots(8, 4) == list(range(8))
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="pairs"):
+            low_frequency_slots(8, bad)
+
+
+def test_rotated_codes_give_the_heads_own_rope_products():
+    d, pairs, theta, rows = 16, 3, 500.0, 40
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(rows, 2 * pairs, generator=gen), torch.randn(rows, 2 * pairs, generator=gen)
+    inv_freq, _ = rope_inv_freq(d, theta)
+    positions = torch.arange(rows)
+    ours = rotate_codes(q, inv_freq[d // 2 - pairs:], positions) @ rotate_codes(k, inv_freq[d // 2 - pairs:], positions).T
+    slots = torch.tensor(low_frequency_slots(d, pairs))
+    full_q, full_k = torch.zeros(1, 1, rows, d), torch.zeros(1, 1, rows, d)
+    full_q[0, 0][:, slots], full_k[0, 0][:, slots] = q, k
+    cos, sin = rope_cos_sin(positions[None], d, theta, torch.float32)
+    theirs = apply_rope(full_q, cos, sin)[0, 0] @ apply_rope(full_k, cos, sin)[0, 0].T
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)  # fp32 rotation of O(1) numbers
+
+
+def test_a_group_with_zero_output_changes_nothing():
+    head = tiny_head()
+    c = head.config
+    gen = torch.Generator().manual_seed(2)
+    maps = (torch.randn(4, c.hidden_size, generator=gen), torch.randn(4, c.hidden_size, generator=gen),
+            torch.randn(c.head_dim, c.hidden_size, generator=gen))
+    grown = with_copy_group(head, *maps, torch.zeros(c.hidden_size, c.head_dim)).eval()
+    assert (grown.config.num_attention_heads, grown.config.num_key_value_heads) == (6, 3)
+    ids = torch.randint(0, c.vocab_size, (1, 12), generator=gen)
+    feats = torch.randn(1, 12, 3 * c.hidden_size, generator=gen)
+    with torch.no_grad():
+        a, b = head(ids, feats), grown(ids, feats)
+        torch.testing.assert_close(b.logits, a.logits, rtol=0, atol=1e-5)  # fp32, the same sums reordered at most
+        torch.testing.assert_close(b.past_key_values[0][:, :2], a.past_key_values[0], rtol=0, atol=1e-6)  # a wider matmul
+        step_a = head(ids[:, -1:], a.hidden_states[:, -1:], past_key_values=a.past_key_values)
+        step_b = grown(ids[:, -1:], b.hidden_states[:, -1:], past_key_values=b.past_key_values)
+        torch.testing.assert_close(step_b.logits, step_a.logits, rtol=0, atol=1e-5)
+
+
+def test_the_grown_head_copies_the_token_that_followed():
+    vocab = hidden = 16
+    # heads of 32 dimensions: the 8 lowest-frequency pairs hold a one-hot code of the 16 tokens, and at
+    # theta 1e9 they turn by at most 3e-5 radians a row
+    head = tiny_head(hidden=hidden, vocab=vocab, theta=1e9, head_dim=32)
+    c = head.config
+    eye = torch.eye(hidden)
+    with torch.no_grad():  # a head that, alone, drafts its row's own token: features carry it, nothing else acts
+        head.embed_tokens.weight.copy_(eye)
+        head.fc.weight.copy_(torch.cat((eye, torch.zeros(hidden, 2 * hidden)), dim=1))
+        for norm in (head.midlayer.hidden_norm, head.midlayer.input_layernorm, head.midlayer.post_attention_layernorm,
+                     head.norm):
+            norm.weight.fill_(1.0)
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        head.midlayer.mlp.down_proj.weight.zero_()
+        head.lm_head.weight.copy_(eye)
+    wide = torch.cat((eye, torch.zeros(c.head_dim - hidden, hidden)))  # (head_dim, H): the token, padded
+    grown = with_copy_group(head, 20.0 * eye, eye, wide, 40.0 * wide.T)
+    text = torch.tensor([3, 7, 1, 9, 5, 3, 7, 1, 2])
+    features = torch.cat((eye[text], torch.zeros(len(text), 2 * hidden)), dim=1)  # position t carries token t
+    with torch.no_grad():
+        before = head(text[1:][None], features[:-1][None]).logits[0].argmax(-1)
+        after = grown(text[1:][None], features[:-1][None]).logits[0].argmax(-1)
+    assert before.tolist() == text[:-1].tolist()  # alone: its row's own token
+    # row t knows token t + 1; rows 4, 5 and 6 know 3, 7 and 1, seen at positions 0, 1 and 2: they draft
+    # what followed there (7, 1, 9). Rows 1-3 find no match and spread over their keys, so their own
+    # token still wins; row 0 sees one key only, its own, and takes its value whatever it is (softmax)
+    assert after[4:7].tolist() == [7, 1, 9]
+    assert after[1:4].tolist() == text[1:4].tolist()
+    assert after[0].item() == text[1].item()
+
+
+def test_the_match_loss_is_minus_the_log_mass_on_the_target_rows():
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    k = torch.tensor([[2.0, 0.0], [0.0, 0.0]])
+    same = torch.tensor([[True, False], [False, True]])
+    visible = torch.tensor([[True, False], [True, True]])
+    # row 0 sees only its target: mass 1; row 1 sees logits 0 and 0, target one of two: mass 1/2
+    loss = match_loss(q, k, same, visible, scaling=1.0)
+    assert math.isclose(loss.item(), (0.0 + math.log(2)) / 2, rel_tol=1e-6)
+    assert match_loss(q, k, torch.zeros(2, 2, dtype=torch.bool), visible, 1.0).item() == 0.0
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("induction_head", ROOT / "scripts" / "induction_head.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--epochs", "-1"], "--epochs -1"),
+    (["--lr", "nan"], "--lr nan"),
+    (["--lr", "0"], "--lr 0"),
+    (["--check", "0"], "--check 0"),
+    (["--window", "1"], "--window 1"),
+    (["--threads", "0"], "--threads 0"),
+    (["--head", "/nonexistent"], "--head /nonexistent"),
+    (["--features", "/nonexistent"], "--features /nonexistent"),
+    (["--out", "calibrate/assets/eagle3-smollm2"], "is the --head folder"),
+    (["--scales", "1,-2"], "'1,-2'"),
+    (["--scales", "inf"], "'inf'"),
+    (["--scales", ""], "''"),
+])
+def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch, capsys, argv, message):
+    """parse() checks every option before main() loads a model; an argparse type error says the value."""
+    (tmp_path / "feats").mkdir()
+    (tmp_path / "feats" / "manifest.json").write_text("{}")
+    monkeypatch.chdir(ROOT)
+    base = ["--features", str(tmp_path / "feats"), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as e:
+        script().parse([*base, *argv])
+    said = f"{e.value.code}\n{capsys.readouterr().err}"
+    assert message in said, said
+    assert not (tmp_path / "out").exists()
