@@ -72,6 +72,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--check", type=int, default=20, help="last shards kept out of every fit, for choosing the scale")
     ap.add_argument("--scales", type=positive_floats, default=[0.5, 1.0, 2.0, 4.0],
                     help="output scales tried (comma-separated); 0, the head as it was, is always measured")
+    ap.add_argument("--bigram", action="store_true",
+                    help="query and key maps read both halves, and the match is on two tokens: the known one and "
+                         "the one before it (the query's target feature carries it, and the key's carries its own "
+                         "predecessor), so a token seen before with other continuations is told apart")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     problems = []
@@ -107,13 +111,18 @@ def halves(head, shard: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return emb, hid
 
 
-def masks(tokens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(same, visible) over head rows: key row i holds token i, query row t knows token t + 1."""
+def masks(tokens: torch.Tensor, window: int, bigram: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(same, visible) over head rows: key row i holds token i, query row t knows token t + 1; with
+    ``bigram`` the tokens before them (i - 1 and t) must match too."""
     rows = len(tokens) - 1
     idx = torch.arange(rows)
     back = idx[:, None] - idx[None, :]
     visible = (back >= 0) & (back < window)
     same = tokens[1:, None] == tokens[None, :-1]
+    if bigram:
+        before = torch.zeros_like(same)
+        before[:, 1:] = tokens[:-1, None] == tokens[None, :-2]
+        same &= before
     return same, visible
 
 
@@ -183,8 +192,12 @@ def main() -> None:
     # 3: query and key maps refined on the match itself
     inv_freq, _ = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
     freqs = inv_freq[c.head_dim // 2 - args.pairs:]
-    query = (4.0 * codes).clone().requires_grad_(True)  # 4: a match worth a logit of about 4 * 2P / sqrt(d)
-    key = key_map.clone().requires_grad_(True)
+    query = (4.0 * codes).clone()  # 4: a match worth a logit of about 4 * 2P / sqrt(d)
+    key = key_map.clone()
+    if args.bigram:  # both maps read both halves, starting from the one-token match
+        query = torch.cat((query, torch.zeros_like(query)), dim=1)
+        key = torch.cat((torch.zeros_like(key), key), dim=1)
+    query.requires_grad_(True), key.requires_grad_(True)
     optimiser = torch.optim.Adam([query, key], lr=args.lr)
     work = args.work or ROOT / ".cache" / f"induction-{args.out.name}"
     work.mkdir(parents=True, exist_ok=True)
@@ -199,13 +212,15 @@ def main() -> None:
         optimiser.load_state_dict(saved["optimiser"])
         done, history = saved["epochs"], saved["history"]
         log(f"resuming after epoch {done}")
-    masks_of = [masks(s["tokens"], window) for s in shards]
+    masks_of = [masks(s["tokens"], window, args.bigram) for s in shards]
     scaling = c.head_dim ** -0.5
 
     def loss_of(index: int) -> torch.Tensor:
         e, h = rows[index] if index < len(rows) else halves(head, shards[index])
         positions = torch.arange(len(e))
         same, visible = masks_of[index]
+        if args.bigram:
+            e = h = torch.cat((e, h), dim=-1)
         return match_loss(rotate_codes(e @ query.T, freqs, positions), rotate_codes(h @ key.T, freqs, positions),
                           same, visible, scaling)
 
@@ -264,7 +279,7 @@ def main() -> None:
     record = {"command": "python scripts/induction_head.py " + " ".join(
                   f"--{k} {v}" for k, v in {**settings, "epochs": args.epochs}.items()) + f" --out {args.out.name}",
               "from": str(args.head.name), "features": manifest.get("per_source"), "window": window,
-              "pairs": args.pairs, "key_map_r2": round(float(explained), 4), "epochs": history,
+              "pairs": args.pairs, "bigram": args.bigram, "key_map_r2": round(float(explained), 4), "epochs": history,
               "check_shards": args.check, "agreement_by_scale": {f"{s:g}": r for s, r in results.items()},
               "scale": best, "torch": torch.__version__}
     source_log = args.head / "training_log.json"

@@ -406,10 +406,14 @@ def main() -> None:
         f"draft vocabulary covers {coverage:.3f} of them")
 
     rope_theta = float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", getattr(tc, "rope_theta", 1e4)))
-    config = Eagle3Config(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
-                          num_key_value_heads=tc.num_key_value_heads, intermediate_size=args.intermediate,
+    # the attention's shape is the target's, or a continued head's own (a copy group adds heads: scripts/induction_head.py)
+    shape = {"num_attention_heads": tc.num_attention_heads, "num_key_value_heads": tc.num_key_value_heads, "head_dim": 0}
+    if init_config is not None:
+        shape = {k: init_config.get(k, v) for k, v in shape.items()}
+    config = Eagle3Config(hidden_size=tc.hidden_size, intermediate_size=args.intermediate,
                           vocab_size=tc.vocab_size, draft_vocab_size=args.draft_vocab,
-                          max_position_embeddings=args.span, rms_norm_eps=tc.rms_norm_eps, rope_theta=rope_theta)
+                          max_position_embeddings=args.span, rms_norm_eps=tc.rms_norm_eps, rope_theta=rope_theta,
+                          **shape)
     head = Eagle3Head(config, embed_tokens=target.get_input_embeddings())
     teacher_w = target.get_output_embeddings().weight.detach()[draft_ids].float()  # (draft_vocab, hidden)
     with torch.no_grad():

@@ -157,3 +157,31 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch, c
     said = f"{e.value.code}\n{capsys.readouterr().err}"
     assert message in said, said
     assert not (tmp_path / "out").exists()
+
+
+def test_the_match_masks_by_hand():
+    masks = script().masks
+    tokens = torch.tensor([5, 1, 5, 2, 5, 1])  # head rows 0..4 know tokens 1, 5, 2, 5, 1
+    same, visible = masks(tokens, window=3)
+    assert visible[4].tolist() == [False, False, True, True, True]  # the last 3 rows, itself included
+    # row 3 knows 5, held by key rows 0 and 2 (tokens 0 and 2); with the token before (2, at row 3's
+    # position 3) it must also follow a 2: only key row 4 would, and it lies ahead
+    assert torch.nonzero(same[3]).flatten().tolist() == [0, 2, 4]
+    same2, _ = masks(tokens, window=3, bigram=True)
+    assert torch.nonzero(same2[3]).flatten().tolist() == [4]
+    # row 4 knows 1 after 5: key row 1 holds 1 after 5 (tokens 0, 1)
+    assert torch.nonzero(same2[4]).flatten().tolist() == [1]
+
+
+def test_maps_reading_both_halves_are_placed_whole():
+    head = tiny_head()
+    c = head.config
+    h = c.hidden_size
+    query, key = torch.randn(4, 2 * h), torch.randn(4, 2 * h)
+    grown = with_copy_group(head, query, key, torch.zeros(c.head_dim, h), torch.zeros(h, c.head_dim))
+    slots = torch.tensor(low_frequency_slots(c.head_dim, 2))
+    q0, k0 = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attn = grown.midlayer.self_attn
+    assert torch.equal(attn.q_proj.weight[q0 + slots], query) and torch.equal(attn.k_proj.weight[k0 + slots], key)
+    with pytest.raises(ValueError, match="2P"):
+        with_copy_group(head, torch.randn(4, h), torch.randn(6, h), torch.zeros(c.head_dim, h), torch.zeros(h, c.head_dim))

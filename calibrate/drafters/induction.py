@@ -69,7 +69,8 @@ def with_copy_group(head: Eagle3Head, query: torch.Tensor, key: torch.Tensor, va
     """A new head: ``head`` plus one key/value group whose first query head is the copy circuit.
 
     ``query`` (2P, H) reads the embedding half into the group's low-frequency slots, ``key`` (2P, H)
-    the hidden half into the same slots, ``value`` (head_dim, H) the embedding half, ``output``
+    the hidden half into the same slots (either may be (2P, 2H) instead, reading the whole input
+    ``[embedding half, hidden half]``: a match on the token before as well), ``value`` (head_dim, H) the embedding half, ``output``
     (H, head_dim) writes the first query head's result into the residual. The group's other query
     heads start at zero (no output). The target's shared embedding stays shared.
     """
@@ -79,8 +80,10 @@ def with_copy_group(head: Eagle3Head, query: torch.Tensor, key: torch.Tensor, va
     group = c.num_attention_heads // c.num_key_value_heads
     d, hidden = c.head_dim, c.hidden_size
     pairs = query.shape[0] // 2
-    if query.shape != (2 * pairs, hidden) or key.shape != query.shape:
-        raise ValueError(f"query and key maps must be (2P, {hidden}) alike; got {tuple(query.shape)}, {tuple(key.shape)}")
+    if query.shape not in ((2 * pairs, hidden), (2 * pairs, 2 * hidden)) or key.shape[0] != 2 * pairs \
+            or key.shape[1] not in (hidden, 2 * hidden):
+        raise ValueError(f"query and key maps must be (2P, {hidden}) or (2P, {2 * hidden}) with the same 2P; "
+                         f"got {tuple(query.shape)}, {tuple(key.shape)}")
     if value.shape != (d, hidden) or output.shape != (hidden, d):
         raise ValueError(f"value must be ({d}, {hidden}) and output ({hidden}, {d}); "
                          f"got {tuple(value.shape)}, {tuple(output.shape)}")
@@ -102,8 +105,8 @@ def with_copy_group(head: Eagle3Head, query: torch.Tensor, key: torch.Tensor, va
     q[:q0], k[:k0] = old[_ATTENTION + "q_proj.weight"], old[_ATTENTION + "k_proj.weight"]
     v[:k0], o[:, :q0] = old[_ATTENTION + "v_proj.weight"], old[_ATTENTION + "o_proj.weight"]
     slots = torch.tensor(low_frequency_slots(d, pairs))
-    q[q0 + slots, :hidden] = query.to(dtype)  # the known token, from the embedding half
-    k[k0 + slots, hidden:] = key.to(dtype)  # the row's own token, from the target feature
+    q[q0 + slots, :query.shape[1]] = query.to(dtype)  # the known token, from the embedding half (first)
+    k[k0 + slots, 2 * hidden - key.shape[1]:] = key.to(dtype)  # the row's own token, from the target feature
     v[k0:k0 + d, :hidden] = value.to(dtype)  # the token that followed it
     o[:, q0:q0 + d] = output.to(dtype)
     new.update({_ATTENTION + "q_proj.weight": q, _ATTENTION + "k_proj.weight": k,
