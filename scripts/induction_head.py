@@ -145,6 +145,36 @@ def agreement(head, shards: list[dict], target_out: torch.Tensor, window: int) -
     return {name: round(h / max(n, 1), 4) for name, (h, n) in {**hits, "all": total}.items()}
 
 
+def read_back_output(head, value: torch.Tensor, fit: list[dict], blind: torch.Tensor) -> torch.Tensor:
+    """The output map (H, D), ``output @ blind``, fitted so that the head's ``norm`` and ``lm_head`` read a
+    token's value back as that token (cross-entropy over the draft vocabulary, weighted by the tokens'
+    frequency in the fitting shards). ``blind`` (D, D) is the identity, or a projection that removes the
+    mean value: then attention spread over many unrelated rows, whose values average to about that mean,
+    writes about nothing."""
+    c = head.config
+    draft_ids = head.draft_to_target(torch.arange(c.draft_vocab_size))
+    counts = torch.bincount(torch.cat([s["tokens"] for s in fit]), minlength=c.vocab_size).float()[draft_ids]
+    seen = counts.nonzero().squeeze(1)  # the rows: draft tokens that occur (a token never seen weighs nothing)
+    weights = counts[seen] / counts.sum()
+    with torch.no_grad():
+        carried = head.midlayer.input_layernorm(head.embed_tokens(draft_ids[seen]).float()) @ value.T  # (seen, D)
+    output = value.T.clone().requires_grad_(True)  # (H, D)
+    fitter = torch.optim.Adam([output], lr=3e-2)
+    labels = seen
+    start = time.time()
+    for step in range(300):
+        if step == 10:
+            log(f"output map: 10 steps in {time.time() - start:.1f} s")
+        logits = head.lm_head((carried @ (output @ blind).T) * head.norm.weight)
+        readback = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * weights).sum()
+        fitter.zero_grad()
+        readback.backward()
+        fitter.step()
+    log(f"output map{' (centred)' if blind.trace() < len(blind) - 0.5 else ''}: read-back loss {readback.item():.4f} "
+        "(frequency-weighted over the draft vocabulary)")
+    return (output @ blind).detach()
+
+
 def main() -> None:
     args = parse()
     torch.set_num_threads(args.threads)
@@ -187,6 +217,7 @@ def main() -> None:
     key_map = torch.linalg.solve(hid.T @ hid + ridge * torch.eye(c.hidden_size), hid.T @ target_codes).T
     explained = 1 - ((hid @ key_map.T - target_codes) ** 2).sum() / ((target_codes - target_codes.mean(0)) ** 2).sum()
     log(f"key map from the target feature: R^2 {explained:.3f} over {len(hid):,} rows")
+    emb_mean = emb.mean(0)
     del emb, hid, target_codes
 
     # 3: query and key maps refined on the match itself
@@ -243,34 +274,23 @@ def main() -> None:
                     "optimiser": optimiser.state_dict(), "epochs": epoch + 1, "history": history}, tmp)
         os.replace(tmp, progress_file)
 
-    # 4: value and output
+    # 4: value and output, plain and centred (blind to the mean value, which diffuse attention brings)
     value = directions[:, :c.head_dim].T.contiguous()  # (D, H)
-    draft_ids = head.draft_to_target(torch.arange(c.draft_vocab_size))
-    counts = torch.bincount(torch.cat([s["tokens"] for s in fit]), minlength=c.vocab_size).float()[draft_ids] + 1
-    weights = counts / counts.sum()
-    with torch.no_grad():
-        carried = head.midlayer.input_layernorm(head.embed_tokens(draft_ids).float()) @ value.T  # (V_d, D)
-    output = value.T.clone().requires_grad_(True)  # (H, D)
-    fitter = torch.optim.Adam([output], lr=3e-2)
-    labels = torch.arange(len(draft_ids))
-    for _ in range(300):
-        logits = head.lm_head((carried @ output.T) * head.norm.weight)
-        readback = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * weights).sum()
-        fitter.zero_grad()
-        readback.backward()
-        fitter.step()
-    output = output.detach()
-    log(f"output map: read-back loss {readback.item():.4f} (frequency-weighted over the draft vocabulary)")
+    mean_value = value @ emb_mean
+    blind = torch.eye(c.head_dim) - torch.outer(mean_value, mean_value) / mean_value.dot(mean_value)
+    outputs = {False: read_back_output(head, value, fit, torch.eye(c.head_dim)),
+               True: read_back_output(head, value, fit, blind)}
 
-    # 5: the scale, on the held-out shards
+    # 5: the scale and the centring, on the held-out shards
     target_out = target.get_output_embeddings().weight.detach().float()
     results = {}
-    for scale in [0.0, *args.scales]:
-        grown = with_copy_group(head, query.detach(), key.detach(), value, scale * output).eval()
-        results[scale] = agreement(grown, check, target_out, window)
-        log(f"scale {scale:g}: agreement {results[scale]}")
-    best = max(results, key=lambda s: results[s]["all"])
-    grown = with_copy_group(head, query.detach(), key.detach(), value, best * output)
+    for centred in (False, True):
+        for scale in [0.0, *args.scales] if not centred else args.scales:
+            grown = with_copy_group(head, query.detach(), key.detach(), value, scale * outputs[centred]).eval()
+            results[scale, centred] = agreement(grown, check, target_out, window)
+            log(f"scale {scale:g}{' centred' if centred else ''}: agreement {results[scale, centred]}")
+    best, centred = max(results, key=lambda s: results[s]["all"])
+    grown = with_copy_group(head, query.detach(), key.detach(), value, best * outputs[centred])
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_text(args.out / "config.json", json.dumps(grown.config.to_dict(), indent=2) + "\n")
     state = {k: (v.half() if v.is_floating_point() else v).contiguous()
@@ -280,13 +300,13 @@ def main() -> None:
                   f"--{k} {v}" for k, v in {**settings, "epochs": args.epochs}.items()) + f" --out {args.out.name}",
               "from": str(args.head.name), "features": manifest.get("per_source"), "window": window,
               "pairs": args.pairs, "bigram": args.bigram, "key_map_r2": round(float(explained), 4), "epochs": history,
-              "check_shards": args.check, "agreement_by_scale": {f"{s:g}": r for s, r in results.items()},
-              "scale": best, "torch": torch.__version__}
+              "check_shards": args.check, "agreement_by_scale": {f"{s:g}{' centred' if c else ''}": r for (s, c), r in results.items()},
+              "scale": best, "centred": centred, "torch": torch.__version__}
     source_log = args.head / "training_log.json"
     if source_log.is_file():
         record["head"] = json.loads(source_log.read_text())
     atomic_text(args.out / "training_log.json", json.dumps(record, indent=1) + "\n")
-    log(f"wrote {args.out} (scale {best:g})")
+    log(f"wrote {args.out} (scale {best:g}{', centred' if centred else ''})")
 
 
 if __name__ == "__main__":

@@ -185,3 +185,18 @@ def test_maps_reading_both_halves_are_placed_whole():
     assert torch.equal(attn.q_proj.weight[q0 + slots], query) and torch.equal(attn.k_proj.weight[k0 + slots], key)
     with pytest.raises(ValueError, match="2P"):
         with_copy_group(head, torch.randn(4, h), torch.randn(6, h), torch.zeros(c.head_dim, h), torch.zeros(h, c.head_dim))
+
+
+def test_the_centred_output_writes_nothing_for_the_mean_value_and_still_reads_tokens_back():
+    """The centred output map is blind to the mean value (what attention spread over unrelated rows
+    brings), to float32 rounding; the plain one is not, and both are fitted over the same tokens."""
+    head = tiny_head(seed=4, hidden=16, vocab=32, head_dim=8)
+    fit = [{"tokens": torch.arange(32)}]
+    value = torch.linalg.qr(torch.randn(16, 8, generator=torch.Generator().manual_seed(5)))[0].T  # (D, H)
+    mean_value = torch.randn(8, generator=torch.Generator().manual_seed(6))
+    blind = torch.eye(8) - torch.outer(mean_value, mean_value) / mean_value.dot(mean_value)
+    fitted = script().read_back_output
+    centred, plain = fitted(head, value, fit, blind), fitted(head, value, fit, torch.eye(8))
+    assert centred.shape == plain.shape == (16, 8)
+    assert (centred @ mean_value).norm() < 1e-5 * centred.norm() * mean_value.norm()
+    assert (plain @ mean_value).norm() > 1e-2 * plain.norm() * mean_value.norm()
