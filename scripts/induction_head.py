@@ -15,7 +15,7 @@ its own, with the head's weights left as they are:
    ``norm`` and ``lm_head`` read a value back as its own token;
 5. the output's scale: each of ``--scales`` (and 0, the head as it was) measured by teacher-forced
    agreement with the target's greedy token on the last ``--check`` shards, which no map was fitted
-   on; the best overall is written.
+   on; the best overall is written, or ``--scale``.
 
     python scripts/induction_head.py --head calibrate/assets/eagle3-smollm2 \\
         --features .cache/smollm2-features-recall-1024 --out .cache/heads/eagle3-smollm2-induction
@@ -72,6 +72,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--check", type=int, default=20, help="last shards kept out of every fit, for choosing the scale")
     ap.add_argument("--scales", type=positive_floats, default=[0.5, 1.0, 2.0, 4.0],
                     help="output scales tried (comma-separated); 0, the head as it was, is always measured")
+    ap.add_argument("--scale", type=float, default=None,
+                    help="write the circuit at this output scale (measured beside --scales) instead of the best one "
+                         "on the check shards")
     ap.add_argument("--bigram", action="store_true",
                     help="query and key maps read both halves, and the match is on two tokens: the known one and "
                          "the one before it (the query's target feature carries it, and the key's carries its own "
@@ -94,6 +97,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--lr {args.lr}: give a positive rate")
     if args.check < 1:
         problems.append(f"--check {args.check}: give at least 1 held-out shard")
+    if args.scale is not None and not (math.isfinite(args.scale) and args.scale >= 0):
+        problems.append(f"--scale {args.scale}: give 0 or a positive number")
     if args.threads < 1:
         problems.append(f"--threads {args.threads}: give at least 1")
     if problems:
@@ -145,12 +150,10 @@ def agreement(head, shards: list[dict], target_out: torch.Tensor, window: int) -
     return {name: round(h / max(n, 1), 4) for name, (h, n) in {**hits, "all": total}.items()}
 
 
-def read_back_output(head, value: torch.Tensor, fit: list[dict], blind: torch.Tensor) -> torch.Tensor:
-    """The output map (H, D), ``output @ blind``, fitted so that the head's ``norm`` and ``lm_head`` read a
-    token's value back as that token (cross-entropy over the draft vocabulary, weighted by the tokens'
-    frequency in the fitting shards). ``blind`` (D, D) is the identity, or a projection that removes the
-    mean value: then attention spread over many unrelated rows, whose values average to about that mean,
-    writes about nothing."""
+def read_back_output(head, value: torch.Tensor, fit: list[dict]) -> torch.Tensor:
+    """The output map (H, D), fitted so that the head's ``norm`` and ``lm_head`` read a token's value back as
+    that token (cross-entropy over the draft tokens that occur in the fitting shards, weighted by their
+    frequency there)."""
     c = head.config
     draft_ids = head.draft_to_target(torch.arange(c.draft_vocab_size))
     counts = torch.bincount(torch.cat([s["tokens"] for s in fit]), minlength=c.vocab_size).float()[draft_ids]
@@ -160,24 +163,20 @@ def read_back_output(head, value: torch.Tensor, fit: list[dict], blind: torch.Te
         carried = head.midlayer.input_layernorm(head.embed_tokens(draft_ids[seen]).float()) @ value.T  # (seen, D)
     output = value.T.clone().requires_grad_(True)  # (H, D)
     fitter = torch.optim.Adam([output], lr=3e-2)
-    labels = seen
-    start = time.time()
     for step in range(300):
-        if step == 10:
-            log(f"output map: 10 steps in {time.time() - start:.1f} s")
-        logits = head.lm_head((carried @ (output @ blind).T) * head.norm.weight)
-        readback = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * weights).sum()
+        logits = head.lm_head((carried @ output.T) * head.norm.weight)
+        readback = (torch.nn.functional.cross_entropy(logits, seen, reduction="none") * weights).sum()
         fitter.zero_grad()
         readback.backward()
         fitter.step()
-    log(f"output map{' (centred)' if blind.trace() < len(blind) - 0.5 else ''}: read-back loss {readback.item():.4f} "
-        "(frequency-weighted over the draft vocabulary)")
-    return (output @ blind).detach()
+    log(f"output map: read-back loss {readback.item():.4f} (frequency-weighted over the draft tokens that occur)")
+    return output.detach()
 
 
 def main() -> None:
     args = parse()
     torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # tiny softmax gradients would otherwise turn into subnormal numbers, which slow a CPU tenfold
     torch.manual_seed(0)
     from calibrate.smollm2 import load_smollm2
     from scripts.train_demo_eagle3 import atomic_text, atomic_weights
@@ -217,7 +216,6 @@ def main() -> None:
     key_map = torch.linalg.solve(hid.T @ hid + ridge * torch.eye(c.hidden_size), hid.T @ target_codes).T
     explained = 1 - ((hid @ key_map.T - target_codes) ** 2).sum() / ((target_codes - target_codes.mean(0)) ** 2).sum()
     log(f"key map from the target feature: R^2 {explained:.3f} over {len(hid):,} rows")
-    emb_mean = emb.mean(0)
     del emb, hid, target_codes
 
     # 3: query and key maps refined on the match itself
@@ -232,7 +230,7 @@ def main() -> None:
     optimiser = torch.optim.Adam([query, key], lr=args.lr)
     work = args.work or ROOT / ".cache" / f"induction-{args.out.name}"
     work.mkdir(parents=True, exist_ok=True)
-    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "work", "threads", "epochs", "scales")}
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "work", "threads", "epochs", "scales", "scale")}
     progress_file, done, history = work / "progress.pt", 0, []
     if progress_file.is_file():
         saved = torch.load(progress_file, weights_only=False)
@@ -274,23 +272,19 @@ def main() -> None:
                     "optimiser": optimiser.state_dict(), "epochs": epoch + 1, "history": history}, tmp)
         os.replace(tmp, progress_file)
 
-    # 4: value and output, plain and centred (blind to the mean value, which diffuse attention brings)
+    # 4: value and output
     value = directions[:, :c.head_dim].T.contiguous()  # (D, H)
-    mean_value = value @ emb_mean
-    blind = torch.eye(c.head_dim) - torch.outer(mean_value, mean_value) / mean_value.dot(mean_value)
-    outputs = {False: read_back_output(head, value, fit, torch.eye(c.head_dim)),
-               True: read_back_output(head, value, fit, blind)}
+    output = read_back_output(head, value, fit)
 
-    # 5: the scale and the centring, on the held-out shards
+    # 5: the scale, on the held-out shards
     target_out = target.get_output_embeddings().weight.detach().float()
     results = {}
-    for centred in (False, True):
-        for scale in [0.0, *args.scales] if not centred else args.scales:
-            grown = with_copy_group(head, query.detach(), key.detach(), value, scale * outputs[centred]).eval()
-            results[scale, centred] = agreement(grown, check, target_out, window)
-            log(f"scale {scale:g}{' centred' if centred else ''}: agreement {results[scale, centred]}")
-    best, centred = max(results, key=lambda s: results[s]["all"])
-    grown = with_copy_group(head, query.detach(), key.detach(), value, best * outputs[centred])
+    for scale in sorted({0.0, *args.scales, *([args.scale] if args.scale is not None else [])}):
+        grown = with_copy_group(head, query.detach(), key.detach(), value, scale * output).eval()
+        results[scale] = agreement(grown, check, target_out, window)
+        log(f"scale {scale:g}: agreement {results[scale]}")
+    best = max(results, key=lambda s: results[s]["all"]) if args.scale is None else args.scale
+    grown = with_copy_group(head, query.detach(), key.detach(), value, best * output)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_text(args.out / "config.json", json.dumps(grown.config.to_dict(), indent=2) + "\n")
     state = {k: (v.half() if v.is_floating_point() else v).contiguous()
@@ -300,13 +294,13 @@ def main() -> None:
                   f"--{k} {v}" for k, v in {**settings, "epochs": args.epochs}.items()) + f" --out {args.out.name}",
               "from": str(args.head.name), "features": manifest.get("per_source"), "window": window,
               "pairs": args.pairs, "bigram": args.bigram, "key_map_r2": round(float(explained), 4), "epochs": history,
-              "check_shards": args.check, "agreement_by_scale": {f"{s:g}{' centred' if c else ''}": r for (s, c), r in results.items()},
-              "scale": best, "centred": centred, "torch": torch.__version__}
+              "check_shards": args.check, "agreement_by_scale": {f"{s:g}": r for s, r in results.items()},
+              "scale": best, "scale_chosen_by": "check shards" if args.scale is None else "--scale", "torch": torch.__version__}
     source_log = args.head / "training_log.json"
     if source_log.is_file():
         record["head"] = json.loads(source_log.read_text())
     atomic_text(args.out / "training_log.json", json.dumps(record, indent=1) + "\n")
-    log(f"wrote {args.out} (scale {best:g}{', centred' if centred else ''})")
+    log(f"wrote {args.out} (scale {best:g})")
 
 
 if __name__ == "__main__":
