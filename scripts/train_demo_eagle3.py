@@ -289,10 +289,21 @@ def unrolled_loss(head: Eagle3Head, teacher_w: torch.Tensor, batch, ttt: int, ch
 
 
 def _steps_of(record: dict) -> int:
-    """Optimiser steps behind a training record (records before ``steps_total``: from its command)."""
+    """Optimiser steps behind a training record (records before ``steps_total``: from its command; a head
+    grown by scripts/induction_head.py: its source head's, kept under ``head``; 0 when none is recorded)."""
     if "steps_total" in record:
         return int(record["steps_total"])
-    return int(record["command"].split("--steps ")[1].split()[0])
+    if isinstance(record.get("head"), dict):
+        return _steps_of(record["head"])
+    command = str(record.get("command", ""))
+    return int(command.split("--steps ")[1].split()[0]) if "--steps " in command else 0
+
+
+def _seconds_of(record: dict) -> float:
+    """Training seconds behind a record, as :func:`_steps_of` counts its steps."""
+    if "train_seconds_total" in record or "train_seconds" in record:
+        return float(record.get("train_seconds_total", record.get("train_seconds")))
+    return _seconds_of(record["head"]) if isinstance(record.get("head"), dict) else 0.0
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -516,7 +527,7 @@ def write_head(args, config: Eagle3Config, head: Eagle3Head, history: list[dict]
               "steps_done": step, "train_seconds": round(seconds, 1),
               "steps_total": step + (_steps_of(previous) if previous else 0),
               "train_seconds_total": round(seconds + (
-                  previous.get("train_seconds_total", previous["train_seconds"]) if previous else 0), 1),
+                  _seconds_of(previous) if previous else 0), 1),
               "torch": torch.__version__, "threads": args.threads,
               "history": history[::10] + ([history[-1]] if len(history) % 10 != 1 else [])}
     if args.far:

@@ -112,6 +112,10 @@ def test_steps_behind_a_record():
     steps_of = _script()._steps_of
     assert steps_of({"command": "python x.py --span 256 --steps 360 --lr 0.002"}) == 360
     assert steps_of({"command": "python x.py --steps 720", "steps_total": 1080}) == 1080
+    # a head grown by scripts/induction_head.py keeps its source head's record under "head"
+    grown = {"command": "python scripts/induction_head.py --epochs 12", "head": {"steps_total": 1080, "train_seconds": 9.5}}
+    assert steps_of(grown) == 1080 and _script()._seconds_of(grown) == 9.5
+    assert steps_of({"command": "python scripts/induction_head.py"}) == 0 and _script()._seconds_of({}) == 0.0
 
 
 @pytest.mark.parametrize("chunk", [3, 64])
