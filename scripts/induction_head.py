@@ -7,7 +7,7 @@ its own, with the head's weights left as they are:
 1. codes: the top ``2 * --pairs`` whitened principal directions of the head's embedding half over the
    token occurrences of the fitting shards;
 2. key map: a ridge regression from the hidden half (the target feature, through ``fc`` and
-   ``hidden_norm``) to the code of the row's own token;
+   ``hidden_norm``) to the code of the row's own token (row ``i``: token ``i``);
 3. query and key maps refined together: each row's attention over its last ``--window`` rows, with
    RoPE in the lowest-frequency pairs as the head applies it, trained to land on the rows that hold
    its known token (``--epochs`` passes, Adam; the progress is saved after each, and a rerun resumes);
@@ -150,6 +150,18 @@ def agreement(head, shards: list[dict], target_out: torch.Tensor, window: int) -
     return {name: round(h / max(n, 1), 4) for name, (h, n) in {**hits, "all": total}.items()}
 
 
+def ridge(inputs: torch.Tensor, targets: torch.Tensor, strength: float = 1e-4) -> tuple[torch.Tensor, float]:
+    """A ridge regression of ``targets`` (N, c) on ``inputs`` (N, m), the penalty ``strength`` times the
+    inputs' summed mean square: the map (c, m), in float32, and the share of the targets' variance it
+    explains (how much of the token code a linear key map can read from those inputs)."""
+    x, y = inputs.double(), targets.double()
+    gram = x.T @ x
+    penalty = strength * gram.trace() / x.shape[1]
+    weights = torch.linalg.solve(gram + penalty * torch.eye(x.shape[1], dtype=torch.float64), x.T @ y)
+    explained = float(1 - ((y - x @ weights) ** 2).sum() / ((y - y.mean(0)) ** 2).sum())
+    return weights.T.float(), explained
+
+
 def read_back_output(head, value: torch.Tensor, fit: list[dict]) -> torch.Tensor:
     """The output map (H, D), fitted so that the head's ``norm`` and ``lm_head`` read a token's value back as
     that token (cross-entropy over the draft tokens that occur in the fitting shards, weighted by their
@@ -211,12 +223,14 @@ def main() -> None:
     eigenvalues, directions = eigenvalues.flip(0).float(), directions.flip(1).float()
     width = 2 * args.pairs
     codes = (directions[:, :width] / eigenvalues[:width].sqrt()).T  # (2P, H) whitened
-    target_codes = emb @ codes.T
-    ridge = 1e-4 * len(hid)
-    key_map = torch.linalg.solve(hid.T @ hid + ridge * torch.eye(c.hidden_size), hid.T @ target_codes).T
-    explained = 1 - ((hid @ key_map.T - target_codes) ** 2).sum() / ((target_codes - target_codes.mean(0)) ** 2).sum()
+    with torch.no_grad():  # row i's own token, i, which the target feature at position i carries
+        own_codes = torch.cat([head.midlayer.input_layernorm(head.embed_tokens(s["tokens"][:-1]).float())
+                               for s in fit]) @ codes.T
+    key_map, explained = ridge(hid, own_codes)
     log(f"key map from the target feature: R^2 {explained:.3f} over {len(hid):,} rows")
-    del emb, hid, target_codes
+    _, before_fc = ridge(torch.cat([head.combine(s["features"][:-1].float()) for s in fit]), own_codes)
+    log(f"the same fit from the target's features before the head's fc: R^2 {before_fc:.3f}")
+    del emb, hid, own_codes
 
     # 3: query and key maps refined on the match itself
     inv_freq, _ = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
@@ -293,7 +307,8 @@ def main() -> None:
     record = {"command": "python scripts/induction_head.py " + " ".join(
                   f"--{k} {v}" for k, v in {**settings, "epochs": args.epochs}.items()) + f" --out {args.out.name}",
               "from": str(args.head.name), "features": manifest.get("per_source"), "window": window,
-              "pairs": args.pairs, "bigram": args.bigram, "key_map_r2": round(float(explained), 4), "epochs": history,
+              "pairs": args.pairs, "bigram": args.bigram, "key_map_r2": round(float(explained), 4),
+              "key_map_r2_before_fc": round(before_fc, 4), "epochs": history,
               "check_shards": args.check, "agreement_by_scale": {f"{s:g}": r for s, r in results.items()},
               "scale": best, "scale_chosen_by": "check shards" if args.scale is None else "--scale", "torch": torch.__version__}
     source_log = args.head / "training_log.json"

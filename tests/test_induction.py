@@ -202,3 +202,16 @@ def test_the_output_map_reads_each_token_back_as_itself():
         carried = head.midlayer.input_layernorm(head.embed_tokens(torch.arange(12))) @ value.T
         logits = head.lm_head((carried @ output.T) * head.norm.weight)
     assert (logits.argmax(-1) == torch.arange(12)).all()
+
+
+def test_the_ridge_key_map_recovers_a_linear_code_and_explains_noise_not_at_all():
+    """The key map's ridge: a code that is a linear function of the inputs is recovered (its map, to the
+    ridge's small bias, and R^2 near 1); a code independent of them is hardly explained (R^2 is bounded by
+    its columns over its rows)."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(4000, 12, generator=gen)
+    truth = torch.randn(3, 12, generator=gen)
+    fitted, explained = script().ridge(x, x @ truth.T)
+    assert fitted.shape == (3, 12) and explained > 0.999
+    assert torch.allclose(fitted, truth, atol=1e-3)
+    assert abs(script().ridge(x, torch.randn(4000, 3, generator=gen))[1]) < 0.01
