@@ -69,7 +69,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="rows a query sees while fitting (default: the head's max_position_embeddings, its n_ref)")
     ap.add_argument("--epochs", type=int, default=8, help="passes of the query/key refinement over the shards")
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--check", type=int, default=20, help="last shards kept out of every fit, for choosing the scale")
+    ap.add_argument("--check", type=int, default=20,
+                    help="shards kept out of every fit, for choosing the scale: the last of --features, or the first "
+                         "of --check-features")
+    ap.add_argument("--check-features", type=Path, default=None,
+                    help="a shard folder of held-out text to choose the scale on (e.g. recall:pydoc:heldout), so the "
+                         "choice is not made on text the head was trained on; every --features shard is then fitted on")
     ap.add_argument("--scales", type=positive_floats, default=[0.5, 1.0, 2.0, 4.0],
                     help="output scales tried (comma-separated); 0, the head as it was, is always measured")
     ap.add_argument("--scale", type=float, default=None,
@@ -101,9 +106,42 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--scale {args.scale}: give 0 or a positive number")
     if args.threads < 1:
         problems.append(f"--threads {args.threads}: give at least 1")
+    if not problems:  # what the folders hold, read before any model loads
+        try:
+            problems += folder_problems(args)
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+            problems.append(f"--head {args.head} / --features {args.features}: their config.json or manifest.json "
+                            f"cannot be read ({type(e).__name__}: {e}); give folders this toolkit wrote")
     if problems:
         raise SystemExit(problems[0])
     return args
+
+
+def shard_count(folder: Path) -> int:
+    return int(json.loads((folder / "manifest.json").read_text())["sequences"])
+
+
+def folder_problems(args: argparse.Namespace) -> list[str]:
+    """Options that only the head's config and the shard manifests can refute."""
+    problems = []
+    config = json.loads((args.head / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if not 1 <= args.pairs <= head_dim // 2:
+        problems.append(f"--pairs {args.pairs}: give 1 to head_dim / 2 = {head_dim // 2}")
+    count = shard_count(args.features)
+    if args.check_features is None:
+        if args.check >= count:
+            problems.append(f"--check {args.check}: the features hold {count} shards; keep some to fit on")
+    elif not (args.check_features / "manifest.json").is_file():
+        problems.append(f"--check-features {args.check_features}: no manifest.json there; give a folder of "
+                        "scripts/target_features.py")
+    elif args.check_features.resolve() == args.features.resolve():
+        problems.append(f"--check-features {args.check_features} is the --features folder; give held-out shards, "
+                        "or leave it out to keep the last --check shards of --features")
+    elif args.check > shard_count(args.check_features):
+        problems.append(f"--check {args.check}: --check-features holds {shard_count(args.check_features)} shards; "
+                        "ask for at most that many")
+    return problems
 
 
 @torch.no_grad()
@@ -202,16 +240,21 @@ def main() -> None:
         p.requires_grad_(False)
     c = head.config
     window = args.window or c.max_position_embeddings
-    if not 1 <= args.pairs <= c.head_dim // 2:
-        raise SystemExit(f"--pairs {args.pairs}: give 1 to head_dim / 2 = {c.head_dim // 2}")
     manifest = json.loads((args.features / "manifest.json").read_text())
+
+    def load(folder: Path, indices) -> list[dict]:
+        out = [torch.load(folder / f"seq-{i:05d}.pt", weights_only=True) for i in indices]
+        for shard in out:
+            shard.setdefault("copied", torch.zeros(len(shard["tokens"]), dtype=torch.bool))
+        return out
+
     count = manifest["sequences"]
-    if args.check >= count:
-        raise SystemExit(f"--check {args.check}: the features hold {count} shards; keep some to fit on")
-    shards = [torch.load(args.features / f"seq-{i:05d}.pt", weights_only=True) for i in range(count)]
-    for s in shards:
-        s.setdefault("copied", torch.zeros(len(s["tokens"]), dtype=torch.bool))
-    fit, check = shards[:-args.check], shards[-args.check:]
+    if args.check_features is None:
+        shards = load(args.features, range(count))
+        fit, check = shards[:-args.check], shards[-args.check:]
+    else:
+        fit, check = load(args.features, range(count)), load(args.check_features, range(args.check))
+        shards = fit + check
     log(f"{len(fit)} shards to fit on, {len(check)} to check; window {window}, {args.pairs} RoPE pairs")
 
     # 1-2: codes and the ridge key map
@@ -309,7 +352,8 @@ def main() -> None:
               "from": str(args.head.name), "features": manifest.get("per_source"), "window": window,
               "pairs": args.pairs, "bigram": args.bigram, "key_map_r2": round(float(explained), 4),
               "key_map_r2_before_fc": round(before_fc, 4), "epochs": history,
-              "check_shards": args.check, "agreement_by_scale": {f"{s:g}": r for s, r in results.items()},
+              "check_shards": args.check,
+              "check_features": None if args.check_features is None else args.check_features.name, "agreement_by_scale": {f"{s:g}": r for s, r in results.items()},
               "scale": best, "scale_chosen_by": "check shards" if args.scale is None else "--scale", "torch": torch.__version__}
     source_log = args.head / "training_log.json"
     if source_log.is_file():

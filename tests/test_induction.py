@@ -147,18 +147,41 @@ def script():
     (["--scales", ""], "''"),
     (["--scale", "-1"], "--scale -1"),
     (["--scale", "nan"], "--scale nan"),
+    (["--pairs", "33"], "--pairs 33: give 1 to head_dim / 2 = 32"),
+    (["--check", "5"], "--check 5: the features hold 5 shards"),
+    (["--check-features", "/nonexistent"], "--check-features /nonexistent"),
+    (["--check-features", "FEATS"], "is the --features folder"),
+    (["--check-features", "HELD", "--check", "4"], "--check 4: --check-features holds 3 shards"),
+    (["--features", "DAMAGED"], "cannot be read"),
 ])
 def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch, capsys, argv, message):
-    """parse() checks every option before main() loads a model; an argparse type error says the value."""
-    (tmp_path / "feats").mkdir()
-    (tmp_path / "feats" / "manifest.json").write_text("{}")
+    """parse() checks every option before main() loads a model (those the head's config and the shard
+    manifests refute included); an argparse type error says the value."""
+    folders = {"FEATS": ("feats", '{"sequences": 5}'), "HELD": ("held", '{"sequences": 3}'),
+               "DAMAGED": ("damaged", '["not", "a", "manifest"]')}
+    for name, text in folders.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(text)
+    argv = [str(tmp_path / folders[a][0]) if a in folders else a for a in argv]
     monkeypatch.chdir(ROOT)
     base = ["--features", str(tmp_path / "feats"), "--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as e:
         script().parse([*base, *argv])
     said = f"{e.value.code}\n{capsys.readouterr().err}"
     assert message in said, said
+    assert "Traceback" not in said
     assert not (tmp_path / "out").exists()
+
+
+def test_good_options_pass(tmp_path, monkeypatch):
+    for name, count in (("feats", 5), ("held", 3)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(f'{{"sequences": {count}}}')
+    monkeypatch.chdir(ROOT)
+    base = ["--features", str(tmp_path / "feats"), "--out", str(tmp_path / "out"), "--pairs", "32"]
+    assert script().parse([*base, "--check", "4"]).check == 4
+    args = script().parse([*base, "--check-features", str(tmp_path / "held"), "--check", "3"])
+    assert args.check_features == tmp_path / "held"
 
 
 def test_the_match_masks_by_hand():
