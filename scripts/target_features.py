@@ -59,7 +59,12 @@ def plan_sequences(tokenizer, sources: list[str], seq_len: int, tokens: int,
             break
         if source.startswith("recall:"):
             stream = (t for seq in pack(source.removeprefix("recall:"), encode, eos, 1024) for t in seq)
-            planned += [(source, r.ids, r.copied.tolist()) for r in recall_sequences(stream, seq_len, left)]
+            try:
+                made = recall_sequences(stream, seq_len, left)
+            except ValueError as e:
+                raise SystemExit(f"{source}: {e} (it was asked for {left} sequences of {seq_len}; lower --tokens "
+                                 "or --per-source)") from None
+            planned += [(source, r.ids, r.copied.tolist()) for r in made]
         else:
             planned += [(source, seq, None) for seq in pack(source, encode, eos, seq_len, left)]
     return planned
