@@ -213,7 +213,7 @@ def read_back_output(head, value: torch.Tensor, fit: list[dict]) -> torch.Tensor
         carried = head.midlayer.input_layernorm(head.embed_tokens(draft_ids[seen]).float()) @ value.T  # (seen, D)
     output = value.T.clone().requires_grad_(True)  # (H, D)
     fitter = torch.optim.Adam([output], lr=3e-2)
-    for step in range(300):
+    for _ in range(300):
         logits = head.lm_head((carried @ output.T) * head.norm.weight)
         readback = (torch.nn.functional.cross_entropy(logits, seen, reduction="none") * weights).sum()
         fitter.zero_grad()
