@@ -73,7 +73,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="shards kept out of every fit, for choosing the scale: the last of --features, or the first "
                          "of --check-features")
     ap.add_argument("--check-features", type=Path, default=None,
-                    help="a shard folder of held-out text to choose the scale on (e.g. recall:pydoc:heldout), so the "
+                    help="a shard folder of held-out text to choose the scale on (target_features.py --sources "
+                         "recall:pydoc:heldout, say), so the "
                          "choice is not made on text the head was trained on; every --features shard is then fitted on")
     ap.add_argument("--scales", type=positive_floats, default=[0.5, 1.0, 2.0, 4.0],
                     help="output scales tried (comma-separated); 0, the head as it was, is always measured")
@@ -138,9 +139,8 @@ def folder_problems(args: argparse.Namespace) -> list[str]:
     elif args.check_features.resolve() == args.features.resolve():
         problems.append(f"--check-features {args.check_features} is the --features folder; give held-out shards, "
                         "or leave it out to keep the last --check shards of --features")
-    elif args.check > shard_count(args.check_features):
-        problems.append(f"--check {args.check}: --check-features holds {shard_count(args.check_features)} shards; "
-                        "ask for at most that many")
+    elif args.check > (held := shard_count(args.check_features)):
+        problems.append(f"--check {args.check}: --check-features holds {held} shards; ask for at most that many")
     return problems
 
 
@@ -223,8 +223,24 @@ def read_back_output(head, value: torch.Tensor, fit: list[dict]) -> torch.Tensor
     return output.detach()
 
 
+def saved_progress(args: argparse.Namespace) -> tuple[Path, dict, dict | None]:
+    """The progress folder, the settings a resumed fit must share, and the progress saved there (None when
+    there is none); progress of other settings is refused in one line, before any model loads."""
+    work = args.work or ROOT / ".cache" / f"induction-{args.out.name}"
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "work", "threads", "epochs", "scales", "scale")}
+    progress_file = work / "progress.pt"
+    if not progress_file.is_file():
+        return work, settings, None
+    saved = torch.load(progress_file, weights_only=False)
+    if saved["settings"] != settings:
+        raise SystemExit(f"{work} holds progress of other settings; remove it or give another --work "
+                         "(--epochs and --scales may change: a rerun with more epochs continues)")
+    return work, settings, saved
+
+
 def main() -> None:
     args = parse()
+    work, settings, saved = saved_progress(args)
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # tiny softmax gradients would otherwise turn into subnormal numbers, which slow a CPU tenfold
     torch.manual_seed(0)
@@ -285,24 +301,19 @@ def main() -> None:
         key = torch.cat((torch.zeros_like(key), key), dim=1)
     query.requires_grad_(True), key.requires_grad_(True)
     optimiser = torch.optim.Adam([query, key], lr=args.lr)
-    work = args.work or ROOT / ".cache" / f"induction-{args.out.name}"
     work.mkdir(parents=True, exist_ok=True)
-    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "work", "threads", "epochs", "scales", "scale")}
     progress_file, done, history = work / "progress.pt", 0, []
-    if progress_file.is_file():
-        saved = torch.load(progress_file, weights_only=False)
-        if saved["settings"] != settings:
-            raise SystemExit(f"{work} holds progress of other settings; remove it or give another --work "
-                             "(--epochs and --scales may change: a rerun with more epochs continues)")
+    if saved is not None:
         query.data.copy_(saved["query"]), key.data.copy_(saved["key"])
         optimiser.load_state_dict(saved["optimiser"])
         done, history = saved["epochs"], saved["history"]
         log(f"resuming after epoch {done}")
     masks_of = [masks(s["tokens"], window, args.bigram) for s in shards]
+    rows += [halves(head, s) for s in check]  # the check shards' rows, once, for every epoch's check loss
     scaling = c.head_dim ** -0.5
 
     def loss_of(index: int) -> torch.Tensor:
-        e, h = rows[index] if index < len(rows) else halves(head, shards[index])
+        e, h = rows[index]
         positions = torch.arange(len(e))
         same, visible = masks_of[index]
         if args.bigram:

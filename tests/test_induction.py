@@ -238,3 +238,21 @@ def test_the_ridge_key_map_recovers_a_linear_code_and_explains_noise_not_at_all(
     assert fitted.shape == (3, 12) and explained > 0.999
     assert torch.allclose(fitted, truth, atol=1e-3)
     assert abs(script().ridge(x, torch.randn(4000, 3, generator=gen))[1]) < 0.01
+
+
+def test_progress_of_other_settings_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """A --work folder whose saved settings differ is refused in one line; the same settings resume."""
+    (tmp_path / "feats").mkdir()
+    (tmp_path / "feats" / "manifest.json").write_text('{"sequences": 5}')
+    monkeypatch.chdir(ROOT)
+    module = script()
+    base = ["--features", str(tmp_path / "feats"), "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+            "--check", "2"]
+    work, settings, saved = module.saved_progress(module.parse(base))
+    assert saved is None and work == tmp_path / "work"
+    work.mkdir()
+    torch.save({"settings": settings, "epochs": 3}, work / "progress.pt")
+    assert module.saved_progress(module.parse([*base, "--epochs", "9", "--scale", "2"]))[2]["epochs"] == 3
+    with pytest.raises(SystemExit) as e:
+        module.saved_progress(module.parse([*base, "--bigram"]))
+    assert "holds progress of other settings" in str(e.value.code) and "\n" not in str(e.value.code)
