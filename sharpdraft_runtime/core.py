@@ -26,6 +26,8 @@ query requires grad and grad mode is on, :meth:`QueryScaler.scale_query_` scales
 
 from __future__ import annotations
 
+import math
+
 import torch
 from sharpdraft_theory import ScaleSpec, get_law
 
@@ -129,8 +131,8 @@ class QueryScaler:
         Tensor of shape (batch, heads, q_len, head_dim)
             ``query`` itself, scaled; a new tensor only when autograd needs the original.
         """
-        if isinstance(n_visible, int) and n_visible <= self.identity_limit:
-            return query
+        if self.identity_limit == math.inf or (isinstance(n_visible, int) and n_visible <= self.identity_limit):
+            return query  # nothing to scale (a spec that only fixes distances or keys has alpha 1 everywhere)
         return self.multiply_(query, self.alpha(n_visible, layer)[..., None])
 
     @staticmethod

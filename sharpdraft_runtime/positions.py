@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sharpdraft_theory.positions import PositionFix
+from sharpdraft_theory.positions import PositionFix, pi_exponent
+
+from . import fused
 
 __all__ = ["rotate", "rotate_by", "cos_sin", "slot_positions", "remapped_logits", "decode_keys", "remapped_attention"]
 
@@ -118,7 +120,7 @@ def _added(coarse: np.ndarray, fine: np.ndarray, inv_freq: torch.Tensor, dtype: 
     cos.addcmul_(s_u, s_v, value=-1)
     sin = torch.mul(s_u, c_v)
     sin.addcmul_(c_u, s_v)
-    return cos.view(U * M, -1)[:T], sin.view(U * M, -1)[:T]  # (T, R/2) each
+    return cos.view(U * M, c.shape[-1])[:T], sin.view(U * M, c.shape[-1])[:T]  # (T, R/2) each
 
 
 def _adds_up(shift: np.ndarray, M: int) -> bool:
@@ -224,6 +226,8 @@ def decode_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor, tab
     """
     k_len = key.shape[2]
     far, _ = _far_columns(fix, k_len - 1, k_len - 1, k_len)
+    if fused.usable(key):  # one compiled pass: each far key read once and written rotated, no table
+        return fused.rotate_far_keys(key, far, _decode_law(fix, k_len - 1), inv_freq)
     dtype = torch.promote_types(key.dtype, torch.float32)
     memo = (k_len, dtype, key.device)
     table = None if tables is None else tables.get(memo)
@@ -237,23 +241,43 @@ def decode_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor, tab
     return keys
 
 
+def _decode_law(fix: PositionFix, i: int) -> tuple[float, float, int, float]:
+    """``(a, b, G, c)``: far key ``j``'s shift ``p_k - j - (p_q - i)`` for the query row at ``i`` is
+    ``a j + b (j // G) + c``, every term exact in float64 (integers; pi's ``s = 2^-e`` dyadic).
+
+    clamp (``p_q = W``, ``p_k = 0``): ``-j + (i - W)``; group (``p_q = i // G + W - W // G``,
+    ``p_k = j // G``): ``-j + j // G + (i - i // G - W + W // G)``; pi (``p_q = s i``, ``p_k = s j``):
+    ``(s - 1) j + (1 - s) i``. Tested against :class:`PositionFix`'s mapping.
+    """
+    if fix.fix == "clamp":
+        return -1.0, 0.0, 1, float(i - fix.window)
+    if fix.fix == "group":
+        G = fix.group
+        return -1.0, 1.0, G, float(i - i // G - fix.window + fix.window // G)
+    s = 2.0 ** -int(pi_exponent(np.array(i), fix.n_ref))
+    return s - 1.0, 0.0, 1, (1.0 - s) * i
+
+
+def _decode_shifts(fix: PositionFix, k_len: int, far: int) -> tuple[np.ndarray, np.ndarray]:
+    """The far keys' shifts of :func:`decode_keys` (:func:`_decode_law`) as ``coarse`` (U,) and ``fine`` (M,):
+    key ``j``'s shift is ``coarse[j // M] + fine[j % M]``, which :func:`_added` turns into a table from
+    ``U + M`` rows of trigonometry.
+
+    ``M`` is a multiple of ``G`` near ``sqrt(far)`` (:func:`cos_sin`), so ``(u M + v) // G = u M / G + v // G``
+    and the law splits exactly. A short run (``far <= 2 M``) is all coarse.
+    """
+    a, b, G, c = _decode_law(fix, k_len - 1)
+    law = lambda j: a * j + b * (j // G) + c  # noqa: E731
+    M = _period(far, G)
+    if far <= 2 * M:
+        return law(np.arange(far, dtype=np.float64)), np.zeros(1)
+    return law(np.arange(0, far, M, dtype=np.float64)), law(np.arange(M, dtype=np.float64)) - c
+
+
 def _decode_table(fix: PositionFix, k_len: int, far: int, inv_freq: torch.Tensor, dtype: torch.dtype, device
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotation table of :func:`decode_keys`: cos and sin (far, R/2) of the far keys' shifts.
-
-    For one query row a far key's position is ``0`` (clamp), ``j // G`` (group) or ``j / 2^e`` (pi, a
-    dyadic scale: exact in float64), so its shift ``p_k - j - (p_q - i)`` adds up over a period ``M``
-    (a multiple of ``G`` for group; :func:`cos_sin`) by construction: only the ``far / M + M`` shifts
-    the angle addition reads are formed, and none is checked.
-    """
-    M = _period(far, fix.group or 1)
-    if far <= 2 * M:
-        q_shift, k_shift = _shifts(fix, np.array([k_len - 1]), np.arange(far))
-        return cos_sin(k_shift - q_shift, inv_freq, dtype, device)
-    U = -(-far // M)
-    q_shift, k_shift = _shifts(fix, np.array([k_len - 1]), np.concatenate((np.arange(0, far, M), np.arange(M))))
-    shift = k_shift - q_shift
-    return _added(shift[:U], shift[U:] - shift[U], inv_freq, dtype, device, far)
+    """The rotation table of :func:`decode_keys`' torch path: cos and sin (far, R/2) of the far keys' shifts."""
+    return _added(*_decode_shifts(fix, k_len, far), inv_freq, dtype, device, far)
 
 
 def remapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,

@@ -19,7 +19,7 @@ from calibrate.drafters.target import hidden_state_features
 from calibrate.errors import UserError
 from calibrate.speculative import GREEDY
 from calibrate.evaluate import POSITION_VARIANTS, check_variants, position_fix, variant_specs
-from sharpdraft_runtime import positions
+from sharpdraft_runtime import fused, positions
 from sharpdraft_runtime.positions import cos_sin, decode_keys, remapped_attention, remapped_logits, rotate
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.positions import PositionFix, default_group, max_distance, pi_exponent
@@ -34,6 +34,9 @@ ATOL_LOGITS64 = 1e-11
 # float32 models compared with each other on the same kernel path: identical math, different row chunks
 # or cache layouts, so only summation order differs (~1e-7 on the tiny model's O(0.2) logits).
 ATOL_SAME32 = 1e-5
+# float32 keys (|x| < 6) rotated in float32 against float64: cos and sin rounded to float32 and two products
+# and a sum, a few ulps of the largest value (~2e-6 at most); 1e-5 leaves a margin, far below a moved key.
+ATOL_ROTATED32 = 1e-5
 
 FIXES = [PositionFix("clamp", window=7), PositionFix("group", window=8, group=3), PositionFix("pi", n_ref=8)]
 ROPES = [None, RopeScaling("llama3", (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
@@ -234,6 +237,35 @@ def test_cos_sin_by_angle_addition_matches_the_direct_tables(length, first, fix,
             np.testing.assert_allclose(sin.double().numpy(), np.sin(angle), rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("k_len", [10, 700, 5000])
+@pytest.mark.parametrize("fix", FIXES + [PositionFix("group", window=4, group=40)], ids=["clamp", "group", "pi", "group40"])
+def test_the_compiled_decode_pass_rotates_as_the_torch_path_and_the_float64_definition(fix, k_len, monkeypatch):
+    """float32 keys on the CPU take the compiled pass (``sharpdraft_runtime.fused``); its keys equal the torch
+    path's and each far key rotated in float64 by its own shift, within float32 rounding: batch 2, a strided
+    cache, partial rotary (4 of 20 dimensions not rotated), a few far keys and thousands (the compiled pass
+    carries each row's angle to the next, exact again every ``fused.ANCHOR`` rows; the torch path adds
+    angles over a period, a multiple of G for group)."""
+    assert fused.available()  # numba is a dependency: the compiled pass is what CPU users run
+    inv_freq = rope_inv_freq(16, 10000.0)[0]
+    key = torch.randn(2, k_len, 3, 20, generator=torch.Generator().manual_seed(3)).transpose(1, 2)  # strided
+    far, _ = positions._far_columns(fix, k_len - 1, k_len - 1, k_len)
+    q_shift, k_shift = positions._shifts(fix, np.array([k_len - 1]), np.arange(far))
+    want = key.double().numpy().copy()  # float64 definition: far key j rotated by its own shift
+    angle = (k_shift - q_shift)[:, None] * inv_freq.double().numpy()  # (far, 8)
+    x1, x2 = want[:, :, :far, :8].copy(), want[:, :, :far, 8:16].copy()
+    want[:, :, :far, :8] = x1 * np.cos(angle) - x2 * np.sin(angle)
+    want[:, :, :far, 8:16] = x2 * np.cos(angle) + x1 * np.sin(angle)
+    got = decode_keys(key, fix, inv_freq)
+    monkeypatch.setattr(fused, "_KERNEL", False)  # as without numba: the torch path
+    assert not fused.usable(key)
+    torch_path = decode_keys(key, fix, inv_freq)
+    assert got.dtype == torch_path.dtype == torch.float32 and got.shape == torch_path.shape == key.shape
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=0, atol=ATOL_ROTATED32)
+    np.testing.assert_allclose(torch_path.double().numpy(), want, rtol=0, atol=ATOL_ROTATED32)
+    assert torch.equal(got[:, :, far:], key[:, :, far:]) and torch.equal(got[..., 16:], key[..., 16:])  # copied
+    assert np.abs(want - key.double().numpy()).max() > 1e3 * ATOL_ROTATED32  # the far keys move (this can fail)
+
+
 @settings(derandomize=True, deadline=None, max_examples=20)
 @given(k_len=st.integers(2, 9000), fix=st.sampled_from(["clamp", "group", "pi"]), window=st.integers(1, 300),
        group=st.integers(2, 70), n_ref=st.integers(2, 512))
@@ -393,8 +425,9 @@ def test_the_layers_of_a_decoding_step_share_one_table_dropped_when_the_forward_
     from sharpdraft_runtime import hf, positions
 
     made = []
-    real = positions._decode_table
+    real = positions._decode_table  # the torch path's table (the compiled pass has none to share)
     monkeypatch.setattr(positions, "_decode_table", lambda *a, **k: made.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(fused, "_KERNEL", False)
     model = _tiny_llama()
     spec = variant_specs(SPEC, 8, ["clamp"], longest=40)["clamp"]
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(6))

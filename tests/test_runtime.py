@@ -153,6 +153,20 @@ def test_identity_limit_of_flat_and_capped_specs():
     assert spec_for("llama4", slope=0.5, alpha_max=0.9).identity_limit() == -1
 
 
+def test_a_spec_that_never_scales_leaves_the_query_alone_without_computing_alpha(monkeypatch):
+    """A spec whose alpha is 1 at every n (a window, sinks or a distance fix alone: law constant) returns the
+    query itself, untouched, and computes no alpha for it (a decoding step pays nothing for the scale)."""
+    scaler = sr.QueryScaler(spec_for("constant", slope=0.0))
+    monkeypatch.setattr(scaler, "alpha", lambda *a, **k: pytest.fail("alpha computed for a spec that never scales"))
+    query = torch.randn(1, 2, 3, 4)
+    before = query.clone()
+    assert scaler.scale_query_(query, torch.tensor([[5000, 6000, 7000]])) is query and torch.equal(query, before)
+    moving = sr.QueryScaler(spec_for("log-linear", n_ref=8, slope=0.5))  # this test can fail: a real scale computes
+    monkeypatch.setattr(moving, "alpha", lambda *a, **k: pytest.fail("computed"))
+    with pytest.raises(pytest.fail.Exception, match="computed"):
+        moving.scale_query_(query, torch.tensor([[5000, 6000, 7000]]))
+
+
 def test_log_linear_is_exactly_one_up_to_n_ref():
     spec = spec_for("log-linear", n_ref=512, slope=0.25)
     alpha = sr.alpha_for(spec, torch.arange(0, 513))
