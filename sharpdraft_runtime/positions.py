@@ -242,21 +242,24 @@ def decode_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor, tab
     return keys
 
 
-def _decode_law(fix: PositionFix, i: int) -> tuple[float, float, int, float]:
-    """``(a, b, G, c)``: far key ``j``'s shift ``p_k - j - (p_q - i)`` for the query row at ``i`` is
-    ``a j + b (j // G) + c``, every term exact in float64 (integers; pi's ``s = 2^-e`` dyadic).
+def _key_law(fix: PositionFix, i: int) -> tuple[float, float, int]:
+    """``(a, b, G)``: far key ``j``'s shift ``p_k - j`` for rows like ``i`` (one row group) is ``a j + b (j // G)``.
 
-    clamp (``p_q = W``, ``p_k = 0``): ``-j + (i - W)``; group (``p_q = i // G + W - W // G``,
-    ``p_k = j // G``): ``-j + j // G + (i - i // G - W + W // G)``; pi (``p_q = s i``, ``p_k = s j``):
-    ``(s - 1) j + (1 - s) i``. Tested against :class:`PositionFix`'s mapping.
+    clamp (``p_k = 0``): ``-j``; group (``p_k = j // G``): ``-j + j // G``; pi (``p_k = s j``, ``s = 2^-e``
+    for row ``i``, dyadic, so exact in float64): ``(s - 1) j``. Tested against :class:`PositionFix`'s mapping.
     """
     if fix.fix == "clamp":
-        return -1.0, 0.0, 1, float(i - fix.window)
+        return -1.0, 0.0, 1
     if fix.fix == "group":
-        G = fix.group
-        return -1.0, 1.0, G, float(i - i // G - fix.window + fix.window // G)
-    s = 2.0 ** -int(pi_exponent(np.array(i), fix.n_ref))
-    return s - 1.0, 0.0, 1, (1.0 - s) * i
+        return -1.0, 1.0, fix.group
+    return 2.0 ** -int(pi_exponent(np.array(i), fix.n_ref)) - 1.0, 0.0, 1
+
+
+def _decode_law(fix: PositionFix, i: int) -> tuple[float, float, int, float]:
+    """``(a, b, G, c)``: far key ``j``'s shift ``p_k - j - (p_q - i)`` for the query row at ``i`` is
+    ``a j + b (j // G) + c``: :func:`_key_law` less the query's own shift (``i - W`` for clamp,
+    ``i - i // G - W + W // G`` for group, ``(1 - s) i`` for pi; every term exact in float64)."""
+    return *_key_law(fix, i), float(i - fix.query_position(np.array(i)))
 
 
 def _decode_shifts(fix: PositionFix, k_len: int, far: int) -> tuple[np.ndarray, np.ndarray]:
@@ -315,9 +318,13 @@ def remapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     for g in np.unique(row_group):
         group_rows = np.flatnonzero(row_group == g)  # contiguous: the exponent grows with the position
         _, far_to = _far_columns(fix, rows_at[group_rows[0]], rows_at[group_rows[-1]], k_len)
-        _, k_shift = _shifts(fix, rows_at[group_rows], np.arange(far_to))
-        far_keys = rotate(key[:, :, :far_to], k_shift, inv_freq, period=fix.group or 1,
-                          out=torch.empty(B, kv, far_to, D, dtype=dtype, device=key.device))  # (B, kv, far, D)
+        if fused.usable(key) and dtype == key.dtype:  # one compiled pass, as for a decoding step
+            far_keys = fused.rotate_far_keys(key[:, :, :far_to], far_to,
+                                             (*_key_law(fix, rows_at[group_rows[0]]), 0.0), inv_freq)
+        else:
+            _, k_shift = _shifts(fix, rows_at[group_rows], np.arange(far_to))
+            far_keys = rotate(key[:, :, :far_to], k_shift, inv_freq, period=fix.group or 1,
+                              out=torch.empty(B, kv, far_to, D, dtype=dtype, device=key.device))  # (B, kv, far, D)
         for start in range(group_rows[0], group_rows[-1] + 1, step):
             rows = slice(start, min(start + step, group_rows[-1] + 1))
             out[:, :, rows] = _chunk(query[:, :, rows].to(dtype) * scaling, key, value, far_keys, fix, inv_freq,

@@ -37,6 +37,9 @@ ATOL_SAME32 = 1e-5
 # float32 keys (|x| < 6) rotated in float32 against float64: cos and sin rounded to float32 and two products
 # and a sum, a few ulps of the largest value (~2e-6 at most); 1e-5 leaves a margin, far below a moved key.
 ATOL_ROTATED32 = 1e-5
+# float32 attention against float64 (40 keys, O(1) logits and values): rotation, logits, softmax and the weighted
+# sum each round to float32, ~1e-6 on O(1) outputs; 1e-5 leaves a margin.
+ATOL_ATTENTION32 = 1e-5
 
 FIXES = [PositionFix("clamp", window=7), PositionFix("group", window=8, group=3), PositionFix("pi", n_ref=8)]
 ROPES = [None, RopeScaling("llama3", (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
@@ -203,6 +206,28 @@ def test_remapped_attention_is_softmax_of_the_remapped_logits(fix, monkeypatch):
     rows = slice(0, fix.identity_limit)  # rows whose keys all lie within the identity limit: the plain kernel's
     torch.testing.assert_close(got[:, :, rows], plain[:, :, rows], rtol=0, atol=1e-13)
     assert (got - plain).abs().max() > 1e-3  # this test can fail
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=[f.fix for f in FIXES])
+def test_remapped_attention_in_float32_takes_the_compiled_pass_and_keeps_the_float64_result(fix, monkeypatch):
+    """float32 on the CPU: the row groups' far keys are rotated by the compiled pass; the attention equals the
+    torch path's and the float64 computation's within float32 rounding (several chunks and, for pi, row groups)."""
+    T, D = 40, 16
+    inv_freq = rope_inv_freq(D, 10000.0)[0].double()
+    query, key = _raw(T, D=D, seed=5)
+    value = torch.randn(1, 2, T, D, dtype=torch.float64)
+    monkeypatch.setattr("sharpdraft_runtime.positions._CHUNK_ELEMENTS", 4 * T * 7)
+    want = remapped_attention(query, key, value, 0.25, fix, inv_freq)  # float64: the torch path
+    used = []
+    real = fused.rotate_far_keys
+    monkeypatch.setattr(fused, "rotate_far_keys", lambda *a, **k: used.append(a[1]) or real(*a, **k))
+    got = remapped_attention(query.float(), key.float(), value.float(), 0.25, fix, inv_freq.float())
+    assert used  # the compiled pass served (this test can fail)
+    monkeypatch.setattr(fused, "_KERNEL", False)
+    torch_path = remapped_attention(query.float(), key.float(), value.float(), 0.25, fix, inv_freq.float())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=ATOL_ATTENTION32)
+    torch.testing.assert_close(torch_path.double(), want, rtol=0, atol=ATOL_ATTENTION32)
 
 
 # cos_sin against numpy's float64 cos and sin of the product: angles up to ~1e4 rad carry ~1e-12 of rounding in
