@@ -44,12 +44,14 @@ from pathlib import Path
 
 from .errors import UserError
 
-__all__ = ["SPLITS", "RECALL", "documents", "is_recall", "no_text", "pack", "pydoc_topics", "recall_corpus",
-           "stdlib_modules"]
+__all__ = ["SPLITS", "RECALL", "RECALL_AT", "documents", "is_recall", "no_text", "pack", "pydoc_topics",
+           "recall_corpus", "recall_parts", "stdlib_modules"]
 
 SPLITS = ("train", "heldout", "all")
 HELD_OUT_EVERY = 10  # every 10th document (sorted by name) is held out
 RECALL = "recall:"  # prefix of a recall source: recall:SOURCE
+RECALL_AT = "recall@"  # prefix of a recall source with its own distances: recall@D1,D2,...:SOURCE
+MAX_RECALL_DISTANCE = 1 << 20  # no sequence this toolkit measures is longer
 STDLIB_LEFT_OUT = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 
 
@@ -124,17 +126,45 @@ def documents(source: str) -> Iterator[str]:
 
 
 def is_recall(source: str) -> bool:
-    """Whether ``source`` names recall sequences (``recall:SOURCE``)."""
-    return source.startswith(RECALL)
+    """Whether ``source`` names recall sequences (``recall:SOURCE`` or ``recall@D1,D2,...:SOURCE``)."""
+    return source.startswith(RECALL) or source.startswith(RECALL_AT)
+
+
+def recall_parts(source: str) -> tuple[str, tuple[int, ...]]:
+    """``(SOURCE, distances)`` of ``recall:SOURCE`` (the default distances, ``calibrate.recall.DISTANCES``)
+    or ``recall@D1,D2,...:SOURCE`` (those repeat distances, in that order); a ``UserError`` naming the
+    part that is wrong: no SOURCE or a recall one inside, a distance that is not a whole number of
+    tokens from 16 (the shortest passage) up, one given twice.
+
+    >>> recall_parts("recall@1024,2048:stdlib:heldout")
+    ('stdlib:heldout', (1024, 2048))
+    """
+    from .recall import DISTANCES, MIN_PASSAGE
+
+    example = "e.g. recall:stdlib:heldout or recall@1024,2048,3072:stdlib:heldout"
+    if source.startswith(RECALL_AT):
+        listed, colon, inner = source[len(RECALL_AT):].partition(":")
+        if not colon:
+            raise UserError(f"--corpus {source}: expected recall@D1,D2,...:SOURCE, {example}")
+        distances = []
+        for word in listed.split(","):
+            if not (word.isascii() and word.isdigit()) or not MIN_PASSAGE <= int(word) <= MAX_RECALL_DISTANCE:
+                raise UserError(f"--corpus {source}: repeat distance {word!r} is not a whole number of tokens from "
+                                f"{MIN_PASSAGE} to {MAX_RECALL_DISTANCE}; {example}")
+            if int(word) in distances:
+                raise UserError(f"--corpus {source}: repeat distance {word} is given twice; name each once")
+            distances.append(int(word))
+        distances = tuple(distances)
+    else:
+        inner, distances = source[len(RECALL):], DISTANCES
+    if not inner or is_recall(inner):
+        raise UserError(f"--corpus {source}: expected recall:SOURCE with SOURCE a corpus of text, {example}")
+    return inner, distances
 
 
 def _recall_inner(source: str) -> str:
-    """``SOURCE`` of ``recall:SOURCE``; a ``UserError`` when it is missing or itself a recall source."""
-    inner = source[len(RECALL):]
-    if not inner or is_recall(inner):
-        raise UserError(f"--corpus {source}: expected recall:SOURCE with SOURCE a corpus of text, e.g. "
-                        "recall:stdlib:heldout or recall:pydoc:heldout")
-    return inner
+    """``SOURCE`` of a recall source (:func:`recall_parts`)."""
+    return recall_parts(source)[0]
 
 
 def _file_documents(file: Path) -> Iterator[str]:
@@ -213,9 +243,9 @@ def recall_corpus(source: str, tokenize: Callable[[str], list[int]], eos_token_i
     """
     from .recall import recall_sequences
 
-    inner = _recall_inner(source)
+    inner, distances = recall_parts(source)
     stream = (t for tokens in _joined(inner, tokenize, eos_token_id) for t in tokens)
     try:
-        return recall_sequences(stream, max_length, limit)
+        return recall_sequences(stream, max_length, limit, distances)
     except ValueError as err:
         raise UserError(f"--corpus {source}: {err}") from None

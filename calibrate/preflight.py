@@ -84,15 +84,24 @@ def check_corpus(source: str, max_length: int | None = None) -> None:
     """The corpus exists and its first document reads (``calibrate.corpus`` raises the ``UserError``);
     a corpus with no text at all (an empty file, blank lines, a folder of such) is refused here too,
     and a recall corpus whose sequences of ``max_length`` (when given) fit no repeat distance."""
-    from .corpus import documents, is_recall, no_text
-    from .recall import DISTANCES, passage_length, usable_distances
+    from .corpus import RECALL_AT, documents, is_recall, no_text, recall_parts
+    from .recall import passage_length, usable_distances
 
     if next(iter(documents(source)), None) is None:
         raise no_text(source)
-    if is_recall(source) and max_length is not None and not usable_distances(max_length):
+    if not is_recall(source) or max_length is None:
+        return
+    _, distances = recall_parts(source)
+    usable = usable_distances(max_length, distances)
+    block = lambda d: d + passage_length(d)  # noqa: E731  (one passage, the filler, the passage again)
+    if not usable:
         raise UserError(f"--corpus {source}: sequences of {max_length} tokens fit no repeat distance of "
-                        f"{', '.join(map(str, DISTANCES))} (a block is the distance plus its passage, at least "
-                        f"{DISTANCES[0] + passage_length(DISTANCES[0])} tokens); use longer sequences")
+                        f"{', '.join(map(str, distances))} (a block is the distance plus its passage, at least "
+                        f"{min(map(block, distances))} tokens); use longer sequences")
+    if source.startswith(RECALL_AT) and len(usable) < len(distances):  # asked for by name: each must fit
+        d = next(d for d in distances if d not in usable)
+        raise UserError(f"--corpus {source}: repeat distance {d} does not fit sequences of {max_length} tokens "
+                        f"(a block is {block(d)} tokens); use longer sequences or a shorter distance")
 
 
 def load_spec(path: str | os.PathLike) -> ScaleSpec:

@@ -307,6 +307,16 @@ EVAL_CASES = [
         "--lengths 32,64,128", "--lengths 32,64"), "fit no repeat distance"),
     Case("eval-recall-empty-file", EVAL.replace("{fx}/corpus.txt", "recall:{w}/c.txt"), "holds no text",
          (("c.txt", ""),)),
+    Case("eval-recall-at-no-source", EVAL.replace("{fx}/corpus.txt", "recall@48"), "recall@48"),
+    Case("eval-recall-at-empty-list", EVAL.replace("{fx}/corpus.txt", "recall@:{fx}/corpus.txt"), "distance ''"),
+    Case("eval-recall-at-text", EVAL.replace("{fx}/corpus.txt", "recall@far:{fx}/corpus.txt"), "distance 'far'"),
+    Case("eval-recall-at-underscore", EVAL.replace("{fx}/corpus.txt", "recall@1_0:{fx}/corpus.txt"), "'1_0'"),
+    Case("eval-recall-at-negative", EVAL.replace("{fx}/corpus.txt", "recall@-64:{fx}/corpus.txt"), "'-64'"),
+    Case("eval-recall-at-too-near", EVAL.replace("{fx}/corpus.txt", "recall@8:{fx}/corpus.txt"), "distance '8'"),
+    Case("eval-recall-at-twice", EVAL.replace("{fx}/corpus.txt", "recall@48,48:{fx}/corpus.txt"), "given twice"),
+    Case("eval-recall-at-too-far", EVAL.replace("{fx}/corpus.txt", "recall@48,4096:{fx}/corpus.txt"),
+         "repeat distance 4096 does not fit sequences of 128"),
+    Case("eval-recall-at-nested", EVAL.replace("{fx}/corpus.txt", "recall@48:recall:pydoc"), "recall@48:recall:pydoc"),
 ]
 
 # scripts/train_pard.py folders (layers and norm only; the embedding from the base model their config names)

@@ -4,6 +4,7 @@ accuracy and prompt lookup, held to the adapter's own outputs and to float64 sum
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -49,6 +50,28 @@ def test_recall_refusals(source, match):
 def test_recall_refuses_too_short_sequences(corpus):
     with pytest.raises(UserError, match="fits sequences of 64"):
         _recall(corpus, 64)
+
+
+def test_recall_at_named_distances_takes_them_in_turn_from_the_same_text(corpus):
+    """``recall@D1,D2:SOURCE`` builds sequences at those distances only, in the order given, from the same
+    stream as ``recall:SOURCE`` (so a run can ask for the far repeats without skipping the near ones)."""
+    made = recall_corpus(f"recall@64,40:{corpus}", TOK.encode, TOK.eos_token_id, 128, 3)
+    assert [m.distance for m in made] == [64, 40, 64]  # this test can fail: the defaults start at 48
+    for m in made:
+        t = np.flatnonzero(m.copied)
+        assert len(t) and all(m.ids[i] == m.ids[i - m.distance] for i in t)
+    default = _recall(corpus, 128, 1)[0]
+    assert made[0].ids[:10] == default.ids[:10]  # the same text, laid out at another distance
+
+
+@pytest.mark.parametrize("source, match", [
+    ("recall@:x", "repeat distance ''"), ("recall@12:x", "repeat distance '12'"), ("recall@1_0:x", "'1_0'"),
+    ("recall@-48:x", "'-48'"), ("recall@48.5:x", "'48.5'"), ("recall@2000000:x", "'2000000'"),
+    ("recall@48,48:x", "given twice"), ("recall@48", "recall@D1,D2"), ("recall@48:", "recall:SOURCE"),
+    ("recall@48:recall:pydoc", "recall:SOURCE")])
+def test_recall_at_refusals(source, match):
+    with pytest.raises(UserError, match=re.escape(match)):
+        recall_corpus(source, TOK.encode, 0, 128)
 
 
 def test_tally_on_a_recall_sequence_by_hand(eagle3, corpus):
