@@ -35,9 +35,11 @@ def _compile():
         return False
 
     @numba.njit(cache=True, nogil=True)
-    def rotate(key, out, far, a, b, G, c, freq):
-        """``out``: ``key``'s rows ``j < far`` rotated by the angles ``(a j + b (j // G) + c) freq``, the rest copied."""
+    def rotate(key, out, far, a, b, G, c, inv_freq):
+        """``out``: ``key``'s rows ``j < far`` rotated by the angles ``(a j + b (j // G) + c) inv_freq``, the rest
+        copied; the angles in float64 whatever ``inv_freq``'s precision (float32 values are exact in float64)."""
         B, H, T, D = key.shape
+        freq = inv_freq.astype(np.float64)
         half = freq.shape[0]
         cos, sin = np.empty(half), np.empty(half)  # the running angle of row j, float64
         step_cos, step_sin = np.cos(a * freq), np.sin(a * freq)  # row j - 1 to j
@@ -91,6 +93,5 @@ def rotate_far_keys(key: torch.Tensor, far: int, law: tuple[float, float, int, f
     the rest copied."""
     out = torch.empty(key.shape, dtype=key.dtype)
     a, b, G, c = law
-    freq = inv_freq.detach().to(device="cpu", dtype=torch.float64).numpy()
-    _KERNEL(key.numpy(), out.numpy(), far, float(a), float(b), int(G), float(c), freq)
+    _KERNEL(key.numpy(), out.numpy(), far, float(a), float(b), int(G), float(c), inv_freq.detach().cpu().numpy())
     return out

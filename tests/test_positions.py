@@ -57,6 +57,15 @@ def test_pi_exponent_is_the_least_power_of_two_that_fits():
     assert torch.equal(pi_exponent(torch.arange(5000), 256, torch), torch.as_tensor(k))  # one definition, two namespaces
 
 
+@pytest.mark.parametrize("n_ref", [2, 8, 255, 256, 300])
+def test_one_rows_pi_scale_is_the_exponents(n_ref):
+    """The runtime's one-row ``s = 2^-e`` (plain integers, no numpy) equals ``pi_exponent``'s over every row."""
+    i = np.arange(0, 20000)
+    want = 2.0 ** -pi_exponent(i, n_ref)
+    fix = PositionFix("pi", n_ref=n_ref)
+    assert [positions._pi_scale(fix, int(r)) for r in i] == want.tolist()
+
+
 @pytest.mark.parametrize("n_ref,longest", [(256, 8192), (256, 2048), (64, 1000), (16, 8192)])
 def test_default_group_keeps_every_distance_in_the_trained_range(n_ref, longest):
     window = n_ref // 2
