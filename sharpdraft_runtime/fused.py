@@ -73,7 +73,8 @@ def _compile():
 
 
 def available() -> bool:
-    """Whether the compiled kernel can be used here (numba importable); compiles it on first call."""
+    """Whether the compiled kernel can be used here (numba importable). numba compiles it at its first call (about
+    a second) and keeps it on disk, so later processes load it."""
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _compile()
