@@ -131,28 +131,13 @@ class QueryScaler:
         Tensor of shape (batch, heads, q_len, head_dim)
             ``query`` itself, scaled; a new tensor only when autograd needs the original.
         """
-        if self.identity_limit == math.inf:
+        if self.identity_limit == math.inf or (isinstance(n_visible, int) and n_visible <= self.identity_limit):
             return query  # nothing to scale (a spec that only fixes distances or keys has alpha 1 everywhere)
-        if isinstance(n_visible, torch.Tensor) and n_visible.numel() == 1 and n_visible.device.type == "cpu":
-            n_visible = int(n_visible)  # one row (a decoding step): decided on the host
-        if isinstance(n_visible, int):
-            if n_visible <= self.identity_limit:
-                return query
-            if self.spec.granularity != "head":  # one factor: alpha on the host, as the transformers binding does
-                return self.multiply_(query, float(self.spec.alpha(n_visible, layer=self._layer_of(layer))))
         return self.multiply_(query, self.alpha(n_visible, layer)[..., None])
 
-    def _layer_of(self, layer: int | None) -> int | None:
-        """``layer`` for a per-layer spec (checked as :meth:`param` checks it), None for a global one."""
-        if self.spec.granularity == "global":
-            return None
-        self.param(layer)  # the same ValueError for a missing or out-of-range layer
-        return layer
-
     @staticmethod
-    def multiply_(query: torch.Tensor, alpha: torch.Tensor | float) -> torch.Tensor:
-        """``query`` (B, H, q_len, D) times ``alpha`` (B|1, H|1, q_len, 1, or one number): in place, unless
-        autograd needs ``query``."""
+    def multiply_(query: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """``query`` (B, H, q_len, D) times ``alpha`` (B|1, H|1, q_len, 1): in place, unless autograd needs ``query``."""
         if query.requires_grad and torch.is_grad_enabled():
             return query * alpha
         return query.mul_(alpha)

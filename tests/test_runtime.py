@@ -167,30 +167,6 @@ def test_a_spec_that_never_scales_leaves_the_query_alone_without_computing_alpha
         moving.scale_query_(query, torch.tensor([[5000, 6000, 7000]]))
 
 
-@pytest.mark.parametrize("law, granularity", [(law, g) for law in ("log-linear", "tabulated")
-                                              for g in ("global", "layer", "head")] + [("qwen-logn", "global")])
-def test_one_row_on_the_host_scales_as_the_tensor_path(law, granularity, monkeypatch):
-    """A decoding step's one visible-key count (a (1, 1) CPU tensor) takes alpha on the host (float64, as the
-    transformers binding does) for global and per-layer specs; the query equals the tensor path's within one
-    float32 rounding of alpha, and a per-head spec still takes the tensor path (this test can fail)."""
-    spec = spec_for(law, granularity)
-    scaler = sr.QueryScaler(spec)
-    query = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(2))
-    for n in (5, 8, 9, 300):
-        layer = None if granularity == "global" else 1
-        want = query * scaler.alpha(torch.tensor([[n]]), layer)[..., None]  # the tensor path, by hand
-        got = scaler.scale_query_(query.clone(), torch.tensor([[n]]), layer)
-        torch.testing.assert_close(got, want, rtol=2 * 2.0 ** -24, atol=0)
-    hosted = []
-    real = spec.alpha
-    monkeypatch.setattr(type(spec), "alpha", lambda self, *a, **k: hosted.append(a) or real(*a, **k))
-    scaler.scale_query_(query.clone(), torch.tensor([[300]]), None if granularity == "global" else 1)
-    assert bool(hosted) == (granularity != "head")
-    if granularity == "layer":
-        with pytest.raises(ValueError, match="out of range"):
-            scaler.scale_query_(query.clone(), torch.tensor([[300]]), 7)
-
-
 def test_log_linear_is_exactly_one_up_to_n_ref():
     spec = spec_for("log-linear", n_ref=512, slope=0.25)
     alpha = sr.alpha_for(spec, torch.arange(0, 513))
