@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sharpdraft_theory.positions import PositionFix
+from sharpdraft_theory.positions import PositionFix, pi_exponent
 
 from . import fused
 
@@ -252,27 +252,14 @@ def _key_law(fix: PositionFix, i: int) -> tuple[float, float, int]:
         return -1.0, 0.0, 1
     if fix.fix == "group":
         return -1.0, 1.0, fix.group
-    return _pi_scale(fix, i) - 1.0, 0.0, 1
-
-
-def _pi_scale(fix: PositionFix, i: int) -> float:
-    """pi's ``s = 2^-e`` for the row at ``i``: ``e`` is the bit length of ``i // n_ref``
-    (:func:`sharpdraft_theory.positions.pi_exponent`, here for one row without numpy)."""
-    return 2.0 ** -(int(i) // fix.n_ref).bit_length()
+    return 2.0 ** -pi_exponent(int(i), fix.n_ref) - 1.0, 0.0, 1
 
 
 def _decode_law(fix: PositionFix, i: int) -> tuple[float, float, int, float]:
     """``(a, b, G, c)``: far key ``j``'s shift ``p_k - j - (p_q - i)`` for the query row at ``i`` is
-    ``a j + b (j // G) + c``: :func:`_key_law` less the query's own shift ``p_q - i`` (clamp: ``p_q = W``;
-    group: ``p_q = i // G + W - W // G``; pi: ``p_q = s i``), every term exact in float64."""
-    a, b, G = _key_law(fix, i)
-    if fix.fix == "clamp":
-        p_q = fix.window
-    elif fix.fix == "group":
-        p_q = i // G + fix.window - fix.window // G
-    else:
-        p_q = (a + 1.0) * i
-    return a, b, G, float(i - p_q)
+    ``a j + b (j // G) + c``: :func:`_key_law` less the query's own shift ``p_q - i``, every term exact in
+    float64."""
+    return *_key_law(fix, i), float(i - fix.query_position(int(i)))
 
 
 def _decode_shifts(fix: PositionFix, k_len: int, far: int) -> tuple[np.ndarray, np.ndarray]:

@@ -53,7 +53,11 @@ def pi_exponent(i, n_ref: int, xp=np):
     --------
     >>> pi_exponent(np.array([0, 255, 256, 511, 512, 1023, 1024]), 256).tolist()
     [0, 0, 1, 1, 2, 2, 3]
+    >>> pi_exponent(1024, 256)  # one row, a plain integer: its bit length directly
+    3
     """
+    if isinstance(i, (int, np.integer)):
+        return (int(i) // n_ref).bit_length()
     q = i // n_ref
     k = xp.zeros_like(q)
     for bit in range(63):  # bit length of q (q < 2^63), without a float log

@@ -58,12 +58,12 @@ def test_pi_exponent_is_the_least_power_of_two_that_fits():
 
 
 @pytest.mark.parametrize("n_ref", [2, 8, 255, 256, 300])
-def test_one_rows_pi_scale_is_the_exponents(n_ref):
-    """The runtime's one-row ``s = 2^-e`` (plain integers, no numpy) equals ``pi_exponent``'s over every row."""
+def test_one_rows_pi_exponent_is_the_arrays(n_ref):
+    """``pi_exponent`` of one row given as a plain integer (the runtime's decoding step) equals the array form's."""
     i = np.arange(0, 20000)
-    want = 2.0 ** -pi_exponent(i, n_ref)
-    fix = PositionFix("pi", n_ref=n_ref)
-    assert [positions._pi_scale(fix, int(r)) for r in i] == want.tolist()
+    want = pi_exponent(i, n_ref)
+    assert [pi_exponent(int(r), n_ref) for r in i] == want.tolist()
+    assert pi_exponent(np.int64(5000), n_ref) == want[5000]
 
 
 @pytest.mark.parametrize("n_ref,longest", [(256, 8192), (256, 2048), (64, 1000), (16, 8192)])
