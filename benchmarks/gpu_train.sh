@@ -8,7 +8,11 @@
 # JOBS (default "copy dflash pard") picks among:
 #   copy    the three EAGLE-3 heads retrained on the recall mix (scripts/train_copy_heads.sh, PARALLEL=1);
 #   dflash  a DFlash head on the same features (scripts/train_dflash.py, blocks of 16);
-#   pard    a PARD drafter (scripts/train_pard.py, SmolLM2's layers 0-2 and 29, 16 sequences a step).
+#   pard    a PARD drafter (scripts/train_pard.py, SmolLM2's layers 0-2 and 29, 16 sequences a step);
+#   circuit (opt-in: JOBS=circuit) the demo head grown with the two-token copy circuit
+#           (scripts/induction_head.py --bigram, docs/training.md "A copy circuit, built rather than
+#           learned"), then trained end to end on the recall features (train_demo_eagle3.py --init),
+#           so that fc learns to keep the token identity the circuit's key map reads.
 # SmolLM2 comes from .gpu/ (scripts/gpu_stage.py unpack; docs/training.md "On a GPU machine" gives the
 # transfers that bring it). A drafter stopped at TRAIN_S (default 240 s) keeps its last save. Under $OUT
 # (else ./gpu_out): job.log, results.tar.gz (configs, training logs, each check's JSON), the EAGLE-3
@@ -72,6 +76,20 @@ if wants copy || wants dflash; then
         pids+=($!)
     fi
 fi
+if wants circuit; then
+    CIRCUIT_FEATURES=.cache/smollm2-features-recall-1024
+    stamp "circuit: recall features, then the circuit (CPU threads)"
+    "$PY" scripts/target_features.py --sources recall:pydoc:train,recall:stdlib --per-source 100,220 \
+        --seq-len 1024 --tokens 327680 --out "$CIRCUIT_FEATURES" --device cuda --threads 8 || exit 1
+    "$PY" scripts/induction_head.py --features "$CIRCUIT_FEATURES" --out .cache/heads/eagle3-smollm2-ind-bi \
+        --epochs 12 --scale 0.5 --bigram --threads 8 > .cache/train-induction.log 2>&1 || exit 1
+    stamp "circuit: end-to-end training"
+    "$PY" scripts/train_demo_eagle3.py --features "$CIRCUIT_FEATURES" --span 256 --rows 4096 --copy-share 0.8 \
+        --lr 3e-4 --steps 2000 --precision bf16 --device cuda --save-every 50 --write-every-save \
+        --init .cache/heads/eagle3-smollm2-ind-bi --out .cache/heads/eagle3-smollm2-ind-bi-gpu \
+        > .cache/train-eagle3-smollm2-ind-bi-gpu.log 2>&1 &
+    pids+=($!)
+fi
 deadline=$((SECONDS + TRAIN_S))
 running() { for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1; }
 while running && (( SECONDS < deadline )); do sleep 2; done
@@ -108,6 +126,12 @@ if wants dflash; then
     cp .cache/heads/dflash-smollm2/model.safetensors "$OUT/dflash-smollm2.safetensors" 2>/dev/null
 fi
 wants pard && { check pard-smollm2 .cache/heads/pard-smollm2 --drafter pard --num-draft 4 --threads 2 & checks+=($!); }
+if wants circuit; then
+    for head in eagle3-smollm2-ind-bi eagle3-smollm2-ind-bi-gpu; do
+        check "$head" ".cache/heads/$head" --drafter eagle3 --threads 2 & checks+=($!)
+        cp ".cache/heads/$head/model.safetensors" "$OUT/$head.safetensors" 2>/dev/null
+    done
+fi
 for pid in "${checks[@]}"; do wait "$pid"; done
 stamp "done"
 tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
