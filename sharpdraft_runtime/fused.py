@@ -12,7 +12,8 @@ Key ``j``'s shift is ``a j + b (j // G) + c`` (:func:`positions._decode_law`: cl
 have that form for one query row), so a step from row to row is one of two fixed rotations.
 
 Used for float32 tensors on the CPU that need no gradient; anything else (CUDA, half precision,
-autograd), or a Python without numba, takes the torch path, which computes the same rotation
+autograd), a Python without numba, or numba told to compile nothing (``NUMBA_DISABLE_JIT=1``), takes
+the torch path, which computes the same rotation
 (tested against each other and against float64). Nothing outlives a call: no table, no buffer.
 """
 
@@ -32,6 +33,8 @@ def _compile():
     try:
         import numba
     except ImportError:  # the torch path serves
+        return False
+    if numba.config.DISABLE_JIT:  # NUMBA_DISABLE_JIT=1 would run the loop in Python, far slower than torch's path
         return False
 
     @numba.njit(cache=True, nogil=True)

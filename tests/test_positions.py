@@ -300,6 +300,20 @@ def test_the_compiled_decode_pass_rotates_as_the_torch_path_and_the_float64_defi
     assert np.abs(want - key.double().numpy()).max() > 1e3 * ATOL_ROTATED32  # the far keys move (this can fail)
 
 
+def test_the_compiled_pass_steps_aside_when_numba_compiles_nothing(monkeypatch):
+    """Under ``NUMBA_DISABLE_JIT=1`` numba would run the kernel as plain Python (seconds a step): the torch path
+    serves instead, and gives the same keys."""
+    import numba
+
+    key = torch.randn(1, 2, 300, 16, generator=torch.Generator().manual_seed(1))
+    fix, inv_freq = PositionFix("clamp", window=7), rope_inv_freq(16, 10000.0)[0]
+    compiled = decode_keys(key, fix, inv_freq)
+    monkeypatch.setattr(numba.config, "DISABLE_JIT", True)
+    monkeypatch.setattr(fused, "_KERNEL", None)  # decided again, as in a fresh process
+    assert not fused.available() and not fused.usable(key)
+    torch.testing.assert_close(decode_keys(key, fix, inv_freq), compiled, rtol=0, atol=ATOL_ROTATED32)
+
+
 @settings(derandomize=True, deadline=None, max_examples=20)
 @given(k_len=st.integers(2, 9000), fix=st.sampled_from(["clamp", "group", "pi"]), window=st.integers(1, 300),
        group=st.integers(2, 70), n_ref=st.integers(2, 512))
