@@ -13,8 +13,8 @@ have that form for one query row), so a step from row to row is one of two fixed
 
 Used for float32 tensors on the CPU that need no gradient; anything else (CUDA, half precision,
 autograd), a Python without numba, or numba told to compile nothing (``NUMBA_DISABLE_JIT=1``), takes
-the torch path, which computes the same rotation
-(tested against each other and against float64). Nothing outlives a call: no table, no buffer.
+the torch path, which computes the same rotation (tested against each other and against float64).
+Nothing outlives a call: no table, no buffer.
 """
 
 from __future__ import annotations
