@@ -96,7 +96,7 @@ def _source_text(file: Path) -> str:
 def documents(source: str) -> Iterator[str]:
     """The documents of a corpus source (see the module docstring), in their fixed order."""
     if is_recall(source):
-        yield from documents(_recall_inner(source))
+        yield from documents(recall_parts(source)[0])
         return
     if source == "pydoc" or source.startswith("pydoc:"):
         split = source.partition(":")[2] or "train"
@@ -160,11 +160,6 @@ def recall_parts(source: str) -> tuple[str, tuple[int, ...]]:
     if not inner or is_recall(inner):
         raise UserError(f"--corpus {source}: expected recall:SOURCE with SOURCE a corpus of text, {example}")
     return inner, distances
-
-
-def _recall_inner(source: str) -> str:
-    """``SOURCE`` of a recall source (:func:`recall_parts`)."""
-    return recall_parts(source)[0]
 
 
 def _file_documents(file: Path) -> Iterator[str]:

@@ -74,8 +74,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          "of --check-features")
     ap.add_argument("--check-features", type=Path, default=None,
                     help="a shard folder of held-out text to choose the scale on (target_features.py --sources "
-                         "recall:pydoc:heldout, say), so the "
-                         "choice is not made on text the head was trained on; every --features shard is then fitted on")
+                         "recall:pydoc:heldout, say), so the choice is not made on text the head was trained on; "
+                         "every --features shard is then fitted on")
     ap.add_argument("--scales", type=positive_floats, default=[0.5, 1.0, 2.0, 4.0],
                     help="output scales tried (comma-separated); 0, the head as it was, is always measured")
     ap.add_argument("--scale", type=float, default=None,
@@ -364,7 +364,8 @@ def main() -> None:
               "pairs": args.pairs, "bigram": args.bigram, "key_map_r2": round(float(explained), 4),
               "key_map_r2_before_fc": round(before_fc, 4), "epochs": history,
               "check_shards": args.check,
-              "check_features": None if args.check_features is None else args.check_features.name, "agreement_by_scale": {f"{s:g}": r for s, r in results.items()},
+              "check_features": None if args.check_features is None else args.check_features.name,
+              "agreement_by_scale": {f"{s:g}": r for s, r in results.items()},
               "scale": best, "scale_chosen_by": "check shards" if args.scale is None else "--scale", "torch": torch.__version__}
     source_log = args.head / "training_log.json"
     if source_log.is_file():

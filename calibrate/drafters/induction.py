@@ -71,8 +71,8 @@ def with_copy_group(head: Eagle3Head, query: torch.Tensor, key: torch.Tensor, va
     ``query`` (2P, H) reads the embedding half into the group's low-frequency slots, ``key`` (2P, H)
     the hidden half into the same slots (either may be (2P, 2H) instead, reading the whole input
     ``[embedding half, hidden half]``: a match on the token before as well), ``value`` (head_dim, H)
-    the embedding half, ``output`` (H, head_dim) writes the first query head's result into the residual. The group's other query
-    heads start at zero (no output). The target's shared embedding stays shared.
+    the embedding half, ``output`` (H, head_dim) writes the first query head's result into the residual.
+    The group's other query heads start at zero (no output). The target's shared embedding stays shared.
     """
     c = head.config
     if c.qk_norm or c.rotary_dim != c.head_dim:
