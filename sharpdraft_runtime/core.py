@@ -15,7 +15,9 @@ and in :func:`sharpdraft_theory.alpha_law` with ``numpy`` (the float64 reference
 Cost. Scaling is done in place (``query.mul_(alpha)``), so no query-sized tensor is allocated, and
 it is skipped outright when every ``alpha`` is exactly 1, which :attr:`QueryScaler.identity_limit`
 (the law's identity limit, :meth:`sharpdraft_theory.laws.Law.identity_limit`) decides on the host
-from the key length alone (``n <= key length``). A tabulated law's knots live on the device
+from the key length alone (``n <= key length``). A decoding step of one sequence (one count, given
+as an int or a one-element CPU tensor) takes its factor from :meth:`QueryScaler.host_alpha`, a few
+Python operations in float64, and multiplies by that number: no kernel for alpha. A tabulated law's knots live on the device
 (``laws.KnotTable``, compiled once per layer) and one ``torch.searchsorted`` finds each row's
 segment: a few more elementwise kernels than log-linear on the ``q_len``-sized ``n``, nothing
 query-sized.
@@ -30,6 +32,7 @@ import math
 
 import torch
 from sharpdraft_theory import ScaleSpec, get_law
+from sharpdraft_theory.laws import ScalarNamespace
 
 from .visible import causal_n_visible, mask_n_visible, visible_keys, window_overlay
 
@@ -74,6 +77,9 @@ class QueryScaler:
             layers = [v[:, None] for v in layers]
         knots = None if spec.table is None else spec.table.n
         self._params = [self.law.compile(v, n_ref=spec.n_ref, knots=knots, asarray=self._tensor) for v in layers]
+        # The same parameters as Python numbers, for one count on the host (a decoding step); not per head.
+        self._host_params = None if spec.granularity == "head" else [
+            self.law.compile(v, n_ref=spec.n_ref, knots=knots, asarray=ScalarNamespace.asarray) for v in layers]
 
     def _tensor(self, array):
         """A numpy array on the device: floats in ``self.dtype``, integers as they are."""
@@ -114,6 +120,23 @@ class QueryScaler:
         n = n.reshape(1, 1, -1) if n.ndim < 2 else n[:, None, :] if n.ndim == 2 else n  # (B|1, H|1, q_len)
         return self.law.alpha(torch, n, n_ref=self.spec.n_ref, param=param, alpha_max=self.spec.alpha_max)
 
+    def host_alpha(self, n: int, layer: int | None = None) -> float:
+        """``alpha(n)`` for one count, in float64 on the host (a few Python operations, no kernel).
+
+        Not for a per-head spec (a ``ValueError``: its factors differ by head, use :meth:`alpha`).
+
+        >>> QueryScaler(ScaleSpec(law="log-linear", n_ref=512, slope=0.25, top_k=4)).host_alpha(1024)
+        1.1732867951399863
+        """
+        if self._host_params is None:
+            raise ValueError("this spec has per-head parameters: its alpha is a tensor (QueryScaler.alpha)")
+        param = self._host_params[0]
+        if self._per_layer:
+            self.param(layer)  # names a missing or out-of-range layer
+            param = self._host_params[layer]
+        return self.law.alpha(ScalarNamespace, float(n), n_ref=self.spec.n_ref, param=param,
+                              alpha_max=self.spec.alpha_max)
+
     def scale_query_(self, query: torch.Tensor, n_visible: torch.Tensor | int, layer: int | None = None) -> torch.Tensor:
         """Multiply ``query`` by ``alpha(n_visible)`` in place (out of place when autograd needs it).
 
@@ -131,13 +154,21 @@ class QueryScaler:
         Tensor of shape (batch, heads, q_len, head_dim)
             ``query`` itself, scaled; a new tensor only when autograd needs the original.
         """
-        if self.identity_limit == math.inf or (isinstance(n_visible, int) and n_visible <= self.identity_limit):
+        if self.identity_limit == math.inf:
             return query  # nothing to scale (a spec that only fixes distances or keys has alpha 1 everywhere)
+        if isinstance(n_visible, torch.Tensor) and n_visible.numel() == 1 and n_visible.device.type == "cpu":
+            n_visible = int(n_visible)  # one row of one sequence (a decoding step): its count read for free
+        if isinstance(n_visible, int):
+            if n_visible <= self.identity_limit:
+                return query
+            if self._host_params is not None:  # one factor for the whole query, computed on the host
+                return self.multiply_(query, self.host_alpha(n_visible, layer))
         return self.multiply_(query, self.alpha(n_visible, layer)[..., None])
 
     @staticmethod
-    def multiply_(query: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-        """``query`` (B, H, q_len, D) times ``alpha`` (B|1, H|1, q_len, 1): in place, unless autograd needs ``query``."""
+    def multiply_(query: torch.Tensor, alpha: torch.Tensor | float) -> torch.Tensor:
+        """``query`` (B, H, q_len, D) times ``alpha`` (B|1, H|1, q_len, 1, or one float): in place, unless autograd
+        needs ``query``."""
         if query.requires_grad and torch.is_grad_enabled():
             return query * alpha
         return query.mul_(alpha)

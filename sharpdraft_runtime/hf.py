@@ -49,7 +49,7 @@ from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .core import QueryScaler
-from .positions import decode_keys, remapped_attention, slot_positions
+from .positions import at_slots, decode_keys, remapped_attention
 from .visible import IMPLEMENTATIONS, first_key, visible_keys, window_overlay
 
 __all__ = ["NAME", "WRAPPABLE", "REMAPPABLE_ROPE", "enable", "disable", "is_enabled", "sharpdraft_attention",
@@ -220,8 +220,7 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                          "without a mask")
     position_ids = kwargs.get("position_ids")
     if position_ids is not None and (shared is None or shared.get("position_ids") is not position_ids):
-        q_pos, _ = slot_positions(q_len, k_len, position_ids.device)
-        if not torch.equal(position_ids, q_pos.expand(position_ids.shape[0], q_len)):
+        if not at_slots(position_ids, k_len):
             raise ValueError(f"the spec's positions ({fix.fix}) need each key at its cache slot (unpadded sequences); "
                              "this call's position_ids differ")
         if shared is not None:

@@ -42,7 +42,7 @@ from sharpdraft_theory.positions import PositionFix, pi_exponent
 
 from . import fused
 
-__all__ = ["rotate", "rotate_by", "cos_sin", "slot_positions", "remapped_logits", "decode_keys", "remapped_attention"]
+__all__ = ["rotate", "rotate_by", "cos_sin", "slot_positions", "at_slots", "remapped_logits", "decode_keys", "remapped_attention"]
 
 _CHUNK_ELEMENTS = 1 << 24  # logits held at once per chunk of query rows (64 MiB in float32)
 
@@ -138,6 +138,16 @@ def _adds_up(shift: np.ndarray, M: int) -> bool:
 def slot_positions(q_len: int, k_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of a causal call whose keys sit at their cache slots: queries ``k_len - q_len ..``, keys ``0 ..``."""
     return torch.arange(k_len - q_len, k_len, device=device), torch.arange(k_len, device=device)
+
+
+def at_slots(position_ids: torch.Tensor, k_len: int) -> bool:
+    """Whether ``position_ids`` (batch or 1, q_len) put every query row at its cache slot, ``k_len - q_len ..``
+    (what :func:`slot_positions` says). One row of one sequence on the CPU (a decoding step) is read as a number."""
+    if position_ids.numel() == 1 and position_ids.device.type == "cpu":
+        return int(position_ids) == k_len - 1
+    q_len = position_ids.shape[-1]
+    q_pos = torch.arange(k_len - q_len, k_len, device=position_ids.device)
+    return torch.equal(position_ids, q_pos.expand_as(position_ids))
 
 
 def _shifts(fix: PositionFix, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

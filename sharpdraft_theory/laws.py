@@ -30,9 +30,9 @@ measured or modelled it; the runtime does not extrapolate). Between two positive
 stays positive, so the table's values being ``> 0`` keeps alpha ``> 0``.
 
 Each :class:`Law` in :data:`REGISTRY` holds its formula written against an array namespace ``xp``
-(``numpy`` here, ``torch`` in :mod:`sharpdraft_runtime`) with operations both spell alike
-(``xp.log``, ``xp.floor``, ``xp.clip``, ``xp.zeros_like``, ``xp.searchsorted``, ``xp.take``,
-arithmetic), so the float64 reference and the runtime evaluate one definition. A law's parameter
+(``numpy`` here, ``torch`` in :mod:`sharpdraft_runtime`, :class:`ScalarNamespace` for one plain
+float) with operations they all spell alike (``xp.log``, ``xp.floor``, ``xp.clip``,
+``xp.zeros_like``, ``xp.searchsorted``, ``xp.take``, arithmetic), so the float64 reference and the runtime evaluate one definition. A law's parameter
 is a slope (an array broadcasting with ``n``), a table (a :class:`KnotTable`, built once per
 layer by :meth:`Law.compile`) or nothing. The spec's validation (which parameters a law takes)
 and the runtime's shortcut (the identity limit, up to which alpha is exactly 1, so scaling can be
@@ -42,13 +42,14 @@ skipped) read the same entry. Adding a law is one entry here plus its name in th
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Law", "KnotTable", "REGISTRY", "LAWS", "MAX_N", "get_law", "alpha_law"]
+__all__ = ["Law", "KnotTable", "ScalarNamespace", "REGISTRY", "LAWS", "MAX_N", "get_law", "alpha_law"]
 
 #: Largest visible-key count the contract covers (and largest n_ref a spec may name): 2^32, far
 #: beyond any context window, and exact in float32, the precision the runtime computes alpha in.
@@ -117,6 +118,46 @@ def _tabulated(xp, n, n_ref, table: KnotTable):
     if table.offset is not None:
         j = j + table.offset  # each table's own segments
     return xp.take(table.intercept, j) + xp.take(table.gradient, j) * d
+
+
+class ScalarNamespace:
+    """The array namespace of one plain float ``n``: what the formulas call, in Python's float64 arithmetic.
+
+    For one visible-key count (a decoding step), a formula costs a few Python operations this way,
+    against several device kernels on a one-element tensor. A slope is a float and a table's arrays
+    are lists (:meth:`Law.compile` with ``asarray=ScalarNamespace.asarray``); one table only.
+
+    Examples
+    --------
+    >>> law = get_law("log-linear")
+    >>> law.alpha(ScalarNamespace, 1024.0, n_ref=512, param=law.compile(0.25, n_ref=512, asarray=ScalarNamespace.asarray))
+    1.1732867951399863
+    """
+
+    log = staticmethod(math.log)
+    floor = staticmethod(math.floor)
+
+    @staticmethod
+    def asarray(array: np.ndarray):
+        """A numpy array as Python numbers: a float for a 0-d array, else (nested) lists."""
+        return array.tolist()
+
+    @staticmethod
+    def clip(x, low, high):
+        x = x if low is None else max(x, low)
+        return x if high is None else min(x, high)
+
+    @staticmethod
+    def zeros_like(x):
+        return 0.0
+
+    @staticmethod
+    def searchsorted(a, v, side="left"):
+        return (bisect.bisect_right if side == "right" else bisect.bisect_left)(a, v)
+
+    @staticmethod
+    def take(a, j):
+        return a[j]
 
 
 @dataclass(frozen=True)

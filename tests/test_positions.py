@@ -20,7 +20,7 @@ from calibrate.errors import UserError
 from calibrate.speculative import GREEDY
 from calibrate.evaluate import POSITION_VARIANTS, check_variants, position_fix, variant_specs
 from sharpdraft_runtime import fused, positions
-from sharpdraft_runtime.positions import cos_sin, decode_keys, remapped_attention, remapped_logits, rotate
+from sharpdraft_runtime.positions import at_slots, cos_sin, decode_keys, remapped_attention, remapped_logits, rotate
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.positions import PositionFix, default_group, max_distance, pi_exponent
 
@@ -512,3 +512,10 @@ def test_enable_refuses_a_rope_it_cannot_remap():
     model = _tiny_llama({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported for position fixes"):
         sr.enable(model, ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=2, positions=PositionFix("pi", n_ref=8)))
+
+
+def test_at_slots_reads_one_row_as_a_number_and_more_rows_as_tensors():
+    assert at_slots(torch.tensor([[9]]), 10) and not at_slots(torch.tensor([[8]]), 10)
+    assert at_slots(torch.tensor([[7, 8, 9]]), 10) and at_slots(torch.tensor([[7, 8, 9], [7, 8, 9]]), 10)
+    assert not at_slots(torch.tensor([[7, 8, 9], [6, 7, 8]]), 10)  # a left-padded row
+    assert not at_slots(torch.tensor([[9], [8]]), 10)

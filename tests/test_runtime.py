@@ -103,6 +103,50 @@ def test_alpha_matches_theory(law, granularity, alpha_max):
         np.testing.assert_allclose(got[0].numpy(), np.broadcast_to(want, got[0].shape), rtol=RTOL_ALPHA)
 
 
+@pytest.mark.parametrize("law", LAWS)
+@pytest.mark.parametrize("granularity", ["global", "layer"])
+@pytest.mark.parametrize("alpha_max", [None, 1.7])
+def test_host_alpha_matches_theory(law, granularity, alpha_max):
+    """One count on the host (a decoding step's factor, plain Python floats) against the float64 reference."""
+    spec = spec_for(law, granularity, n_ref=64, slope=0.3, alpha_max=alpha_max)
+    scaler = QueryScaler(spec)
+    n = np.unique(np.geomspace(1, 1e6, 200).astype(np.int64))
+    for layer in range(2):
+        layer = layer if spec.granularity != "global" else None
+        got = np.array([scaler.host_alpha(int(m), layer) for m in n])
+        assert all(isinstance(scaler.host_alpha(int(m), layer), float) for m in n[:3])
+        np.testing.assert_allclose(got, spec.alpha(n, layer=layer), rtol=RTOL_ALPHA)
+
+
+def test_host_alpha_refuses_per_head_specs_and_missing_layers():
+    with pytest.raises(ValueError, match="per-head parameters"):
+        QueryScaler(spec_for("log-linear", "head")).host_alpha(500, 0)
+    with pytest.raises(ValueError, match="pass layer="):
+        QueryScaler(spec_for("log-linear", "layer")).host_alpha(500)
+    with pytest.raises(ValueError, match="layer 7 is out of range"):
+        QueryScaler(spec_for("log-linear", "layer")).host_alpha(500, 7)
+
+
+@pytest.mark.parametrize("law", LAWS)
+@pytest.mark.parametrize("granularity", ["global", "layer", "head"])
+def test_one_row_scales_as_the_tensor_path(law, granularity):
+    """A decoding step's count, given as an int or a one-element tensor (read on the host), scales the query as the
+    tensor path does, to float32 rounding of alpha; a count within the identity limit leaves it untouched (laws
+    that have one)."""
+    spec = spec_for(law, granularity, n_ref=16, slope=0.4)
+    scaler = QueryScaler(spec)
+    query = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(3))
+    layer = None if spec.granularity == "global" else 1
+    for n in (5, 16, 17, 300, 10**6):
+        want = query * scaler.alpha(torch.tensor([[n]]), layer)[..., None]
+        for given in (n, torch.tensor([[n]])):
+            got = scaler.scale_query_(query.clone(), given, layer)
+            torch.testing.assert_close(got, want, rtol=2e-7, atol=0)  # alpha rounded to float32 once either way
+    if scaler.identity_limit >= 5:  # ssmax and constant scale every count
+        unscaled = query.clone()
+        assert scaler.scale_query_(unscaled, torch.tensor([[5]]), layer) is unscaled and torch.equal(unscaled, query)
+
+
 def alphas_in_every_precision(spec: ScaleSpec, n: np.ndarray) -> dict:
     """alpha(n) of a global spec from numpy (float64) and the runtime in float64 and float32."""
     out = {"numpy": spec.alpha(n)}

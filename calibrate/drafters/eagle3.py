@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from sharpdraft_runtime import causal_mask, causal_n_visible, query_hook
-from sharpdraft_runtime.positions import decode_keys, remapped_attention, slot_positions
+from sharpdraft_runtime.positions import at_slots, decode_keys, remapped_attention
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.positions import PositionFix
 from sharpdraft_theory.spec import DrafterInfo
@@ -311,8 +311,7 @@ class Eagle3Attention(nn.Module):
             query = query if replaced is None else replaced
         visible = causal_mask(T, past_len, sliding_window=window, sinks=sinks, device=x.device)  # (T, k)
         if positions is not None and key.shape[2] > positions.identity_limit:
-            q_pos, _ = slot_positions(T, key.shape[2], x.device)  # the cache holds row p at slot p
-            if not torch.equal(position_ids, q_pos.expand(B, T)):
+            if not at_slots(position_ids, key.shape[2]):  # the cache holds row p at slot p
                 raise ValueError(f"the spec's positions ({positions.fix}) need each row at its cache slot; "
                                  "these position_ids differ")
             inv_freq, _ = frequencies
