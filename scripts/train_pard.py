@@ -59,14 +59,14 @@ sys.path.insert(0, str(ROOT))
 from target_features import check_device, log  # noqa: E402
 from train_demo_eagle3 import atomic_save, atomic_text, atomic_weights  # noqa: E402
 
-from calibrate.drafters.pard_recipe import IGNORE, pard_rows  # noqa: E402
+from calibrate.drafters.pard_recipe import IGNORE, PardRows, pard_rows  # noqa: E402
 from calibrate.drafters.pard_smollm2 import (SMOLLM2, SMOLLM2_LAYERS, SMOLLM2_VOCAB, cut_drafter,  # noqa: E402
                                              layers_from, trained_state)
 
 SAVED_OPTIONS = ("base", "layers", "last", "k", "ratio", "min_ratio", "seq_len", "sources", "tokens", "sequences",
-                 "batch", "lr", "mask_token", "seed")  # a resumed run must have been started with these
+                 "batch", "lr", "mask_token", "seed", "distill", "distill_top")  # a resumed run was started with these
 LEGACY_OPTIONS = {"copies": "k"}  # progress saved before --k was named so
-LEGACY_DEFAULTS = {"last": "0"}  # ... and before --last existed: the first layers
+LEGACY_DEFAULTS = {"last": "0", "distill": "0.0", "distill_top": "32"}  # ... and before --last, --distill existed
 CORPUS_SPLITS = ("pydoc", "stdlib")
 
 
@@ -91,6 +91,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--mask-token", type=int, default=16, help="the drafter's pard_token")
+    ap.add_argument("--distill", type=float, default=0.0,
+                    help="weight of the target's next-token law in the loss (0: PARD's cross-entropy on the text "
+                         "alone; w: (1 - w) text + w target)")
+    ap.add_argument("--distill-top", type=int, default=32,
+                    help="the target's law kept on its top tokens at each position, renormalised")
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -155,6 +160,10 @@ def check_options(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not (math.isfinite(value) and 0 < value <= 1):
             raise SystemExit(f"--{name.replace('_', '-')} {value}: give a fraction in (0, 1]")
+    if not (math.isfinite(args.distill) and 0 <= args.distill <= 1):
+        raise SystemExit(f"--distill {args.distill}: give a weight in [0, 1] (0: the text alone)")
+    if not 1 <= args.distill_top <= vocab:
+        raise SystemExit(f"--distill-top {args.distill_top}: {where} {vocab} tokens; give 1 to {vocab}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise SystemExit(f"--lr {args.lr}: give a positive learning rate")
     if args.tokens is not None:
@@ -220,16 +229,46 @@ def step_rows(ids: torch.Tensor, args, step: int) -> list:
     return [pard_rows(seq, args.k, args.mask_token, args.ratio, args.min_ratio, generator) for seq in ids]
 
 
-def step_loss(model, rows: list, device, backward: bool = True) -> float:
-    """The mean cross-entropy over every kept row of ``rows`` (one forward per sequence; with ``backward``,
+@torch.no_grad()
+def teacher_laws(target, ids: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's next-token law at every position of ``ids`` (B, L), kept on its ``top`` likeliest tokens and
+    renormalised: probabilities and token ids, (B, L, top) each. Position ``t``'s law is that of ``x_{t+1}`` given
+    ``x_0 .. x_t``: what every PARD row at position ``t`` guesses, whatever its copy."""
+    probs, tokens = [], []
+    for seq in ids:  # one sequence at a time: (L, vocab) logits, not (B, L, vocab)
+        logits = target(input_ids=seq[None]).logits[0].float()
+        values, index = logits.topk(top, dim=-1)
+        probs.append(torch.softmax(values, dim=-1))
+        tokens.append(index)
+    return torch.stack(probs), torch.stack(tokens)
+
+
+def row_loss(logits: torch.Tensor, rows, distill: float = 0.0, laws=None) -> torch.Tensor:
+    """Summed loss of one sequence's kept rows: cross-entropy on the text, or with ``distill`` = w > 0,
+    ``(1 - w)`` of it plus ``w`` times the cross-entropy against the target's law at each row's position
+    (``laws``: one sequence's (L, top) probabilities and token ids from :func:`teacher_laws`). That second term is
+    the KL divergence from the target's law plus its entropy, which the drafter cannot change."""
+    text = torch.nn.functional.cross_entropy(logits, rows.targets, ignore_index=IGNORE, reduction="sum")
+    if distill == 0:
+        return text
+    kept = rows.targets != IGNORE
+    probs, tokens = laws
+    where = rows.position_ids[kept]
+    log_q = torch.log_softmax(logits[kept], dim=-1).gather(-1, tokens[where])  # (R, top)
+    return (1 - distill) * text - distill * (probs[where] * log_q).sum()
+
+
+def step_loss(model, rows: list, device, backward: bool = True, distill: float = 0.0, laws=None) -> float:
+    """The mean loss (:func:`row_loss`) over every kept row of ``rows`` (one forward per sequence; with ``backward``,
     each sequence's share of the gradient is accumulated as it goes, so one graph is held at a time)."""
     count = sum(int((r.targets != IGNORE).sum()) for r in rows)
     total = 0.0
-    for r in rows:
+    for b, r in enumerate(rows):
         logits = model(input_ids=r.input_ids[None].to(device), position_ids=r.position_ids[None].to(device),
                        attention_mask=r.mask().to(device)).logits[0]
-        loss = torch.nn.functional.cross_entropy(logits.float(), r.targets.to(device), ignore_index=IGNORE,
-                                                 reduction="sum") / count
+        r = PardRows(*(t.to(device) for t in (r.input_ids, r.position_ids, r.copy, r.targets)))
+        law = None if laws is None else (laws[0][b], laws[1][b])
+        loss = row_loss(logits.float(), r, distill, law) / count
         if backward:
             loss.backward()
         total += loss.item()
@@ -286,6 +325,7 @@ def main(argv=None) -> None:
     ids = training_tokens(args, tokenizer, vocab)
     source_layers = layers_from(args.layers, args.last, base.config.get_text_config().num_hidden_layers)
     model = cut_drafter(base, source_layers, args.mask_token, args.seq_len, embedding_from).to(device)
+    teacher = base.to(device).eval() if args.distill > 0 else None  # the target whose law is distilled
     del base
     for frozen in (model.get_input_embeddings(), model.get_output_embeddings()):  # the target's token space
         frozen.weight.requires_grad_(False)
@@ -299,13 +339,15 @@ def main(argv=None) -> None:
         log(f"resumed at step {step}")
     model.train()
     log(f"{len(ids)} sequences of {args.seq_len}; {sum(p.numel() for p in trained):,} trained weights in layers "
-        f"{source_layers} of the base; k {args.k}, drop {args.ratio}/{args.min_ratio}")
+        f"{source_layers} of the base; k {args.k}, drop {args.ratio}/{args.min_ratio}"
+        + (f"; the target's law (top {args.distill_top}) at weight {args.distill}" if teacher is not None else ""))
     started = time.time() - seconds
     while step < args.steps:
         pick = torch.Generator().manual_seed(args.seed * 1_000_003 + step + 500_009)
         batch = ids[torch.randint(len(ids), (args.batch,), generator=pick)]
         optimizer.zero_grad(set_to_none=True)
-        loss = step_loss(model, step_rows(batch, args, step), device)
+        laws = None if teacher is None else teacher_laws(teacher, batch.to(device), args.distill_top)
+        loss = step_loss(model, step_rows(batch, args, step), device, distill=args.distill, laws=laws)
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         step += 1

@@ -182,6 +182,49 @@ def test_a_short_run_writes_a_small_folder_that_loads_drafts_exactly_and_resumes
     assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), drafter.state_dict().values()))
 
 
+def test_the_distilled_loss_is_the_text_and_the_targets_law_by_hand():
+    """row_loss against a float64 sum written out row by row: (1 - w) of the text's cross-entropy plus w times the
+    cross-entropy against the target's top-k law at the row's position (renormalised); teacher_laws' top tokens are
+    the target's own ranking at each prefix."""
+    script = _script()
+    target = tiny_target(num_layers=2, vocab_size=64)
+    ids = torch.randint(1, 60, (2, 16), generator=torch.Generator().manual_seed(4))
+    probs, tokens = script.teacher_laws(target, ids, 5)
+    assert probs.shape == tokens.shape == (2, 16, 5)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 16), rtol=0, atol=1e-6)  # float32 softmax of 5 values
+    with torch.no_grad():
+        for t in (0, 7, 15):
+            prefix = target(input_ids=ids[1:, :t + 1]).logits[0, -1]
+            assert torch.equal(tokens[1, t], prefix.topk(5).indices)
+    rows = pard_rows(ids[1], 4, MASK, 0.7, 0.2, torch.Generator().manual_seed(1))
+    logits = torch.randn(len(rows.targets), 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    laws = (probs[1].double(), tokens[1])
+    for w in (0.0, 0.3, 1.0):
+        got = script.row_loss(logits, rows, w, laws if w else None)
+        want = 0.0
+        for i in range(len(rows.targets)):
+            if rows.targets[i] == IGNORE:
+                continue
+            log_q = torch.log_softmax(logits[i], -1)
+            t = int(rows.position_ids[i])
+            want += -(1 - w) * float(log_q[rows.targets[i]])
+            want += -w * sum(float(probs[1, t, k]) * float(log_q[tokens[1, t, k]]) for k in range(5))
+        assert abs(float(got) - want) <= 1e-9 * max(1.0, abs(want))  # float64 sums of ~100 terms of O(1)
+
+
+def test_a_distilled_run_resumes_to_the_same_losses_and_differs_from_the_text_alone(base):
+    script = _script()
+    script.main(_argv(base, "a", "wa", 2) + ["--distill", "0.5", "--distill-top", "8"])
+    script.main(_argv(base, "a", "wa", 4) + ["--distill", "0.5", "--distill-top", "8"])
+    script.main(_argv(base, "b", "wb", 4) + ["--distill", "0.5", "--distill-top", "8"])
+    script.main(_argv(base, "c", "wc", 4))
+    logs = [json.loads((base / name / "training_log.json").read_text()) for name in ("a", "b", "c")]
+    assert logs[0]["loss"] == logs[1]["loss"] and logs[0]["loss"] != logs[2]["loss"]
+    assert logs[0]["recipe"]["distill"] == "0.5" and logs[2]["recipe"]["distill"] == "0.0"
+    with pytest.raises(SystemExit, match=r"other options \(distill\)"):
+        script.main(_argv(base, "a", "wa", 6) + ["--distill", "0.25", "--distill-top", "8"])
+
+
 def test_the_loader_refuses_a_folder_that_does_not_fit(base):
     script = _script()
     script.main(_argv(base, "good", "w", 2))
@@ -242,6 +285,11 @@ def test_the_loader_refuses_a_folder_that_does_not_fit(base):
     (["--mask-token", "64"], "--mask-token 64: the --base model has 64 tokens"),
     (["--tokens", "missing.npy"], "--tokens missing.npy"),
     (["--device", "tpu"], "--device tpu"),
+    (["--distill", "-0.1"], "--distill -0.1"),
+    (["--distill", "1.5"], "--distill 1.5"),
+    (["--distill", "nan"], "--distill nan"),
+    (["--distill-top", "0"], "--distill-top 0"),
+    (["--distill-top", "65"], "--distill-top 65: the --base model has 64 tokens"),
 ])
 def test_bad_options_are_refused_in_one_line(base, args, named):
     script = _script()
