@@ -69,8 +69,6 @@ class _Binding:
     spec: ScaleSpec  # the spec applied
     wrapped: str  # the implementation wrapped (sdpa or eager), restored on disable
     scalers: dict = field(default_factory=dict)  # device -> QueryScaler
-    host_n: int = -1  # the n of host_alpha
-    host_alpha: dict = field(default_factory=dict)  # layer (None for a global spec) -> alpha(host_n)
     inv_freq: torch.Tensor | None = None  # the model's RoPE frequencies, for a spec with positions; else None
     tables: dict | None = None  # during a forward of a model with positions: what its layers share (one step)
     hooks: list = field(default_factory=list)  # the forward hooks that open and drop ``tables``
@@ -79,15 +77,6 @@ class _Binding:
         if device not in self.scalers:
             self.scalers[device] = QueryScaler(self.spec, device)
         return self.scalers[device]
-
-    def scalar_alpha(self, n: int, layer: int | None) -> float:
-        """``alpha(n)`` on the host for a spec without per-head slopes (one n shared by all layers)."""
-        layer = layer if self.spec.granularity == "layer" else None
-        if n != self.host_n:
-            self.host_n, self.host_alpha = n, {}
-        if layer not in self.host_alpha:
-            self.host_alpha[layer] = float(self.spec.alpha(n, layer=layer))
-        return self.host_alpha[layer]
 
 
 _BINDINGS: dict[int, _Binding] = {}  # id(config) -> binding; configs are not hashable
@@ -154,7 +143,7 @@ def sharpdraft_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         n = visible_keys(query, key, attention_mask, is_causal=kwargs.get("is_causal"), module=module,
                          implementation=binding.wrapped)
         if isinstance(n, int) and binding.spec.granularity != "head":
-            scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * binding.scalar_alpha(n, layer)
+            scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * scaler.host_alpha(n, layer)
         else:
             query = scaler.scale_query_(query, n, layer)
     if binding.inv_freq is not None:
