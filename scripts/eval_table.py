@@ -12,6 +12,10 @@ With ``--at N``: one table for the bucket ``N``, a row per variant, each metric'
 difference from ``none`` and from the ``--versus`` variant(s), each paired over the same rows and
 sequences (the per-sequence sums eval keeps, resampled as eval resamples them).
 
+With ``--against OTHER.json`` (another drafter's eval on the same corpus, lengths and sequences): a row
+per bucket and variant both hold, each metric for this drafter, the other, and their difference paired
+over the same rows and prompts (two drafters, or two trainings of one, compared as eval compares variants).
+
 On a recall corpus (``--corpus recall:SOURCE``) agreement on the copied tokens and on the other rows
 join the metrics (paired over those rows: the bucket's ``copy_rows_per_sequence`` and
 ``other_rows_per_sequence``), and one more table gives the target's own accuracy on both.
@@ -47,12 +51,13 @@ def _delta(triple, bracket: bool = True) -> str:
     return f" ({text})" if bracket else text
 
 
-def contrast(bucket: dict, variant: str, versus: str, metric: str) -> list[float] | None:
+def contrast(bucket: dict, variant: str, versus: str, metric: str, other: dict | None = None) -> list[float] | None:
     """``[mean, lo, hi]``: ``variant`` minus ``versus`` in ``metric`` at one bucket, paired over the same
-    rows (acceptance length: the same prompts), 95% bootstrap over sequences; None without per-sequence sums."""
+    rows (acceptance length: the same prompts), 95% bootstrap over sequences; None without per-sequence sums.
+    ``other``: the bucket ``versus`` is read from (another drafter's, over the same rows), else ``bucket``."""
     try:
         a = np.asarray(bucket[variant]["per_sequence"][metric], dtype=float)
-        b = np.asarray(bucket[versus]["per_sequence"][metric], dtype=float)
+        b = np.asarray((bucket if other is None else other)[versus]["per_sequence"][metric], dtype=float)
     except KeyError:
         return None
     subset = metric.partition("_")[0]
@@ -129,15 +134,55 @@ def table_at(result: dict, n: int, versus: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def same_rows(result: dict, other: dict) -> None:
+    """Refuse, in one line, two evals whose per-sequence sums are not over the same rows and prompts."""
+    for key in ("corpus", "sequences", "sequence_length", "skip"):
+        if result.get(key) != other.get(key):
+            raise SystemExit(f"--against: {key} {other.get(key)!r} there, {result.get(key)!r} here; compare evals "
+                             "of the same prompts")
+    mine = [(b["n"], b["rows_per_sequence"]) for b in result["buckets"]]
+    theirs = [(b["n"], b["rows_per_sequence"]) for b in other["buckets"]]
+    if mine != theirs:
+        raise SystemExit("--against: its buckets or rows per sequence differ from these; compare evals of the "
+                         "same prompts and lengths")
+
+
+def table_against(result: dict, other: dict, names: tuple[str, str]) -> str:
+    """A row per bucket and shared variant: each metric here, there, and here - there, paired over sequences."""
+    same_rows(result, other)
+    mine, theirs = names
+    lines = [f"{result['sequences']} sequences of {result['corpus']}; {mine} against {theirs} on the same prompts; "
+             "differences paired, 95% interval over sequences (bold: excludes 0)", ""]
+    first = result["buckets"][0]
+    variants = [v for v in _variants(first) if v in other["buckets"][0]]
+    metrics = [m for m in ("agreement", "copy_agreement", "other_agreement", "expected_acceptance", "acceptance_length")
+               if first["none"].get(m) is not None]
+    head = ["n", "variant"] + [f"{TITLES[m]}{tail}" for m in metrics for tail in (f" ({mine})", f" ({theirs})",
+                                                                                   f" {mine} - {theirs}")]
+    lines += ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
+    for here, there in zip(result["buckets"], other["buckets"]):
+        for v in variants:
+            cells = [f"{here['n']}", v]
+            for m in metrics:
+                cells += [_number(here[v].get(m)), _number(there[v].get(m)),
+                          _delta(contrast(here, v, v, m, there), bracket=False)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("eval_json", type=Path, help="an eval --out file")
     ap.add_argument("--at", type=int, help="one table for this bucket n, a row per variant")
     ap.add_argument("--versus", default="", help="with --at: comma-separated variants to pair every variant against "
                                                  "besides none")
+    ap.add_argument("--against", type=Path, help="another drafter's eval --out file over the same prompts: "
+                                                 "this one's metrics, that one's and the paired differences")
     args = ap.parse_args()
     result = json.loads(args.eval_json.read_text())
-    if args.at is None:
+    if args.against is not None:
+        print(table_against(result, json.loads(args.against.read_text()), (args.eval_json.stem, args.against.stem)))
+    elif args.at is None:
         print(tables(result))
     else:
         print(table_at(result, args.at, [v for v in args.versus.split(",") if v]))

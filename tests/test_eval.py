@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import importlib.util
 import json
 import random
@@ -122,6 +124,31 @@ def test_per_sequence_sums_pair_any_two_variants(eagle3_result):
     assert "| spec |" in text and "agreement - window" in text
     with pytest.raises(SystemExit, match="--versus nope"):
         table.table_at(eagle3_result, LENGTHS[-1], ["nope"])
+
+
+def test_two_evals_of_the_same_prompts_pair_by_sequence(eagle3_result):
+    """eval_table --against: one drafter's cells against another's on the same rows; a copy with one more hit per
+    sequence in every bucket differs by exactly sequences / rows, with an interval; other prompts are refused."""
+    table = _eval_table()
+    other = copy.deepcopy(eagle3_result)
+    for row in other["buckets"]:
+        hits = row["none"]["per_sequence"]["agreement"]
+        row["none"]["per_sequence"]["agreement"] = [h - 1 for h in hits]
+        row["none"]["agreement"] = sum(hits) / row["rows"] - len(hits) / row["rows"]
+    last = eagle3_result["buckets"][-1]
+    got = table.contrast(last, "none", "none", "agreement", other["buckets"][-1])
+    assert got[0] == pytest.approx(2 / last["rows"], rel=1e-12) and got[1] == got[2] == got[0]  # the same every resample
+    text = table.table_against(eagle3_result, other, ("mine", "theirs"))
+    assert "agreement mine - theirs" in text and f"| {last['n']} | spec |" in text
+    assert table.contrast(last, "spec", "spec", "agreement", other["buckets"][-1])[0] == 0
+    fewer = copy.deepcopy(other)
+    fewer["sequences"] = 1
+    with pytest.raises(SystemExit, match="--against: sequences 1 there, 2 here"):
+        table.table_against(eagle3_result, fewer, ("mine", "theirs"))
+    fewer = copy.deepcopy(other)
+    fewer["buckets"] = fewer["buckets"][:1]
+    with pytest.raises(SystemExit, match="buckets or rows per sequence differ"):
+        table.table_against(eagle3_result, fewer, ("mine", "theirs"))
 
 
 def test_no_change_at_or_below_n_ref(eagle3_result):
