@@ -17,9 +17,9 @@ it is skipped outright when every ``alpha`` is exactly 1, which :attr:`QueryScal
 (the law's identity limit, :meth:`sharpdraft_theory.laws.Law.identity_limit`) decides on the host
 from the key length alone (``n <= key length``). A decoding step of one sequence (one count, given
 as an int or a one-element CPU tensor) takes its factor from :meth:`QueryScaler.host_alpha`, a few
-Python operations in float64, and multiplies by that number: no kernel for alpha. A tabulated law's knots live on the device
-(``laws.KnotTable``, compiled once per layer) and one ``torch.searchsorted`` finds each row's
-segment: a few more elementwise kernels than log-linear on the ``q_len``-sized ``n``, nothing
+Python operations in float64, and multiplies by that number: no kernel for alpha. A tabulated
+law's knots live on the device (``laws.KnotTable``, compiled once per layer) and one
+``torch.searchsorted`` finds each row's segment: a few more elementwise kernels than log-linear on the ``q_len``-sized ``n``, nothing
 query-sized.
 
 Autograd. In-place scaling is for inference (``torch.no_grad`` / ``torch.inference_mode``). When a

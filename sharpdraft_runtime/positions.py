@@ -42,7 +42,8 @@ from sharpdraft_theory.positions import PositionFix, pi_exponent
 
 from . import fused
 
-__all__ = ["rotate", "rotate_by", "cos_sin", "slot_positions", "at_slots", "remapped_logits", "decode_keys", "remapped_attention"]
+__all__ = ["rotate", "rotate_by", "cos_sin", "slot_positions", "at_slots", "remapped_logits", "decode_keys",
+           "remapped_attention"]
 
 _CHUNK_ELEMENTS = 1 << 24  # logits held at once per chunk of query rows (64 MiB in float32)
 

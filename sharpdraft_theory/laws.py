@@ -32,8 +32,8 @@ stays positive, so the table's values being ``> 0`` keeps alpha ``> 0``.
 Each :class:`Law` in :data:`REGISTRY` holds its formula written against an array namespace ``xp``
 (``numpy`` here, ``torch`` in :mod:`sharpdraft_runtime`, :class:`ScalarNamespace` for one plain
 float) with operations they all spell alike (``xp.log``, ``xp.floor``, ``xp.clip``,
-``xp.zeros_like``, ``xp.searchsorted``, ``xp.take``, arithmetic), so the float64 reference and the runtime evaluate one definition. A law's parameter
-is a slope (an array broadcasting with ``n``), a table (a :class:`KnotTable`, built once per
+``xp.zeros_like``, ``xp.searchsorted``, ``xp.take``, arithmetic), so the float64 reference and
+the runtime evaluate one definition. A law's parameter is a slope (an array broadcasting with ``n``), a table (a :class:`KnotTable`, built once per
 layer by :meth:`Law.compile`) or nothing. The spec's validation (which parameters a law takes)
 and the runtime's shortcut (the identity limit, up to which alpha is exactly 1, so scaling can be
 skipped) read the same entry. Adding a law is one entry here plus its name in the JSON Schema's
@@ -130,7 +130,8 @@ class ScalarNamespace:
     Examples
     --------
     >>> law = get_law("log-linear")
-    >>> law.alpha(ScalarNamespace, 1024.0, n_ref=512, param=law.compile(0.25, n_ref=512, asarray=ScalarNamespace.asarray))
+    >>> slope = law.compile(0.25, n_ref=512, asarray=ScalarNamespace.asarray)
+    >>> law.alpha(ScalarNamespace, 1024.0, n_ref=512, param=slope)
     1.1732867951399863
     """
 
