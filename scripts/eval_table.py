@@ -170,6 +170,18 @@ def table_against(result: dict, other: dict, names: tuple[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_result(path: Path, option: str) -> dict:
+    """An eval --out file, or one line naming ``option``'s bad value and what to give."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SystemExit(f"{option} {path}: cannot read it as JSON ({err.__class__.__name__}); give an eval --out "
+                         "file") from None
+    if not isinstance(result, dict) or not isinstance(result.get("buckets"), list) or not result["buckets"]:
+        raise SystemExit(f"{option} {path}: not an eval result (no buckets); give an eval --out file")
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("eval_json", type=Path, help="an eval --out file")
@@ -179,9 +191,10 @@ def main() -> None:
     ap.add_argument("--against", type=Path, help="another drafter's eval --out file over the same prompts: "
                                                  "this one's metrics, that one's and the paired differences")
     args = ap.parse_args()
-    result = json.loads(args.eval_json.read_text())
+    result = read_result(args.eval_json, "eval_json")
     if args.against is not None:
-        print(table_against(result, json.loads(args.against.read_text()), (args.eval_json.stem, args.against.stem)))
+        other = read_result(args.against, "--against")
+        print(table_against(result, other, (args.eval_json.stem, args.against.stem)))
     elif args.at is None:
         print(tables(result))
     else:

@@ -264,9 +264,9 @@ def step_loss(model, rows: list, device, backward: bool = True, distill: float =
     count = sum(int((r.targets != IGNORE).sum()) for r in rows)
     total = 0.0
     for b, r in enumerate(rows):
-        logits = model(input_ids=r.input_ids[None].to(device), position_ids=r.position_ids[None].to(device),
-                       attention_mask=r.mask().to(device)).logits[0]
         r = PardRows(*(t.to(device) for t in (r.input_ids, r.position_ids, r.copy, r.targets)))
+        logits = model(input_ids=r.input_ids[None], position_ids=r.position_ids[None],
+                       attention_mask=r.mask()).logits[0]
         law = None if laws is None else (laws[0][b], laws[1][b])
         loss = row_loss(logits.float(), r, distill, law) / count
         if backward:

@@ -151,6 +151,26 @@ def test_two_evals_of_the_same_prompts_pair_by_sequence(eagle3_result):
         table.table_against(eagle3_result, fewer, ("mine", "theirs"))
 
 
+@pytest.mark.parametrize("content,named", [
+    (None, "cannot read it as JSON (FileNotFoundError)"),
+    ("folder", "cannot read it as JSON (IsADirectoryError)"),
+    ("{", "cannot read it as JSON (JSONDecodeError)"),
+    ("[1, 2]", "not an eval result"),
+    ('{"buckets": []}', "not an eval result"),
+])
+def test_eval_table_refuses_a_file_that_is_not_an_eval_result(tmp_path, content, named):
+    table = _eval_table()
+    path = tmp_path / "other.json"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as stop:
+        table.read_result(path, "--against")
+    assert str(stop.value).startswith(f"--against {path}: ") and named in str(stop.value)
+    assert "\n" not in str(stop.value)
+
+
 def test_no_change_at_or_below_n_ref(eagle3_result):
     """alpha = 1 for n <= n_ref under both laws: mass and agreement are those of the plain drafter."""
     for row in eagle3_result["buckets"][:2]:
