@@ -134,6 +134,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--decay", type=float, default=7.0, help="row k weighs exp(-(k - 1) / decay)")
     ap.add_argument("--mask-token", type=int, default=16, help="the mask token id (SmolLM2's <empty_output>)")
     ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--norm-init", choices=("ones", "target"), default="ones",
+                    help="the output norm's weights at the start: ones (DFlash's), or the target's final norm")
+    ap.add_argument("--check", type=int, default=8,
+                    help="sequences kept out of training, evenly spaced over the shards, checked every --check-every")
+    ap.add_argument("--check-every", type=int, default=50, help="steps between held-out checks")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=0)
@@ -143,7 +148,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--write-every-save", action="store_true", help="write the head folder at every save")
     args = ap.parse_args(argv)
     for name, least in (("layers", 1), ("block", 2), ("context", 1), ("local", 1), ("match", 0), ("anchors", 1),
-                        ("steps", 1), ("save_every", 1), ("threads", 1)):
+                        ("steps", 1), ("save_every", 1), ("threads", 1), ("check", 0),
+                        ("check_every", 1)):
         if getattr(args, name) < least:
             raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: need at least {least}")
     if args.local > args.context:
@@ -156,7 +162,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit(f"--out {args.out}: a file, not a folder; give a folder for the head")
     if not (args.features / "manifest.json").is_file():
         raise SystemExit(f"--features {args.features}: no manifest.json; run scripts/target_features.py first")
+    sequences = json.loads((args.features / "manifest.json").read_text()).get("sequences", 0)
+    if args.check >= sequences:
+        raise SystemExit(f"--check {args.check}: the shards hold {sequences} sequences; keep fewer out for the check")
     return args
+
+
+def held_out(sequences: int, check: int) -> list[int]:
+    """The ``check`` sequences kept out of training, evenly spaced so that every source of the mix is among them.
+
+    >>> held_out(10, 3)
+    [1, 5, 8]
+    """
+    return [int((i + 0.5) * sequences / check) for i in range(check)]
+
+
+@torch.no_grad()
+def check_blocks(model: DFlashDraftModel, embed, lm_head: torch.Tensor, data: dict, seqs: list[int],
+                 args: argparse.Namespace) -> dict:
+    """The loss and greedy agreement per block row on held-out sequences, at anchors and keys drawn from a fixed
+    seed (the same at every check), so that checks along a run compare the same blocks."""
+    gen = torch.Generator().manual_seed(12345)
+    T = data["tokens"].shape[1]
+    losses, agree = [], []
+    for seq in seqs:
+        anchors = torch.randperm(T - args.block, generator=gen)[:args.anchors].sort().values + 1
+        seen = torch.stack([context_keys(gen, data["tokens"][seq], int(p), args.context, args.local, args.match,
+                                         args.block) for p in anchors])
+        loss, rows = block_loss(model, embed, lm_head, data, seq, anchors.to(lm_head.device), seen, args.decay)
+        losses.append(loss.item())
+        agree.append(rows)
+    rows = torch.tensor(agree).mean(0).tolist()
+    return {"loss": round(sum(losses) / len(losses), 4), "agreement": [round(a, 4) for a in rows]}
 
 
 def main(argv=None) -> None:
@@ -167,7 +204,7 @@ def main(argv=None) -> None:
     work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
     work.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) for k, v in vars(args).items()
-                if k not in ("out", "work", "threads", "save_every", "write_every_save", "device")}
+                if k not in ("out", "work", "threads", "save_every", "write_every_save", "device", "check_every")}
 
     target, _ = load_smollm2()
     tc = target.config
@@ -185,8 +222,9 @@ def main(argv=None) -> None:
                           rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope),
                           num_target_layers=tc.num_hidden_layers)
     model = DFlashDraftModel(config)
-    with torch.no_grad():  # the output norm starts as the target's final norm, so logits start at the target's scale
-        model.norm.weight.copy_(target.get_decoder().norm.weight)
+    if args.norm_init == "target":  # logits at the target's scale, but in a random direction: a large first loss
+        with torch.no_grad():
+            model.norm.weight.copy_(target.get_decoder().norm.weight)
     model = model.to(device)
     embed = target.get_input_embeddings().to(device)
     lm_head = target.get_output_embeddings().weight.detach().float().to(device)
@@ -198,6 +236,8 @@ def main(argv=None) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
         1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     gen = torch.Generator().manual_seed(args.seed)
+    checked = held_out(S, args.check) if args.check else []
+    train = torch.tensor([i for i in range(S) if i not in set(checked)])
     history, done, seconds = [], 0, 0.0
     progress = work / "progress.pt"
     if progress.is_file():
@@ -213,7 +253,7 @@ def main(argv=None) -> None:
     t0 = time.time() - seconds
     ema = None
     for step in range(done + 1, args.steps + 1):
-        seq = int(torch.randint(0, S, (1,), generator=gen))
+        seq = int(train[torch.randint(0, len(train), (1,), generator=gen)])
         anchors = torch.randperm(T - args.block, generator=gen)[:args.anchors].sort().values + 1  # p in [1, T - B]
         seen = torch.stack([context_keys(gen, data["tokens"][seq], int(p), args.context, args.local, args.match,
                                          args.block) for p in anchors])  # (A, T)
@@ -229,17 +269,23 @@ def main(argv=None) -> None:
                         "seconds": round(time.time() - t0, 1)})
         log(f"step {step}/{args.steps} loss {ema[0]:.3f} agreement rows 1-4 "
             + " ".join(f"{a:.3f}" for a in ema[1:5]) + f" ({time.time() - t0:.0f} s)")
+        if checked and (step % args.check_every == 0 or step == args.steps):
+            model.eval()
+            history[-1]["check"] = check_blocks(model, embed, lm_head, data, checked, args)
+            model.train()
+            log(f"check on {len(checked)} held-out sequences: loss {history[-1]['check']['loss']:.3f} agreement rows "
+                "1-4 " + " ".join(f"{a:.3f}" for a in history[-1]["check"]["agreement"][:4]))
         if step % args.save_every == 0 or step == args.steps:
             atomic_save({"settings": settings, "model": model.state_dict(), "opt": opt.state_dict(),
                          "sched": sched.state_dict(), "gen": gen.get_state(), "history": history, "step": step,
                          "seconds": time.time() - t0}, progress)
             if args.write_every_save or step == args.steps:
-                write_head(args, config, model, history, step, time.time() - t0, T)
+                write_head(args, config, model, history, step, time.time() - t0, T, checked)
     log(f"saved {args.out}")
 
 
 def write_head(args, config: DFlashConfig, model: DFlashDraftModel, history: list[dict], step: int,
-               seconds: float, seq_len: int) -> None:
+               seconds: float, seq_len: int, checked: list[int]) -> None:
     """config.json, model.safetensors (fp16) and training_log.json, each written atomically."""
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_text(args.out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
@@ -255,7 +301,8 @@ def write_head(args, config: DFlashConfig, model: DFlashDraftModel, history: lis
                           f"{args.match} match spans and uniform others over the whole earlier sequence",
               "corpus": manifest.get("per_source"), "seq_len": seq_len, "steps_done": step,
               "train_seconds": round(seconds, 1), "torch": torch.__version__, "threads": args.threads,
-              "history": history[::10] + ([history[-1]] if len(history) % 10 != 1 else [])}
+              "held_out": checked,
+              "history": [h for i, h in enumerate(history) if i % 10 == 0 or "check" in h or i == len(history) - 1]}
     atomic_text(args.out / "training_log.json", json.dumps(record, indent=1) + "\n")
 
 

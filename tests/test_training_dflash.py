@@ -86,10 +86,13 @@ def test_a_short_run_writes_a_head_smollm2_loads_and_resumes(shards, tmp_path, c
     script = _script()
     argv = ["--features", str(shards), "--out", str(tmp_path / "head"), "--work", str(tmp_path / "work"),
             "--layers", "1", "--block", "4", "--context", "16", "--local", "8", "--anchors", "4", "--steps", "2",
-            "--save-every", "1", "--intermediate", "64"]
+            "--save-every", "1", "--intermediate", "64", "--check", "1", "--check-every", "1"]
     script.main(argv)
     record = json.loads((tmp_path / "head" / "training_log.json").read_text())
     assert record["n_ref"] == 20 and record["max_distance"] == 63 and record["steps_done"] == 2
+    assert record["held_out"] == [1]  # sequence 1 is checked, never trained on
+    checks = [h["check"] for h in record["history"]]
+    assert len(checks) == 2 and all(len(c["agreement"]) == 3 and c["loss"] > 0 for c in checks)
     target, _ = load_smollm2()
     model = load_dflash(tmp_path / "head", target)
     assert model.config.hidden_state_ids == (2, 15, 27) and model.config.block_size == 4
@@ -103,12 +106,24 @@ def test_a_short_run_writes_a_head_smollm2_loads_and_resumes(shards, tmp_path, c
     (["--decay", "nan"], "--decay nan"),
     (["--lr", "-1"], "--lr -1.0"),
     (["--anchors", "0"], "--anchors 0"),
+    (["--check", "-1"], "--check -1"),
+    (["--check", "2"], "--check 2"),  # the shards hold 2 sequences: none left to train on
+    (["--check-every", "0"], "--check-every 0"),
 ])
 def test_bad_options_are_refused_in_one_line(shards, tmp_path, args, named):
     script = _script()
     with pytest.raises(SystemExit) as stop:
         script.parse_args(["--features", str(shards), "--out", str(tmp_path / "h"), *args])
     assert named in str(stop.value)
+
+
+def test_held_out_sequences_are_spread_over_the_shards_and_distinct():
+    script = _script()
+    assert script.held_out(320, 8) == [20, 60, 100, 140, 180, 220, 260, 300]
+    for S in range(2, 40):
+        for n in range(1, S):
+            seqs = script.held_out(S, n)
+            assert len(set(seqs)) == n and 0 <= min(seqs) and max(seqs) < S
 
 
 def test_an_out_that_is_an_input_or_a_file_is_refused(shards, tmp_path):
