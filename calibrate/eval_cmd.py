@@ -13,6 +13,7 @@ from rich.table import Table
 
 from .drafters import drafter_kind, kind_names
 from .errors import UserError
+from .speculative import ASSISTED_LOOP
 
 __all__ = ["eval_command", "plot_result", "summary_tables", "cost_table"]
 
@@ -346,7 +347,9 @@ def _table(result: dict) -> None:
         console.print(f"Speculative decoding ({s['loop']}): {s['new_tokens']} tokens per prompt, "
                       f"{s['drafting'].split(':')[0]} of {s['num_draft']}; {check}. Speedup is target-only decoding time over "
                       "speculative time on this machine: it falls below 1 where a target forward is too cheap "
-                      "to save (a small target on CPU, a Python loop), even when acceptance length is near 2")
+                      "to save (a small target on CPU, a Python loop), even when acceptance length is near 2"
+                      + ("; draft ms per round: the drafter's time per target forward, draft share: its part of "
+                         "the decode time" if s["loop"] != ASSISTED_LOOP else ""))
 
 
 def spec_label(d: dict) -> str:

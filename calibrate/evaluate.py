@@ -664,6 +664,7 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
     for b, n in enumerate(edges):
         lengths = {v: np.zeros(len(texts)) for v, _, _ in runs}  # per sequence: tokens per target forward
         seconds, decoded = defaultdict(float), defaultdict(int)  # per variant: decode time and tokens
+        drafting, rounds = defaultdict(float), defaultdict(int)  # per variant: drafter time and target forwards
         base_seconds, base_decoded = 0.0, 0
         for i, text in enumerate(texts):
             unit = saved.get(f"speculative-{int(n)}-{i:05d}", lambda u: _prompt_unit(u, [v for v, _, _ in runs]))
@@ -677,10 +678,15 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
             drafters.update(unit["drafters"])
             base_seconds += unit["base"][0]
             base_decoded += unit["base"][1]
-            for variant, (length, secs, tokens) in unit["runs"].items():
+            for variant, (length, secs, tokens, *timed) in unit["runs"].items():
                 lengths[variant][i] = length
                 seconds[variant] += secs
                 decoded[variant] += tokens
+                if timed and rounds[variant] >= 0:
+                    drafting[variant] += timed[0]
+                    rounds[variant] += int(timed[1])
+                else:  # a prompt without the drafter's time (transformers' loop): none for the bucket
+                    rounds[variant] = -1
         buckets[b]["acceptance_prompts"] = len(texts)
         base_rate = base_seconds / base_decoded if base_decoded else None  # seconds per decoded token
         for variant, _, _ in runs:
@@ -690,6 +696,9 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
             cell.setdefault("per_sequence", {})["acceptance_length"] = lengths[variant].tolist()  # one prompt each
             rate = seconds[variant] / decoded[variant] if decoded[variant] else None
             cell["speedup"] = _round(base_rate / rate if base_rate and rate else None)
+            timed = rounds[variant] > 0 and seconds[variant] > 0
+            cell["draft_ms_per_round"] = _round(1e3 * drafting[variant] / rounds[variant] if timed else None, 3)
+            cell["draft_share"] = _round(drafting[variant] / seconds[variant] if timed else None)
             if variant != "none":
                 cell["delta_vs_none"]["acceptance_length"] = _triple(paired_bootstrap(lengths[variant]
                                                                                       - lengths["none"]))
@@ -706,10 +715,11 @@ def _prompt_unit(unit, variants: list[str]) -> dict:
             raise ValueError(f"{name}: expected one entry per variant ({', '.join(variants)})")
     if not all(isinstance(d, str) for d in unit["drafters"].values()):
         raise ValueError("drafters: expected the name of what drafted each variant")
-    for where, value, size in [("base", unit["base"], 2)] + [(f"runs[{v!r}]", r, 3) for v, r in unit["runs"].items()]:
-        if not (isinstance(value, list) and len(value) == size and all(
+    for where, value, sizes in [("base", unit["base"], (2,))] + [(f"runs[{v!r}]", r, (3, 5))
+                                                                 for v, r in unit["runs"].items()]:
+        if not (isinstance(value, list) and len(value) in sizes and all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in value)):
-            raise ValueError(f"{where}: expected {size} finite numbers >= 0")
+            raise ValueError(f"{where}: expected {' or '.join(map(str, sizes))} finite numbers >= 0")
     return unit
 
 
@@ -717,7 +727,8 @@ def _prompt(loop: str, drafter, runs, prompt: list[int], new_tokens: int, num_dr
             lookup: LookupSettings) -> dict:
     """One prompt decoded target-only and by every run, each verified by a fresh ``rule(prompt)``:
     ``{"identical", "base": [seconds, tokens], "runs": {variant: [acceptance length, decode seconds,
-    decoded tokens]}, "drafters": {variant: what drafted}}`` (what a resumed run keeps)."""
+    decoded tokens, drafting seconds, target forwards]}, "drafters": {variant: what drafted}}`` (what a resumed
+    run keeps; transformers' loop cannot tell drafting from verifying and keeps the first three)."""
     target = drafter.target
     prompt = torch.tensor([prompt], device=drafter.device)
     # chain loop: one target prefill per prompt, shared by the baseline and every variant (each decodes
@@ -729,7 +740,8 @@ def _prompt(loop: str, drafter, runs, prompt: list[int], new_tokens: int, num_dr
         out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared, rule(prompt),
                       variant if variant in LOOKUP_VARIANTS else "head", lookup)
         unit["identical"] &= out.tokens == baseline.tokens
-        unit["runs"][variant] = [out.acceptance_length, out.decode_seconds, out.decode_tokens]
+        unit["runs"][variant] = [out.acceptance_length, out.decode_seconds, out.decode_tokens] + (
+            [] if out.draft_seconds is None else [out.draft_seconds, out.steps])
         unit["drafters"][variant] = out.drafter
     return unit
 

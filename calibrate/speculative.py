@@ -169,6 +169,7 @@ class SpeculativeResult:
     decode_seconds: float  # wall-clock time after the target's first forward, its prefill (what drafting speeds up)
     decode_tokens: int  # tokens committed in decode_seconds (after the target's first forward)
     drafter: str = "none"  # what drafted (the ChainDrafter's name; transformers' loop: assistant; none: target only)
+    draft_seconds: float | None = None  # of decode_seconds, in the drafter's draft and commit (chain loop; else None)
 
     @property
     def acceptance_length(self) -> float:
@@ -286,22 +287,26 @@ def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: 
     tokens = [first]
     drafter.start(prompt, feats, tokens[0])
     t1 = time.perf_counter()
-    accepted_counts = []
+    accepted_counts, drafting = [], 0.0
     while len(tokens) < max_new_tokens:
         k = min(num_draft, max_new_tokens - len(tokens))  # never draft past the requested length
+        t = time.perf_counter()
         drafts, q = drafter.draft(k, rule)  # up to k drafts; q: (len, vocab) their laws (None: greedy)
+        drafting += time.perf_counter() - t
         block = torch.tensor([[tokens[-1], *drafts]], device=device)  # pending token + its drafts
         logits, feats = target_step(target, block, cache, drafter.feature_ids)  # (len + 1, vocab)
         accepted, token = rule.verify(drafts, q, logits)
         new = drafts[:accepted] + [token]
         crop_cache(cache, cache.get_seq_length() - (len(drafts) - accepted))  # keep pending + accepted drafts
+        t = time.perf_counter()
         drafter.commit(new, None if feats is None else feats[:, :accepted + 1])
+        drafting += time.perf_counter() - t
         tokens.extend(new)
         accepted_counts.append(accepted)
     t2 = time.perf_counter()
     tokens = tokens[:max_new_tokens]  # the last step may commit one past the end
     return SpeculativeResult(tokens, len(accepted_counts), accepted_counts, t2 - t0, t2 - t1, len(tokens) - 1,
-                             drafter.name)
+                             drafter.name, drafting)
 
 
 @torch.no_grad()

@@ -210,6 +210,8 @@ def test_eval_cli_runs_assisted_generation(tmp_path):
         assert row["none"]["acceptance_length"] == 4.0  # K + 1: this test can fail
         for variant in r["variants"]:
             assert 1.0 <= row[variant]["acceptance_length"] <= 4.0 and row[variant]["speedup"] > 0
+            # transformers' generate drafts and verifies inside one call: no drafter time to report
+            assert row[variant]["draft_ms_per_round"] is None and row[variant]["draft_share"] is None
             if variant != "none":
                 assert len(row[variant]["delta_vs_none"]["acceptance_length"]) == 3
         if row["n"] <= 64:  # alpha = 1 and no window binds: every variant is the plain copy

@@ -82,6 +82,8 @@ def test_eagle3_result_shape(eagle3_result):
             cell = row[variant]
             assert 0 < cell["mass"] <= 1 and 0 <= cell["agreement"] <= 1
             assert 1 <= cell["acceptance_length"] <= 4 and cell["speedup"] > 0
+            # the drafter's share of the decode time: a part of it, never all (the target verifies too)
+            assert 0 < cell["draft_share"] < 1 and cell["draft_ms_per_round"] > 0
             lo, hi = cell["agreement_interval"]
             assert lo <= cell["agreement"] <= hi
             if variant != "none":

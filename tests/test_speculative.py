@@ -113,6 +113,35 @@ def test_self_drafting_accepts_everything(target):
     assert out.acceptance_length == 5.0
 
 
+def test_draft_seconds_count_the_drafters_calls_and_nothing_else(target):
+    """``draft_seconds``: the time in the drafter's draft and commit, a part of the decode time."""
+    import time
+
+    class Slow:  # the target drafting for itself, 20 ms slower in each draft and each commit
+        def __init__(self, inner):
+            self.inner = inner
+            self.name, self.feature_ids = inner.name, inner.feature_ids
+
+        def start(self, *args):
+            time.sleep(0.3)  # before decoding: not drafting time
+            return self.inner.start(*args)
+
+        def draft(self, k, rule):
+            time.sleep(0.02)
+            return self.inner.draft(k, rule)
+
+        def commit(self, tokens, features):
+            time.sleep(0.02)
+            return self.inner.commit(tokens, features)
+
+    prompt = prompts(target.config.vocab_size)[1]
+    out = speculative_generate(target, Slow(CausalLMChainDrafter(target)), prompt, 16, 4)
+    assert out.steps == 3
+    assert 0.04 * out.steps <= out.draft_seconds < out.decode_seconds  # two sleeps a round
+    # the start's 0.3 s is not drafting time (the tiny drafter's own calls take milliseconds, far below 0.25 s)
+    assert out.draft_seconds < 0.04 * out.steps + 0.25
+
+
 def test_eagle3_head_cache_matches_full_pass(target, head, eagle3):
     """After decoding, the head's cached rows equal a fresh teacher-forced pass over the output."""
     prompt = prompts(target.config.vocab_size)[2]
