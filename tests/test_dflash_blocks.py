@@ -137,6 +137,22 @@ def test_block_drafting_equals_greedy(spec, model, target):
     assert drafter.forwards == out.steps
 
 
+def test_a_draft_of_k_rows_is_the_blocks_first_k(model, target, text):
+    """Only the rows a verification reads go through the output head: the same numbers as the whole block's."""
+    from calibrate.drafters.target import hidden_state_features
+
+    feats = hidden_state_features(target, text, model.config.hidden_state_ids)
+    drafter = DFlashBlockDrafter(model, target)
+    drafter.start(text[:, :30], feats[:, :30], int(text[0, 30]))
+    whole = drafter.block_logits()
+    assert whole.shape[0] == BS - 1
+    for k in (1, BS - 2, BS - 1, BS + 3):
+        part = drafter.block_logits(k)
+        assert part.shape[0] == min(k, BS - 1)
+        # the same forward, cut before the head: float32 rounding of the head's matmul on fewer rows
+        torch.testing.assert_close(part, whole[:min(k, BS - 1)], rtol=1e-5, atol=1e-6)
+
+
 def test_self_consistent_blocks_accept(model, target):
     """A drafter whose block rows copy the target's greedy tokens is accepted in full: the loop
     commits B - 1 drafts plus its own token per step (checks what the loop does with a whole block)."""
@@ -144,7 +160,7 @@ def test_self_consistent_blocks_accept(model, target):
     base = greedy_generate(target, prompt, 13)
 
     class Oracle(DFlashBlockDrafter):
-        def block_logits(self):
+        def block_logits(self, rows=None):
             self.forwards += 1
             done = self.length + 1 - prompt.shape[1]  # tokens generated so far (the pending one included)
             rows = base.tokens[done:done + BS - 1] + [0] * BS

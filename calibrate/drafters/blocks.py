@@ -200,8 +200,10 @@ class DFlashBlockDrafter:
         self.length += n
 
     @torch.no_grad()
-    def block_logits(self) -> torch.Tensor:
-        """The block at ``N``'s draft logits (B - 1, vocab), rows 1 .. B - 1."""
+    def block_logits(self, rows: int | None = None) -> torch.Tensor:
+        """The block at ``N``'s draft logits (r, vocab), rows 1 .. r with ``r = min(rows, B - 1)`` (all B - 1 when
+        ``rows`` is None). The whole block runs (its rows see one another); only the ``r`` rows a verification
+        reads go through the output head, the drafter's largest matrix."""
         from ..taps import ScalingTap, attention_tap
 
         model, N = self.model, self.length
@@ -213,16 +215,17 @@ class DFlashBlockDrafter:
         with attention_tap(model, ScalingTap(self.spec)):
             hidden = model.forward_block(_embed(model, self.target, ids), pos, context)
         self.forwards += 1
-        return self.target.get_output_embeddings()(hidden[0, 1:])
+        last = self.block_size if rows is None else 1 + min(rows, self.block_size - 1)
+        return self.target.get_output_embeddings()(hidden[0, 1:last])
 
     def draft_logits(self, k: int) -> torch.Tensor:
         """Rows 1 .. min(k, B - 1) of the block at ``N`` (:meth:`block_logits`): (min(k, B - 1), vocab)."""
-        return self.block_logits()[:k]
+        return self.block_logits(k)
 
     def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
         """``min(k, B - 1)`` drafts from one forward, row ``j`` picked by ``rule`` from its own logits,
         with their laws over the target vocabulary (None: greedy)."""
-        logits = self.block_logits()
+        logits = self.block_logits(k)
         drafts, laws = [], []
         for j in range(min(k, self.block_size - 1)):
             token, law = rule.pick(logits[j])
