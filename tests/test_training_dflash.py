@@ -117,6 +117,13 @@ def test_bad_options_are_refused_in_one_line(shards, tmp_path, args, named):
     assert named in str(stop.value)
 
 
+def test_an_unknown_norm_init_is_refused_naming_it(shards, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        _script().parse_args(["--features", str(shards), "--out", str(tmp_path / "h"), "--norm-init", "zeros"])
+    assert stop.value.code != 0
+    assert "--norm-init: invalid choice: 'zeros'" in capsys.readouterr().err
+
+
 def test_held_out_sequences_are_spread_over_the_shards_and_distinct():
     script = _script()
     assert script.held_out(320, 8) == [20, 60, 100, 140, 180, 220, 260, 300]
