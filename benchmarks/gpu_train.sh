@@ -7,7 +7,7 @@
 #
 # JOBS (default "copy dflash pard") picks among:
 #   copy    the three EAGLE-3 heads retrained on the recall mix (scripts/train_copy_heads.sh, PARALLEL=1);
-#   dflash  a DFlash head on the same features (scripts/train_dflash.py, blocks of 16);
+#   dflash  a DFlash head on the same features (scripts/train_dflash.py, blocks of 16, 128 a step);
 #   pard    a PARD drafter (scripts/train_pard.py, SmolLM2's layers 0-2 and 29, 16 sequences a step);
 #   circuit (opt-in: JOBS=circuit) the demo head grown with the two-token copy circuit
 #           (scripts/induction_head.py --bigram, docs/training.md "A copy circuit, built rather than
@@ -71,8 +71,10 @@ if wants copy || wants dflash; then
     fi
     if wants dflash; then
         stamp "dflash: training"
+        # many anchors a step: on a CPU, more blocks of fewer rows left the first row's plateau sooner
+        # (docs/training.md, "A DFlash head"); a GPU takes 128 blocks of 16 a step at no cost in time
         "$PY" scripts/train_dflash.py --features "$FEATURES" --out .cache/heads/dflash-smollm2 --device cuda \
-            --write-every-save > .cache/train-dflash-smollm2.log 2>&1 &
+            --anchors 128 --write-every-save > .cache/train-dflash-smollm2.log 2>&1 &
         pids+=($!)
     fi
 fi

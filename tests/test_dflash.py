@@ -291,5 +291,16 @@ def test_adapter_identity(model, target):
     d = DFlashDrafter(model, target, tokenizer=None, path="x")
     assert d.kind == "dflash" and d.default_n_ref == 3072
     assert (d.info.num_layers, d.info.num_heads, d.info.num_kv_heads, d.info.head_dim) == (2, 4, 2, 16)
-    with pytest.raises(UserError, match="no built-in drafter"):
+
+def test_a_missing_built_in_head_is_named_with_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setattr(dflash, "DFLASH_HEAD_DIR", tmp_path / "dflash-smollm2")
+    with pytest.raises(UserError, match="the DFlash head for SmolLM2 is missing .*scripts/train_dflash.py"):
         dflash.load("dflash", None, None, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.slow
+def test_the_built_in_head_loads_with_smollm2_and_its_training_length():
+    drafter = dflash.load("dflash", None, None, torch.device("cpu"), torch.float32)
+    record = json.loads((dflash.DFLASH_HEAD_DIR / "training_log.json").read_text())
+    assert drafter.info.path is None and drafter.default_n_ref == record["n_ref"]
+    assert drafter.model.config.hidden_state_ids == (2, 15, 27)  # the features SmolLM2's shards hold

@@ -255,7 +255,6 @@ def test_plot(eagle3_result, tmp_path):
     (["--lengths", "256,abc"], "comma-separated integers"),
     (["--lengths", "1"], ">= 2"),
     (["--plot", "out.pdf"], "give a .png"),
-    (["--drafter", "dflash"], "DFlash has no built-in drafter; pass a DFlash checkpoint folder with --drafter-path"),
     (["--drafter", "medusa"], "--drafter medusa: expected one of hf, pard, eagle3, dflash"),
     (["--lengths", "256,16384"], "from 2 to 8192"),
     (["--variants", "none,magic"], "unknown variant 'magic'"),

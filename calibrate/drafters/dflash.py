@@ -50,11 +50,12 @@ from .layers import GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_
 from .target import eos_token_id, hidden_state_features, load_target
 
 __all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load", "load_dflash", "context_features",
-           "DFLASH_DEFAULT_N_REF"]
+           "DFLASH_DEFAULT_N_REF", "DFLASH_HEAD_DIR"]
 
 # DFlash's config.json states no training length (max_position_embeddings is copied from the target); without a
 # training record beside the checkpoint, 3072, SpecForge's DFlash recipe max_length [unconfirmed for z-lab's own].
 DFLASH_DEFAULT_N_REF = 3072
+DFLASH_HEAD_DIR = Path(__file__).resolve().parent.parent / "assets" / "dflash-smollm2"  # built-in, for SmolLM2
 
 _SECTION = "dflash_config"  # DFlash draft fields may sit here or at the top level of config.json
 _field = partial(config_field, what="DFlash")
@@ -651,13 +652,15 @@ def _visible_from_start(tap: AttentionTap, model: DFlashDraftModel, p: int) -> A
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype) -> DFlashDrafter:
-    """Load the DFlash model at ``drafter_path`` and its target (``calibrate.drafters.target.load_target``;
-    None: SmolLM2, which has no released DFlash drafter, so a real target path is normally needed)."""
-    if drafter_path is None:
-        raise UserError("DFlash has no built-in drafter; pass a DFlash checkpoint folder with --drafter-path")
-    if not Path(drafter_path).is_dir():
-        raise UserError(f"DFlash checkpoint {drafter_path}: not a directory")
+    """Load the DFlash model at ``drafter_path`` (None: the packaged head for SmolLM2, :data:`DFLASH_HEAD_DIR`)
+    and its target (``calibrate.drafters.target.load_target``; None: SmolLM2)."""
+    path = Path(drafter_path) if drafter_path is not None else DFLASH_HEAD_DIR
+    if drafter_path is None and not (path / "config.json").is_file():
+        raise UserError(f"the DFlash head for SmolLM2 is missing ({path}); train one with scripts/train_dflash.py "
+                        "or pass --drafter-path DIR")
+    if not path.is_dir():
+        raise UserError(f"DFlash checkpoint {path}: not a directory")
     target, tokenizer = load_target(target_path, device, dtype)
-    model = load_dflash(drafter_path, target, device=device, dtype=dtype)
-    training = training_length(Path(drafter_path), model.config.max_position_embeddings, trust_mpe=False)
-    return DFlashDrafter(model, target, tokenizer, str(drafter_path), training)
+    model = load_dflash(path, target, device=device, dtype=dtype)
+    training = training_length(path, model.config.max_position_embeddings, trust_mpe=False)
+    return DFlashDrafter(model, target, tokenizer, None if drafter_path is None else str(drafter_path), training)
