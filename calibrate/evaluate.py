@@ -665,6 +665,7 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
         lengths = {v: np.zeros(len(texts)) for v, _, _ in runs}  # per sequence: tokens per target forward
         seconds, decoded = defaultdict(float), defaultdict(int)  # per variant: decode time and tokens
         drafting, rounds = defaultdict(float), defaultdict(int)  # per variant: drafter time and target forwards
+        untimed = set()  # variants with a prompt that kept no drafter time (transformers' loop): none for the bucket
         base_seconds, base_decoded = 0.0, 0
         for i, text in enumerate(texts):
             unit = saved.get(f"speculative-{int(n)}-{i:05d}", lambda u: _prompt_unit(u, [v for v, _, _ in runs]))
@@ -682,11 +683,11 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
                 lengths[variant][i] = length
                 seconds[variant] += secs
                 decoded[variant] += tokens
-                if timed and rounds[variant] >= 0:
+                if timed:
                     drafting[variant] += timed[0]
                     rounds[variant] += int(timed[1])
-                else:  # a prompt without the drafter's time (transformers' loop): none for the bucket
-                    rounds[variant] = -1
+                else:
+                    untimed.add(variant)
         buckets[b]["acceptance_prompts"] = len(texts)
         base_rate = base_seconds / base_decoded if base_decoded else None  # seconds per decoded token
         for variant, _, _ in runs:
@@ -696,7 +697,7 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
             cell.setdefault("per_sequence", {})["acceptance_length"] = lengths[variant].tolist()  # one prompt each
             rate = seconds[variant] / decoded[variant] if decoded[variant] else None
             cell["speedup"] = _round(base_rate / rate if base_rate and rate else None)
-            timed = rounds[variant] > 0 and seconds[variant] > 0
+            timed = variant not in untimed and rounds[variant] > 0 and seconds[variant] > 0
             cell["draft_ms_per_round"] = _round(1e3 * drafting[variant] / rounds[variant] if timed else None, 3)
             cell["draft_share"] = _round(drafting[variant] / seconds[variant] if timed else None)
             if variant != "none":

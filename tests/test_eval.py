@@ -491,3 +491,15 @@ def test_cli_extra_spec_is_a_variant_and_resumes(tmp_path, monkeypatch):
     resumed = CliRunner().invoke(app, [*args, "--resume", "--json"])
     assert resumed.exit_code == 0, resumed.output
     assert json.loads(resumed.stdout)["buckets"] == saved["buckets"]
+
+
+def test_a_saved_prompt_keeps_three_or_five_numbers_per_run():
+    """A resumed prompt from before the drafter's time was kept has 3 numbers a run, a new one 5; others are refused."""
+    from calibrate.evaluate import _prompt_unit
+
+    unit = {"identical": True, "base": [1.0, 8], "drafters": {"none": "eagle3"}}
+    for run in ([1.5, 0.5, 8], [1.5, 0.5, 8, 0.1, 5]):
+        assert _prompt_unit({**unit, "runs": {"none": run}}, ["none"])["runs"]["none"] == run
+    for run in ([1.5, 0.5, 8, 0.1], [1.5, 0.5, 8, -0.1, 5], [1.5, 0.5, 8, float("nan"), 5]):
+        with pytest.raises(ValueError, match="3 or 5 finite numbers"):
+            _prompt_unit({**unit, "runs": {"none": run}}, ["none"])
