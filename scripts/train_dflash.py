@@ -177,18 +177,24 @@ def held_out(sequences: int, check: int) -> list[int]:
     return [int((i + 0.5) * sequences / check) for i in range(check)]
 
 
+def draw_blocks(gen: torch.Generator, tokens: torch.Tensor, args: argparse.Namespace):
+    """``--anchors`` random anchors ``p`` in ``[1, T - B]`` of one sequence (sorted) and the context keys each block
+    sees (:func:`context_keys`): (A,) and (A, T)."""
+    anchors = torch.randperm(len(tokens) - args.block, generator=gen)[:args.anchors].sort().values + 1
+    seen = torch.stack([context_keys(gen, tokens, int(p), args.context, args.local, args.match, args.block)
+                        for p in anchors])
+    return anchors, seen
+
+
 @torch.no_grad()
 def check_blocks(model: DFlashDraftModel, embed, lm_head: torch.Tensor, data: dict, seqs: list[int],
                  args: argparse.Namespace) -> dict:
     """The loss and greedy agreement per block row on held-out sequences, at anchors and keys drawn from a fixed
     seed (the same at every check), so that checks along a run compare the same blocks."""
     gen = torch.Generator().manual_seed(12345)
-    T = data["tokens"].shape[1]
     losses, agree = [], []
     for seq in seqs:
-        anchors = torch.randperm(T - args.block, generator=gen)[:args.anchors].sort().values + 1
-        seen = torch.stack([context_keys(gen, data["tokens"][seq], int(p), args.context, args.local, args.match,
-                                         args.block) for p in anchors])
+        anchors, seen = draw_blocks(gen, data["tokens"][seq], args)
         loss, rows = block_loss(model, embed, lm_head, data, seq, anchors.to(lm_head.device), seen, args.decay)
         losses.append(loss.item())
         agree.append(rows)
@@ -254,9 +260,7 @@ def main(argv=None) -> None:
     ema = None
     for step in range(done + 1, args.steps + 1):
         seq = int(train[torch.randint(0, len(train), (1,), generator=gen)])
-        anchors = torch.randperm(T - args.block, generator=gen)[:args.anchors].sort().values + 1  # p in [1, T - B]
-        seen = torch.stack([context_keys(gen, data["tokens"][seq], int(p), args.context, args.local, args.match,
-                                         args.block) for p in anchors])  # (A, T)
+        anchors, seen = draw_blocks(gen, data["tokens"][seq], args)
         loss, agree = block_loss(model, embed, lm_head, data, seq, anchors.to(device), seen, args.decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
