@@ -54,16 +54,25 @@ def _delta(triple, bracket: bool = True) -> str:
 def contrast(bucket: dict, variant: str, versus: str, metric: str, other: dict | None = None) -> list[float] | None:
     """``[mean, lo, hi]``: ``variant`` minus ``versus`` in ``metric`` at one bucket, paired over the same
     rows (acceptance length: the same prompts), 95% bootstrap over sequences; None without per-sequence sums.
-    ``other``: the bucket ``versus`` is read from (another drafter's, over the same rows), else ``bucket``."""
+    ``other``: the bucket ``versus`` is read from (another drafter's), else ``bucket``. Where ``other``'s rows
+    of a sequence are not these (a block drafter's anchors against a chain's), the difference is that of
+    the per-sequence rates, each sequence weighing the same."""
     try:
         a = np.asarray(bucket[variant]["per_sequence"][metric], dtype=float)
         b = np.asarray((bucket if other is None else other)[versus]["per_sequence"][metric], dtype=float)
     except KeyError:
         return None
+    if metric == "acceptance_length":  # one number a prompt
+        return paired_bootstrap(a - b, None)
     subset = metric.partition("_")[0]
     rows_key = f"{subset}_rows_per_sequence" if subset in SUBSETS else "rows_per_sequence"  # the rows it sums over
-    rows = None if metric == "acceptance_length" else np.asarray(bucket[rows_key], dtype=float)
-    return paired_bootstrap(a - b, rows)
+    rows = np.asarray(bucket[rows_key], dtype=float)
+    there = rows if other is None else np.asarray(other[rows_key], dtype=float)
+    if np.array_equal(rows, there):
+        return paired_bootstrap(a - b, rows)
+    if (rows <= 0).any() or (there <= 0).any():  # a sequence without such rows on one side has no rate
+        return None
+    return paired_bootstrap(a / rows - b / there, None)  # other rows of the same sequences: their rates, paired
 
 
 def _variants(bucket: dict) -> list[str]:
@@ -134,25 +143,28 @@ def table_at(result: dict, n: int, versus: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def same_rows(result: dict, other: dict) -> None:
-    """Refuse, in one line, two evals whose per-sequence sums are not over the same rows and prompts."""
+def same_rows(result: dict, other: dict) -> bool:
+    """Refuse, in one line, two evals not over the same prompts and buckets; whether their per-sequence sums
+    are over the same rows too (False for two drafters that place their rows differently, e.g. a block
+    drafter's anchors against a chain's)."""
     for key in ("corpus", "sequences", "sequence_length", "skip"):
         if result.get(key) != other.get(key):
             raise SystemExit(f"--against: {key} {other.get(key)!r} there, {result.get(key)!r} here; compare evals "
                              "of the same prompts")
-    mine = [(b["n"], b["rows_per_sequence"]) for b in result["buckets"]]
-    theirs = [(b["n"], b["rows_per_sequence"]) for b in other["buckets"]]
-    if mine != theirs:
-        raise SystemExit("--against: its buckets or rows per sequence differ from these; compare evals of the "
-                         "same prompts and lengths")
+    if [b["n"] for b in result["buckets"]] != [b["n"] for b in other["buckets"]]:
+        raise SystemExit("--against: its buckets differ from these; compare evals of the same prompts and lengths")
+    return all(a.get("rows_per_sequence") == b.get("rows_per_sequence")
+               for a, b in zip(result["buckets"], other["buckets"]))
 
 
 def table_against(result: dict, other: dict, names: tuple[str, str]) -> str:
     """A row per bucket and shared variant: each metric here, there, and here - there, paired over sequences."""
-    same_rows(result, other)
+    rows_too = same_rows(result, other)
     mine, theirs = names
     lines = [f"{result['sequences']} sequences of {result['corpus']}; {mine} against {theirs} on the same prompts; "
-             "differences paired, 95% interval over sequences (bold: excludes 0)", ""]
+             "differences paired, 95% interval over sequences (bold: excludes 0)"
+             + ("" if rows_too else "; the two read other rows of each sequence, so a teacher-forced difference is "
+                "the mean over sequences of the difference of their rates"), ""]
     first = result["buckets"][0]
     variants = [v for v in _variants(first) if v in other["buckets"][0]]
     metrics = [m for m in ("agreement", "copy_agreement", "other_agreement", "expected_acceptance", "acceptance_length")

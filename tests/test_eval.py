@@ -149,8 +149,32 @@ def test_two_evals_of_the_same_prompts_pair_by_sequence(eagle3_result):
         table.table_against(eagle3_result, fewer, ("mine", "theirs"))
     fewer = copy.deepcopy(other)
     fewer["buckets"] = fewer["buckets"][:1]
-    with pytest.raises(SystemExit, match="buckets or rows per sequence differ"):
+    with pytest.raises(SystemExit, match="--against: its buckets differ from these"):
         table.table_against(eagle3_result, fewer, ("mine", "theirs"))
+
+
+def test_two_drafters_reading_other_rows_pair_their_per_sequence_rates(eagle3_result):
+    """A block drafter's anchors are not a chain's rows: --against pairs the rates of each sequence (each
+    sequence weighing the same), says so in the table's first line, and pairs acceptance length by prompt."""
+    table = _eval_table()
+    other = copy.deepcopy(eagle3_result)
+    for row in other["buckets"]:
+        row["rows_per_sequence"] = [2 * r for r in row["rows_per_sequence"]]  # twice the rows, the same hits
+        row["rows"] *= 2
+    here, there = eagle3_result["buckets"][-1], other["buckets"][-1]
+    hits = np.asarray(here["none"]["per_sequence"]["agreement"], dtype=float)
+    rates = hits / np.asarray(here["rows_per_sequence"], dtype=float)
+    got = table.contrast(here, "none", "none", "agreement", there)
+    assert got[0] == pytest.approx(float(np.mean(rates - rates / 2)), rel=1e-12)  # written out: half the rate there
+    assert got[1] <= got[0] <= got[2]
+    assert table.contrast(here, "none", "none", "acceptance_length", there)[0] == 0  # the same prompts, one number each
+    text = table.table_against(eagle3_result, other, ("dflash", "eagle3"))
+    assert "difference of their rates" in text.splitlines()[0] and "agreement dflash - eagle3" in text
+    assert "difference of their rates" not in table.table_against(eagle3_result, copy.deepcopy(eagle3_result),
+                                                                  ("a", "b")).splitlines()[0]
+    empty = copy.deepcopy(other)
+    empty["buckets"][-1]["rows_per_sequence"][0] = 0  # a sequence with no rows there has no rate
+    assert table.contrast(here, "none", "none", "agreement", empty["buckets"][-1]) is None
 
 
 @pytest.mark.parametrize("content,named", [
