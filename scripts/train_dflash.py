@@ -25,7 +25,8 @@ tokens attend, non-causally inside the block, to fused target features of the co
    the target's next-token law there (final state at ``p + k - 1`` times the target's ``lm_head``)
    is weighted ``exp(-(k - 1) / --decay)`` (DFlash's decay, 7 for blocks of 16). The target's
    embedding and ``lm_head`` are frozen and not saved; ``fc``, ``hidden_norm``, the Qwen3-style
-   layers and ``norm`` (initialised from the target's final norm) train.
+   layers and ``norm`` train: from a random start (``norm`` at ones, DFlash's), or with
+   ``--layer-init target`` from a copy of the target's last layers (:func:`target_start`).
 5. Progress is saved every ``--save-every`` steps under ``--work`` (atomically; a stopped run
    resumes). The head folder: ``config.json`` (z-lab's layout), ``model.safetensors`` (fp16) and
    ``training_log.json`` (``n_ref``, ``max_distance``, the command and the loss history).
@@ -59,6 +60,44 @@ from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel  # noqa: E4
 from calibrate.smollm2 import load_smollm2  # noqa: E402
 
 TARGET_LAYER_IDS = (1, 14, 26)  # read as hidden_states[2, 15, 27]: the shards' features
+SETTINGS_BEFORE = {"layer_init": "random"}  # options added later, as runs saved before them had them
+
+
+@torch.no_grad()
+def target_start(model: DFlashDraftModel, target, features: torch.Tensor) -> dict[int, tuple[float, float]]:
+    """Start ``model`` from the target's last layers, so that the block rows begin near the target's own
+    next-token path; returns, per target layer copied, the q_norm / k_norm weights given.
+
+    Layer ``i`` of ``L`` is a copy of the target's layer ``N - L + i`` (attention projections, MLP, both
+    norms); ``fc`` passes the last feature (the output of target layer ``TARGET_LAYER_IDS[-1]``) through and
+    ``hidden_norm`` is the first copied layer's input norm, so that layer sees context keys and values of the
+    target's residual stream as the target's layer would; ``norm`` is the target's final norm. The target has
+    no per-head q/k norm: each copy's ``q_norm`` / ``k_norm`` weights are set to the root mean square of the
+    target layer's queries / keys on ``features`` (T, len(ids) * H), so the attention logits start at the
+    target's scale.
+    """
+    c = model.config
+    source = target.get_decoder().layers
+    first = len(source) - c.num_hidden_layers
+    H = c.hidden_size
+    model.fc.weight.zero_()
+    model.fc.weight[:, -H:] = torch.eye(H)
+    model.hidden_norm.weight.copy_(source[first].input_layernorm.weight)
+    model.norm.weight.copy_(target.get_decoder().norm.weight)
+    resid = features[:, -H:]
+    scales = {}
+    for layer, src in zip(model.layers, source[first:]):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(layer.self_attn, name).load_state_dict(getattr(src.self_attn, name).state_dict())
+        layer.mlp.load_state_dict(src.mlp.state_dict())
+        layer.input_layernorm.load_state_dict(src.input_layernorm.state_dict())
+        layer.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+        x = src.input_layernorm(resid)
+        rms = [float(proj(x).pow(2).mean().sqrt()) for proj in (src.self_attn.q_proj, src.self_attn.k_proj)]
+        layer.self_attn.q_norm.weight.fill_(rms[0])
+        layer.self_attn.k_norm.weight.fill_(rms[1])
+        scales[first + len(scales)] = tuple(rms)
+    return scales
 
 
 def context_keys(gen: torch.Generator, tokens: torch.Tensor, p: int, context: int, local: int, match: int,
@@ -136,6 +175,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--norm-init", choices=("ones", "target"), default="ones",
                     help="the output norm's weights at the start: ones (DFlash's), or the target's final norm")
+    ap.add_argument("--layer-init", choices=("random", "target"), default="random",
+                    help="the layers at the start: random (DFlash's), or a copy of the target's last --layers "
+                         "layers, fc reading the last feature and the output norm the target's (target_start)")
     ap.add_argument("--check", type=int, default=8,
                     help="sequences kept out of training, evenly spaced over the shards, checked every --check-every")
     ap.add_argument("--check-every", type=int, default=50, help="steps between held-out checks")
@@ -216,6 +258,10 @@ def main(argv=None) -> None:
     tc = target.config
     if not 0 <= args.mask_token < tc.vocab_size:
         raise SystemExit(f"--mask-token {args.mask_token}: not a token id of the target's {tc.vocab_size}")
+    if args.layer_init == "target" and (args.intermediate != tc.intermediate_size
+                                        or args.layers > tc.num_hidden_layers):
+        raise SystemExit(f"--layer-init target copies the target's layers: give --intermediate "
+                         f"{tc.intermediate_size} and at most {tc.num_hidden_layers} --layers")
     data = load_shards(args.features)
     S, T = data["tokens"].shape
     if T < args.block + 2:
@@ -228,6 +274,10 @@ def main(argv=None) -> None:
                           rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope),
                           num_target_layers=tc.num_hidden_layers)
     model = DFlashDraftModel(config)
+    if args.layer_init == "target":
+        scales = target_start(model, target, data["features"][0][:256].float())
+        log("layers from the target's " + ", ".join(str(s) for s in scales) + "; q_norm / k_norm at "
+            + ", ".join(f"{q:.2f} / {k:.2f}" for q, k in scales.values()))
     if args.norm_init == "target":  # logits at the target's scale, but in a random direction: a large first loss
         with torch.no_grad():
             model.norm.weight.copy_(target.get_decoder().norm.weight)
@@ -248,7 +298,7 @@ def main(argv=None) -> None:
     progress = work / "progress.pt"
     if progress.is_file():
         state = torch.load(progress, weights_only=False)
-        if state["settings"] != settings:
+        if {**SETTINGS_BEFORE, **state["settings"]} != settings:  # a run from before an option keeps its default
             raise SystemExit(f"{progress} was made with other options; delete it or use another --work")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])

@@ -96,8 +96,14 @@ def test_a_short_run_writes_a_head_smollm2_loads_and_resumes(shards, tmp_path, c
     target, _ = load_smollm2()
     model = load_dflash(tmp_path / "head", target)
     assert model.config.hidden_state_ids == (2, 15, 27) and model.config.block_size == 4
+    progress = tmp_path / "work" / "progress.pt"
+    state = torch.load(progress, weights_only=False)
+    del state["settings"]["layer_init"]  # a run saved before --layer-init existed was a random start
+    torch.save(state, progress)
     script.main(argv)  # finished: resumes at its last step and writes nothing new
     assert "resuming at step 2/2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="made with other options"):
+        script.main([*argv, "--layer-init", "target", "--intermediate", "1536"])
 
 
 @pytest.mark.parametrize("args,named", [
@@ -146,3 +152,58 @@ def test_an_out_that_is_an_input_or_a_file_is_refused(shards, tmp_path):
 def test_features_without_a_manifest_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="no manifest.json"):
         _script().parse_args(["--features", str(tmp_path), "--out", str(tmp_path / "h")])
+
+
+def test_a_start_from_the_target_copies_its_last_layers_and_reads_its_residual_stream():
+    """--layer-init target: layer i is the target's layer N - L + i; the context the first layer projects is
+    the target's own input norm of the last feature (what that target layer would read there); q_norm /
+    k_norm carry the root mean square of the target layer's queries / keys."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel
+
+    script = _script()
+    torch.manual_seed(0)
+    H = 32
+    target = LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=5,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=40)).double()
+    for p in target.parameters():  # norms away from 1, so that a copy is told from a default
+        p.data += 0.1 * torch.randn_like(p)
+    model = DFlashDraftModel(DFlashConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                                          intermediate_size=48, num_hidden_layers=2, vocab_size=40, block_size=4,
+                                          mask_token_id=39, target_layer_ids=(0, 1, 2), rope_theta=1000.0)).double()
+    features = torch.randn(20, 3 * H, dtype=torch.float64)
+    scales = script.target_start(model, target, features)
+    assert list(scales) == [3, 4]
+    source = target.get_decoder().layers
+    for mine, theirs in zip(model.layers, source[3:]):
+        for name, weight in theirs.named_parameters():
+            assert torch.equal(dict(mine.named_parameters())[name], weight), name
+    resid = features[:, -H:]
+    # float64, the same ops in another order: equal to rounding
+    assert torch.allclose(model.hidden_norm(model.fc(features)), source[3].input_layernorm(resid), atol=1e-12)
+    with torch.no_grad():
+        q = source[4].self_attn.q_proj(source[4].input_layernorm(resid))
+    assert torch.allclose(model.layers[1].self_attn.q_norm.weight, q.pow(2).mean().sqrt().expand(8), atol=1e-12)
+    assert scales[4][0] == pytest.approx(float(q.pow(2).mean().sqrt()), rel=1e-12)
+    assert torch.equal(model.norm.weight, target.get_decoder().norm.weight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra,named", [(["--intermediate", "64"], "give --intermediate 1536"),
+                                         (["--layers", "31"], "at most 30 --layers")])
+def test_a_start_from_the_target_needs_its_shape(shards, tmp_path, extra, named):
+    argv = ["--features", str(shards), "--out", str(tmp_path / "head"), "--work", str(tmp_path / "work"),
+            "--layer-init", "target", "--block", "4", "--check", "1", *extra]
+    with pytest.raises(SystemExit) as stop:
+        _script().main(argv)
+    assert named in str(stop.value) and "--layer-init target" in str(stop.value)
+    assert not (tmp_path / "head").exists()
+
+
+def test_an_unknown_layer_init_is_refused_naming_it(shards, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        _script().parse_args(["--features", str(shards), "--out", str(tmp_path / "h"), "--layer-init", "smollm2"])
+    assert stop.value.code != 0
+    assert "--layer-init: invalid choice: 'smollm2'" in capsys.readouterr().err
+
