@@ -72,9 +72,10 @@ if wants copy || wants dflash; then
     if wants dflash; then
         stamp "dflash: training"
         # many anchors a step: on a CPU, more blocks of fewer rows left the first row's plateau sooner
-        # (docs/training.md, "A DFlash head"); a GPU takes 128 blocks of 16 a step at no cost in time
+        # (docs/training.md, "A DFlash head"); a GPU takes 128 blocks of 16 a step at no cost in time. The
+        # layers start from SmolLM2's last three, which reached the random start's check in half the steps
         "$PY" scripts/train_dflash.py --features "$FEATURES" --out .cache/heads/dflash-smollm2 --device cuda \
-            --anchors 128 --write-every-save > .cache/train-dflash-smollm2.log 2>&1 &
+            --layers 3 --layer-init target --anchors 128 --write-every-save > .cache/train-dflash-smollm2.log 2>&1 &
         pids+=($!)
     fi
 fi
