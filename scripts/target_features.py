@@ -18,6 +18,12 @@ tokens); its shards also hold the ``copied`` mask::
     python scripts/target_features.py --sources pydoc:train,stdlib --seq-len 8192 --tokens 524288
     python scripts/target_features.py --sources recall:pydoc:train,recall:stdlib,pydoc:train,stdlib \
         --per-source 16,16,13,51 --tokens 786432 --out .cache/smollm2-features-copy-mix
+
+``--skip`` passes over the first sequences of each source, so a second folder continues the text of a
+first (``--skip 0,220`` after ``--per-source 100,220``: the stdlib text that follows, none repeated)::
+
+    python scripts/target_features.py --sources recall:stdlib --per-source 320 --skip 220 --seq-len 1024 \
+        --tokens 327680 --out .cache/smollm2-features-recall-1024-more
 """
 
 from __future__ import annotations
@@ -45,39 +51,45 @@ def log(msg: str) -> None:
 
 
 def plan_sequences(tokenizer, sources: list[str], seq_len: int, tokens: int,
-                   per_source: list[int] | None = None) -> list[tuple[str, list[int], list[bool] | None]]:
+                   per_source: list[int] | None = None, skip: list[int] | None = None
+                   ) -> list[tuple[str, list[int], list[bool] | None]]:
     """``(source, token ids, copied mask or None)`` of every sequence to featurize: each source in turn,
-    ``tokens`` in all, at most ``per_source[i]`` from source ``i`` (one value: the same for each)."""
+    ``tokens`` in all, at most ``per_source[i]`` from source ``i`` (one value: the same for each), after
+    the first ``skip[i]`` sequences of source ``i`` (made and dropped: a source is consumed in order, so
+    a second folder with ``skip`` = the first one's count holds the text that follows, none of the same)."""
     wanted = tokens // seq_len
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     eos = eos_token_id(tokenizer)
     planned: list[tuple[str, list[int], list[bool] | None]] = []
     caps = per_source * len(sources) if per_source and len(per_source) == 1 else per_source or [wanted] * len(sources)
-    for source, cap in zip(sources, caps):
+    skips = (skip or [0]) * len(sources) if not skip or len(skip) == 1 else skip
+    for source, cap, skipped in zip(sources, caps, skips):
         left = min(wanted - len(planned), cap)
         if left <= 0:
             break
         if source.startswith("recall:"):
             stream = (t for seq in pack(source.removeprefix("recall:"), encode, eos, 1024) for t in seq)
             try:
-                made = recall_sequences(stream, seq_len, left)
+                made = recall_sequences(stream, seq_len, skipped + left)[skipped:]
             except ValueError as e:
-                raise SystemExit(f"{source}: {e} (it was asked for {left} sequences of {seq_len}; lower --tokens "
-                                 "or --per-source)") from None
+                raise SystemExit(f"{source}: {e} (it was asked for {left} sequences of {seq_len} after {skipped}; "
+                                 "lower --tokens, --per-source or --skip)") from None
             planned += [(source, r.ids, r.copied.tolist()) for r in made]
         else:
-            planned += [(source, seq, None) for seq in pack(source, encode, eos, seq_len, left)]
+            planned += [(source, seq, None) for seq in list(pack(source, encode, eos, seq_len, skipped + left))[skipped:]]
     return planned
 
 
-def per_source_counts(text: str, sources: int) -> list[int]:
-    """``--per-source``: one positive count, or one per source; else a one-line exit."""
+def per_source_counts(text: str, sources: int, option: str = "--per-source", least: int = 1) -> list[int]:
+    """``--per-source`` (or ``--skip``, ``least`` 0): one count of at least ``least``, or one per source; else a
+    one-line exit."""
     try:
         counts = [int(v) for v in text.split(",")]
     except ValueError:
         counts = []
-    if len(counts) not in (1, sources) or min(counts, default=0) < 1:
-        raise SystemExit(f"--per-source {text}: give one positive number or one per source ({sources})")
+    if len(counts) not in (1, sources) or min(counts, default=least - 1) < least:
+        kind = "positive" if least == 1 else "whole"
+        raise SystemExit(f"{option} {text}: give one {kind} number or one per source ({sources})")
     return counts
 
 
@@ -112,22 +124,28 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=524288, help="target tokens in all")
     ap.add_argument("--per-source", default=None,
                     help="at most this many sequences from each source: one number, or one per source (comma-separated)")
+    ap.add_argument("--skip", default=None,
+                    help="sequences of each source to pass over first (one number, or one per source): a second "
+                         "folder with --skip N continues the text of a first one that took N")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="where the target runs: cpu, or cuda on a GPU machine (fp32 either "
                                                      "way, so the shards do not depend on it beyond rounding)")
     args = ap.parse_args()
     sources = args.sources.split(",")
     per_source = None if args.per_source is None else per_source_counts(args.per_source, len(sources))
+    skip = None if args.skip is None else per_source_counts(args.skip, len(sources), "--skip", least=0)
     device = check_device(args.device)
     torch.set_num_threads(args.threads)
 
     target, tokenizer = load_smollm2(device)
-    planned = plan_sequences(tokenizer, sources, args.seq_len, args.tokens, per_source)
+    planned = plan_sequences(tokenizer, sources, args.seq_len, args.tokens, per_source, skip)
     num_layers = len(target.get_decoder().layers)
     ids = (*feature_layer_ids(num_layers), num_layers)  # the EAGLE-3 features, then the final normed state
     manifest = {"sources": sources, "seq_len": args.seq_len, "sequences": len(planned),
                 "per_source": {s: sum(src == s for src, *_ in planned) for s in sources},
                 "layers": list(ids), "dtype": "float16", "target": "SmolLM2-135M-Instruct (fp32)"}
+    if skip and any(skip):  # recorded only when given, so folders made before --skip resume as they were
+        manifest["skip"] = dict(zip(sources, skip * len(sources) if len(skip) == 1 else skip))
     args.out.mkdir(parents=True, exist_ok=True)
     manifest_path = args.out / "manifest.json"
     if manifest_path.is_file() and json.loads(manifest_path.read_text()) != manifest:

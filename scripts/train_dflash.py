@@ -162,7 +162,9 @@ def block_loss(model: DFlashDraftModel, embed, lm_head: torch.Tensor, data: dict
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="head folder to write")
-    ap.add_argument("--features", type=Path, required=True, help="shard folder of scripts/target_features.py")
+    ap.add_argument("--features", required=True,
+                    help="shard folder of scripts/target_features.py, or several, comma-separated (the held-out "
+                         "check comes from the first)")
     ap.add_argument("--work", type=Path, default=None, help="progress folder (default .cache/train-<out name>)")
     ap.add_argument("--layers", type=int, default=2, help="Qwen3-style decoder layers")
     ap.add_argument("--block", type=int, default=16, help="block size B: the anchor and B - 1 drafts")
@@ -198,15 +200,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit(f"--local {args.local}: at most --context {args.context}")
     if not (args.decay > 0 and math.isfinite(args.decay)) or not (args.lr > 0 and math.isfinite(args.lr)):
         raise SystemExit(f"--decay {args.decay} / --lr {args.lr}: give positive numbers")
-    if args.out.resolve() == args.features.resolve():
-        raise SystemExit(f"--out {args.out} is also --features: write the head to another folder")
+    args.feature_dirs = [Path(f) for f in args.features.split(",")]
+    if len(set(f.resolve() for f in args.feature_dirs)) < len(args.feature_dirs) or "" in args.features.split(","):
+        raise SystemExit(f"--features {args.features}: name each shard folder once")
+    for folder in args.feature_dirs:
+        if args.out.resolve() == folder.resolve():
+            raise SystemExit(f"--out {args.out} is also --features: write the head to another folder")
+        if not (folder / "manifest.json").is_file():
+            raise SystemExit(f"--features {folder}: no manifest.json; run scripts/target_features.py first")
     if args.out.exists() and not args.out.is_dir():
         raise SystemExit(f"--out {args.out}: a file, not a folder; give a folder for the head")
-    if not (args.features / "manifest.json").is_file():
-        raise SystemExit(f"--features {args.features}: no manifest.json; run scripts/target_features.py first")
-    sequences = json.loads((args.features / "manifest.json").read_text()).get("sequences", 0)
+    sequences = json.loads((args.feature_dirs[0] / "manifest.json").read_text()).get("sequences", 0)
     if args.check >= sequences:
-        raise SystemExit(f"--check {args.check}: the shards hold {sequences} sequences; keep fewer out for the check")
+        raise SystemExit(f"--check {args.check}: the first shard folder holds {sequences} sequences; keep fewer out "
+                         "for the check")
     return args
 
 
@@ -252,7 +259,8 @@ def main(argv=None) -> None:
     work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
     work.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) for k, v in vars(args).items()
-                if k not in ("out", "work", "threads", "save_every", "write_every_save", "device", "check_every")}
+                if k not in ("out", "work", "threads", "save_every", "write_every_save", "device", "check_every",
+                             "feature_dirs")}
 
     target, _ = load_smollm2()
     tc = target.config
@@ -262,7 +270,12 @@ def main(argv=None) -> None:
                                         or args.layers > tc.num_hidden_layers):
         raise SystemExit(f"--layer-init target copies the target's layers: give --intermediate "
                          f"{tc.intermediate_size} and at most {tc.num_hidden_layers} --layers")
-    data = load_shards(args.features)
+    parts = [load_shards(folder) for folder in args.feature_dirs]
+    if len({part["tokens"].shape[1] for part in parts}) > 1:
+        raise SystemExit(f"--features {args.features}: the folders hold sequences of different lengths")
+    first = len(parts[0]["tokens"])  # the held-out check is drawn from the first folder
+    data = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+    del parts
     S, T = data["tokens"].shape
     if T < args.block + 2:
         raise SystemExit(f"--block {args.block}: the sequences hold {T} tokens; give a smaller block")
@@ -292,7 +305,7 @@ def main(argv=None) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
         1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     gen = torch.Generator().manual_seed(args.seed)
-    checked = held_out(S, args.check) if args.check else []
+    checked = held_out(first, args.check) if args.check else []
     train = torch.tensor([i for i in range(S) if i not in set(checked)])
     history, done, seconds = [], 0, 0.0
     progress = work / "progress.pt"
@@ -345,15 +358,18 @@ def write_head(args, config: DFlashConfig, model: DFlashDraftModel, history: lis
     atomic_text(args.out / "config.json", json.dumps(config.to_dict(), indent=2) + "\n")
     state = {k: v.half().cpu().contiguous() for k, v in model.state_dict().items()}
     atomic_weights(state, args.out / "model.safetensors")
-    manifest = json.loads((args.features / "manifest.json").read_text())
+    corpus: dict[str, int] = {}
+    for folder in args.feature_dirs:
+        for source, count in (json.loads((folder / "manifest.json").read_text()).get("per_source") or {}).items():
+            corpus[source] = corpus.get(source, 0) + count
     record = {"command": "python scripts/train_dflash.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                  if k not in ("out", "work", "save_every", "write_every_save") and v is not False)
+                  if k not in ("out", "work", "save_every", "write_every_save", "feature_dirs") and v is not False)
               + f" --out {args.out.name}",
               "n_ref": args.context + args.block, "max_distance": seq_len - 1,
               "key_rule": f"at most {args.context} context keys per block: the {args.local} before the anchor, up to "
                           f"{args.match} match spans and uniform others over the whole earlier sequence",
-              "corpus": manifest.get("per_source"), "seq_len": seq_len, "steps_done": step,
+              "corpus": corpus, "seq_len": seq_len, "steps_done": step,
               "train_seconds": round(seconds, 1), "torch": torch.__version__, "threads": args.threads,
               "held_out": checked,
               "history": [h for i, h in enumerate(history) if i % 10 == 0 or "check" in h or i == len(history) - 1]}

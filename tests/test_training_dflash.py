@@ -154,6 +154,51 @@ def test_features_without_a_manifest_are_refused(tmp_path):
         _script().parse_args(["--features", str(tmp_path), "--out", str(tmp_path / "h")])
 
 
+def _more_shards(folder, count: int = 3, length: int = 64):
+    """A second shard folder in target_features.py's layout (other random values)."""
+    g = torch.Generator().manual_seed(3)
+    folder.mkdir()
+    for i in range(count):
+        torch.save({"tokens": torch.randint(20, 5000, (length,), generator=g),
+                    "features": torch.randn(length, 3 * 576, generator=g).half(),
+                    "final": torch.randn(length, 576, generator=g).half()}, folder / f"seq-{i:05d}.pt")
+    (folder / "manifest.json").write_text(json.dumps({"sequences": count, "seq_len": length,
+                                                      "per_source": {"more": count}}))
+    return folder
+
+
+@pytest.mark.parametrize("features,named", [
+    ("{a},{a}", "name each shard folder once"),
+    ("{a},", "name each shard folder once"),
+    ("{a},{missing}", "no manifest.json"),
+    ("{a},{out}", "is also --features"),
+])
+def test_several_shard_folders_refuse_a_repeat_a_gap_or_the_out_folder(shards, tmp_path, features, named):
+    text = features.format(a=shards, missing=tmp_path / "none", out=tmp_path / "h")
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "manifest.json").write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        _script().parse_args(["--features", text, "--out", str(tmp_path / "h")])
+    assert named in str(stop.value) and "\n" not in str(stop.value)
+
+
+@pytest.mark.slow
+def test_a_run_over_two_shard_folders_checks_on_the_first_and_trains_on_both(shards, tmp_path):
+    script = _script()
+    more = _more_shards(tmp_path / "more")
+    argv = ["--features", f"{shards},{more}", "--out", str(tmp_path / "head"), "--work", str(tmp_path / "work"),
+            "--layers", "1", "--block", "4", "--context", "16", "--local", "8", "--anchors", "4", "--steps", "1",
+            "--intermediate", "64", "--check", "1"]
+    script.main(argv)
+    record = json.loads((tmp_path / "head" / "training_log.json").read_text())
+    assert record["held_out"] == [1]  # of the first folder's 2: the same check as that folder alone
+    assert record["corpus"] == {"test": 2, "more": 3}
+    assert f"--features {shards},{more}" in record["command"]
+    short = _more_shards(tmp_path / "short", count=2, length=32)
+    with pytest.raises(SystemExit, match="sequences of different lengths"):
+        script.main([*argv[:1], f"{shards},{short}", *argv[2:3], str(tmp_path / "other"), *argv[4:]])
+
+
 def test_a_start_from_the_target_copies_its_last_layers_and_reads_its_residual_stream():
     """--layer-init target: layer i is the target's layer N - L + i; the context the first layer projects is
     the target's own input norm of the last feature (what that target layer would read there); q_norm /

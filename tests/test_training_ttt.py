@@ -232,6 +232,9 @@ def test_copied_flags_are_those_of_the_guessed_tokens():
     ("target_features", ["--per-source", "1,2", "--sources", "pydoc:train"], "--per-source 1,2"),
     ("target_features", ["--per-source", "0"], "--per-source 0"),
     ("target_features", ["--device", "tpu:0"], "--device tpu:0"),
+    ("target_features", ["--skip", "-1"], "--skip -1"),
+    ("target_features", ["--skip", "ten"], "--skip ten"),
+    ("target_features", ["--skip", "0,0,0"], "--skip 0,0,0"),  # three counts for the two default sources
 ])
 def test_training_options_are_refused_in_one_line_before_any_work(tmp_path, monkeypatch, script, args, named):
     """Each script exits with one line naming the value (SystemExit with a message: exit status 1), before
@@ -247,3 +250,23 @@ def test_training_options_are_refused_in_one_line_before_any_work(tmp_path, monk
         module.main()
     assert isinstance(stop.value.code, str) and named in stop.value.code and "\n" not in stop.value.code
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("source", ["pydoc:train", "recall:pydoc:train"])
+def test_a_second_folder_with_skip_continues_the_text_of_the_first(source):
+    """target_features --skip N plans exactly the sequences after the first N of a longer plan: a source is
+    consumed in order, so two folders (the second with --skip) hold consecutive text, none of it twice."""
+    module = load_script("target_features")
+
+    class Chars:  # a tokenizer of code points: the plan depends only on encode and the eos id
+        eos_token_id = 0
+
+        @staticmethod
+        def encode(text, add_special_tokens=False):
+            return [1 + ord(c) % 500 for c in text]
+
+    both = module.plan_sequences(Chars, [source], 256, 256 * 8, [8])
+    first = module.plan_sequences(Chars, [source], 256, 256 * 3, [3])
+    rest = module.plan_sequences(Chars, [source], 256, 256 * 5, [5], [3])
+    assert [s[1] for s in first + rest] == [s[1] for s in both] and len(both) == 8
+    assert [s[2] for s in first + rest] == [s[2] for s in both]  # the copied masks too (None for plain text)
