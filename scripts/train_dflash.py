@@ -210,7 +210,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise SystemExit(f"--features {folder}: no manifest.json; run scripts/target_features.py first")
     if args.out.exists() and not args.out.is_dir():
         raise SystemExit(f"--out {args.out}: a file, not a folder; give a folder for the head")
-    sequences = json.loads((args.feature_dirs[0] / "manifest.json").read_text()).get("sequences", 0)
+    manifests = [json.loads((folder / "manifest.json").read_text()) for folder in args.feature_dirs]
+    if len({m.get("seq_len") for m in manifests}) > 1:
+        raise SystemExit(f"--features {args.features}: the folders hold sequences of different lengths ("
+                         + ", ".join(str(m.get("seq_len")) for m in manifests) + "); give folders of one length")
+    sequences = manifests[0].get("sequences", 0)
     if args.check >= sequences:
         raise SystemExit(f"--check {args.check}: the first shard folder holds {sequences} sequences; keep fewer out "
                          "for the check")
@@ -257,7 +261,6 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     work = args.work or ROOT / ".cache" / f"train-{args.out.name}"
-    work.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) for k, v in vars(args).items()
                 if k not in ("out", "work", "threads", "save_every", "write_every_save", "device", "check_every",
                              "feature_dirs")}
@@ -271,8 +274,6 @@ def main(argv=None) -> None:
         raise SystemExit(f"--layer-init target copies the target's layers: give --intermediate "
                          f"{tc.intermediate_size} and at most {tc.num_hidden_layers} --layers")
     parts = [load_shards(folder) for folder in args.feature_dirs]
-    if len({part["tokens"].shape[1] for part in parts}) > 1:
-        raise SystemExit(f"--features {args.features}: the folders hold sequences of different lengths")
     first = len(parts[0]["tokens"])  # the held-out check is drawn from the first folder
     data = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
     del parts
@@ -308,6 +309,7 @@ def main(argv=None) -> None:
     checked = held_out(first, args.check) if args.check else []
     train = torch.tensor([i for i in range(S) if i not in set(checked)])
     history, done, seconds = [], 0, 0.0
+    work.mkdir(parents=True, exist_ok=True)
     progress = work / "progress.pt"
     if progress.is_file():
         state = torch.load(progress, weights_only=False)

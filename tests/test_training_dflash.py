@@ -195,8 +195,8 @@ def test_a_run_over_two_shard_folders_checks_on_the_first_and_trains_on_both(sha
     assert record["corpus"] == {"test": 2, "more": 3}
     assert f"--features {shards},{more}" in record["command"]
     short = _more_shards(tmp_path / "short", count=2, length=32)
-    with pytest.raises(SystemExit, match="sequences of different lengths"):
-        script.main([*argv[:1], f"{shards},{short}", *argv[2:3], str(tmp_path / "other"), *argv[4:]])
+    with pytest.raises(SystemExit, match=r"sequences of different lengths \(64, 32\)"):
+        script.parse_args([*argv[:1], f"{shards},{short}", *argv[2:]])
 
 
 def test_a_start_from_the_target_copies_its_last_layers_and_reads_its_residual_stream():
@@ -243,7 +243,7 @@ def test_a_start_from_the_target_needs_its_shape(shards, tmp_path, extra, named)
     with pytest.raises(SystemExit) as stop:
         _script().main(argv)
     assert named in str(stop.value) and "--layer-init target" in str(stop.value)
-    assert not (tmp_path / "head").exists()
+    assert not (tmp_path / "head").exists() and not (tmp_path / "work").exists()
 
 
 def test_an_unknown_layer_init_is_refused_naming_it(shards, tmp_path, capsys):
