@@ -61,8 +61,7 @@ def plan_sequences(tokenizer, sources: list[str], seq_len: int, tokens: int,
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     eos = eos_token_id(tokenizer)
     planned: list[tuple[str, list[int], list[bool] | None]] = []
-    caps = per_source * len(sources) if per_source and len(per_source) == 1 else per_source or [wanted] * len(sources)
-    skips = (skip or [0]) * len(sources) if not skip or len(skip) == 1 else skip
+    caps, skips = each_source(per_source, len(sources), wanted), each_source(skip, len(sources), 0)
     for source, cap, skipped in zip(sources, caps, skips):
         left = min(wanted - len(planned), cap)
         if left <= 0:
@@ -78,6 +77,17 @@ def plan_sequences(tokenizer, sources: list[str], seq_len: int, tokens: int,
         else:
             planned += [(source, seq, None) for seq in list(pack(source, encode, eos, seq_len, skipped + left))[skipped:]]
     return planned
+
+
+def each_source(counts: list[int] | None, sources: int, default: int) -> list[int]:
+    """One count per source from ``counts`` (one value: the same for each; None: ``default`` for each).
+
+    >>> each_source([5], 3, 0), each_source([1, 2], 2, 0), each_source(None, 2, 9)
+    ([5, 5, 5], [1, 2], [9, 9])
+    """
+    if not counts:
+        return [default] * sources
+    return counts * sources if len(counts) == 1 else list(counts)
 
 
 def per_source_counts(text: str, sources: int, option: str = "--per-source", least: int = 1) -> list[int]:
@@ -145,7 +155,7 @@ def main() -> None:
                 "per_source": {s: sum(src == s for src, *_ in planned) for s in sources},
                 "layers": list(ids), "dtype": "float16", "target": "SmolLM2-135M-Instruct (fp32)"}
     if skip and any(skip):  # recorded only when given, so folders made before --skip resume as they were
-        manifest["skip"] = dict(zip(sources, skip * len(sources) if len(skip) == 1 else skip))
+        manifest["skip"] = dict(zip(sources, each_source(skip, len(sources), 0)))
     args.out.mkdir(parents=True, exist_ok=True)
     manifest_path = args.out / "manifest.json"
     if manifest_path.is_file() and json.loads(manifest_path.read_text()) != manifest:

@@ -86,7 +86,7 @@ def target_start(model: DFlashDraftModel, target, features: torch.Tensor) -> dic
     model.norm.weight.copy_(target.get_decoder().norm.weight)
     resid = features[:, -H:]
     scales = {}
-    for layer, src in zip(model.layers, source[first:]):
+    for index, (layer, src) in enumerate(zip(model.layers, source[first:]), start=first):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(layer.self_attn, name).load_state_dict(getattr(src.self_attn, name).state_dict())
         layer.mlp.load_state_dict(src.mlp.state_dict())
@@ -96,7 +96,7 @@ def target_start(model: DFlashDraftModel, target, features: torch.Tensor) -> dic
         rms = [float(proj(x).pow(2).mean().sqrt()) for proj in (src.self_attn.q_proj, src.self_attn.k_proj)]
         layer.self_attn.q_norm.weight.fill_(rms[0])
         layer.self_attn.k_norm.weight.fill_(rms[1])
-        scales[first + len(scales)] = tuple(rms)
+        scales[index] = tuple(rms)
     return scales
 
 
