@@ -80,6 +80,7 @@ from target_features import DEFAULT_OUT as FEATURES, check_device, load_shards  
 
 from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from calibrate.drafters.layers import apply_rope, repeat_kv, rope_cos_sin  # noqa: E402
+from calibrate.drafters.vocab import draft_vocabulary  # noqa: E402
 from calibrate.smollm2 import load_smollm2  # noqa: E402
 
 STEP_DECAY = 0.8  # loss weight of drafting step s: STEP_DECAY ** s (EAGLE-3's training-time test)
@@ -87,13 +88,6 @@ STEP_DECAY = 0.8  # loss weight of drafting step s: STEP_DECAY ** s (EAGLE-3's t
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
-    """The ``size`` most frequent token ids of ``tokens`` (ties: lower id first), sorted by id."""
-    counts = torch.bincount(tokens.flatten(), minlength=vocab_size).double()
-    counts -= torch.arange(vocab_size, dtype=torch.float64) * 1e-9  # deterministic tie break
-    return torch.sort(torch.topk(counts, size).indices).values
 
 
 def sample_windows(gen: torch.Generator, data: dict, windows: int, rows: int, ttt: int, context: int,

@@ -139,7 +139,6 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     features, final = states[:, :, :-width], states[0, :, -width:]
     law = NextTokenLaw(target.get_output_embeddings()(final), temperature, points=proposals)  # row t: token t + 1
     context = model.encode_context(features.to(model.fc.weight.dtype), torch.arange(T, device=device)[None])
-    head = target.get_output_embeddings()
     B = model.config.block_size
     drafted = torch.empty(len(runs), T, dtype=torch.long, device=device)
     accept = torch.empty(len(runs), T, dtype=torch.float32, device=device)
@@ -154,7 +153,7 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
             with attention_tap(model, scaled):
                 hidden = model.forward_block(_embed(model, target, ids), pos,
                                              [(k[:, :, :width_c], v[:, :, :width_c]) for k, v in context], masks)
-            logits = head(hidden.view(len(anchors), B, -1)[:, 1])  # (a, vocab): row 1 of each block
+            logits = model.compute_logits(hidden.view(len(anchors), B, -1)[:, 1], target)  # (a, vocab): row 1
             drafted[r, anchors] = logits.argmax(-1)
             accept[r, anchors] = law.acceptance(logits, start=a0)
     n_visible = torch.arange(T, device=device) + 1  # the bucket's count, as for every adapter: t + 1
@@ -203,7 +202,8 @@ class DFlashBlockDrafter:
     def block_logits(self, rows: int | None = None) -> torch.Tensor:
         """The block at ``N``'s draft logits (r, vocab), rows 1 .. r with ``r = min(rows, B - 1)`` (all B - 1 when
         ``rows`` is None). The whole block runs (its rows see one another); only the ``r`` rows a verification
-        reads go through the output head, the drafter's largest matrix."""
+        reads go through the output head, the drafter's largest matrix (only its draft vocabulary's rows, when
+        the head has one: :meth:`DFlashDraftModel.compute_logits`)."""
         from ..taps import ScalingTap, attention_tap
 
         model, N = self.model, self.length
@@ -216,7 +216,7 @@ class DFlashBlockDrafter:
             hidden = model.forward_block(_embed(model, self.target, ids), pos, context)
         self.forwards += 1
         last = self.block_size if rows is None else 1 + min(rows, self.block_size - 1)
-        return self.target.get_output_embeddings()(hidden[0, 1:last])
+        return self.model.compute_logits(hidden[0, 1:last], self.target)
 
     def draft_logits(self, k: int) -> torch.Tensor:
         """Rows 1 .. min(k, B - 1) of the block at ``N`` (:meth:`block_logits`): (min(k, B - 1), vocab)."""

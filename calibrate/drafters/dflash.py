@@ -98,6 +98,9 @@ class DFlashConfig:
     attention_bias: bool = False  # q/k/v/o biases
     input_embedding_scale: float = 1.0  # block embeddings are multiplied by this (DFlash option)
     max_position_embeddings: int | None = None  # recorded only (copied from the target by DFlash)
+    # z-lab layout: rows of the target's lm_head the head drafts from (weight ``d2t``: row i is target id
+    # i + d2t[i], EAGLE-3's map); None: the whole vocabulary. Speculators' is its own lm_head's (not run).
+    draft_vocab_size: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention"; () = all full
     sliding_window: int | None = None  # W of the sliding layers (SpecForge / vLLM rule, visible_mask); None = none
     source: str = "dflash"  # layout: "dflash" (z-lab / SpecForge) or "speculators" (vLLM speculators, converted)
@@ -163,6 +166,9 @@ class DFlashConfig:
             raise UserError(f"{where}: partial_rotary_factor {read_partial_rotary(d, where)} is not supported for DFlash: "
                             f"z-lab's Qwen3 rotary rotates the whole head, so a partial one has no reference to follow")
         types, window = _layer_windows(d, where, req["num_hidden_layers"])
+        draft_vocab = _field(d, "draft_vocab_size", int, where) if source == "dflash" else None
+        if draft_vocab is not None and not 1 <= draft_vocab <= req["vocab_size"]:
+            raise UserError(f"{where}: draft_vocab_size {draft_vocab} should be 1 to vocab_size = {req['vocab_size']}")
         return cls(
             **req, num_key_value_heads=kv,
             block_size=_field(d, "block_size", int, where, default=16, section=_SECTION),
@@ -176,7 +182,7 @@ class DFlashConfig:
             attention_bias=bias,
             input_embedding_scale=_field(d, "input_embedding_scale", float, where, default=1.0, section=_SECTION),
             max_position_embeddings=_field(d, "max_position_embeddings", int, where),
-            layer_types=types, sliding_window=window, source=source, variant=variant,
+            draft_vocab_size=draft_vocab, layer_types=types, sliding_window=window, source=source, variant=variant,
         )
 
     @classmethod
@@ -208,6 +214,8 @@ class DFlashConfig:
             d.update(use_sliding_window=True, sliding_window=self.sliding_window)
         if self.target_hidden_size != self.hidden_size:
             d["target_hidden_size"] = self.target_hidden_size
+        if self.draft_vocab_size is not None:
+            d["draft_vocab_size"] = self.draft_vocab_size
         draft = {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
                  "target_layer_ids": list(self.target_layer_ids)}
         if nested:
@@ -368,6 +376,9 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.embed_tokens: nn.Embedding | None = None  # the checkpoint's own (speculators); None: the target's
+        if c.draft_vocab_size is not None and c.source == "dflash":  # draft rows i + d2t[i] of the target's lm_head
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self._draft_rows = None  # (key, ids, weight, bias): the lm_head rows of the draft vocabulary, made once
 
     def set_attn_implementation(self, name: str) -> None:
         """Dispatch attention to ``ALL_ATTENTION_FUNCTIONS[name]`` (or ``"eager"``, plain math)."""
@@ -437,10 +448,28 @@ class DFlashDraftModel(nn.Module):
         context = self.encode_context(target_hidden, position_ids[:, :p])
         return self.forward_block(noise_embedding, position_ids[:, p:], context, **kwargs)
 
-    @staticmethod
-    def compute_logits(hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
-        """Draft logits from the target's output head; DFlash drafts from rows 1..q-1 of a block."""
-        return target.get_output_embeddings()(hidden)
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target ids of the draft vocabulary, ``i + d2t[i]`` (None: the whole vocabulary)."""
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else torch.arange(len(d2t), device=d2t.device) + d2t
+
+    def compute_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """Draft logits (..., vocab) of block rows ``hidden`` (..., H) from the target's output head; DFlash
+        drafts from rows 1..q-1 of a block. With a draft vocabulary only its rows of the head run (a
+        tenth of the head for 4,096 of SmolLM2's 49,152 tokens) and every other column is ``-inf``: the
+        drafts, and the laws speculative sampling draws them from, never leave it."""
+        head = target.get_output_embeddings()
+        ids = self.draft_ids()
+        if ids is None:
+            return head(hidden)
+        key = (head.weight.data_ptr(), head.weight.dtype, head.weight.device, ids.data_ptr())
+        if self._draft_rows is None or self._draft_rows[0] != key:
+            bias = None if head.bias is None else head.bias.detach()[ids]
+            self._draft_rows = (key, ids.to(head.weight.device), head.weight.detach()[ids], bias)
+        _, ids, weight, bias = self._draft_rows
+        out = hidden.new_full((*hidden.shape[:-1], head.weight.shape[0]), float("-inf"))
+        out[..., ids] = nn.functional.linear(hidden.to(weight.dtype), weight, bias).to(out.dtype)
+        return out
 
 
 def context_features(target: nn.Module, input_ids: torch.Tensor, target_layer_ids) -> torch.Tensor:
@@ -493,6 +522,10 @@ def load_dflash(path: str | Path, target: nn.Module | None = None, *, device=Non
                   ignored=ignored)
     if embed is not None:
         model.embed_tokens = nn.Embedding.from_pretrained(embed.to(device=device, dtype=dtype or embed.dtype))
+    ids = model.draft_ids()
+    if ids is not None and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size or len(ids.unique()) < len(ids)):
+        raise UserError(f"DFlash checkpoint {file}: 'd2t' maps the draft vocabulary to ids outside 0 .. "
+                        f"{config.vocab_size - 1} or to one id twice; row i drafts target id i + d2t[i]")
     return model
 
 

@@ -158,8 +158,8 @@ _DFLASH = {
     "transformer_layer_config": Field(READ, "speculators: the Qwen3 decoder's shape", _SPEC),
     "aux_hidden_state_layer_ids": Field(READ, "speculators: hidden-state indices already (z-lab's ids + 1)", _SPEC),
     "sliding_window_non_causal": Field(READ, "speculators' anchor-counted window: sliding layers refused", _SPEC),
-    "draft_vocab_size": Field(HARMLESS, "rows of speculators' lm_head, which is not run (logits come from the "
-                                        "target's head)", _SPEC),
+    "draft_vocab_size": Field(READ, "z-lab layout (this toolkit's extension): draft from rows i + d2t[i] of the "
+                                    "target's lm_head only; speculators: rows of its own lm_head, not run", _SPEC),
     **_harmless("training-time anchor sampling and proposal options of speculators; no forward pass reads them",
                 _SPEC, "max_anchors", "sample_from_anchor"),
 }
