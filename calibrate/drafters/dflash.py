@@ -459,11 +459,13 @@ class DFlashDraftModel(nn.Module):
         tenth of the head for 4,096 of SmolLM2's 49,152 tokens) and every other column is ``-inf``: the
         drafts, and the laws speculative sampling draws them from, never leave it."""
         head = target.get_output_embeddings()
-        ids = self.draft_ids()
-        if ids is None:
+        d2t = getattr(self, "d2t", None)
+        if d2t is None:
             return head(hidden)
-        key = (head.weight.data_ptr(), head.weight.dtype, head.weight.device, ids.data_ptr())
+        # the rows are cut once, again only if the head or the map changed
+        key = (head.weight.data_ptr(), head.weight.dtype, head.weight.device, d2t.data_ptr(), d2t._version)
         if self._draft_rows is None or self._draft_rows[0] != key:
+            ids = self.draft_ids()
             bias = None if head.bias is None else head.bias.detach()[ids]
             self._draft_rows = (key, ids.to(head.weight.device), head.weight.detach()[ids], bias)
         _, ids, weight, bias = self._draft_rows
