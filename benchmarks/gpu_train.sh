@@ -124,9 +124,13 @@ if wants copy; then
         cp ".cache/heads/$head/model.safetensors" "$OUT/$head.safetensors" 2>/dev/null
     done
 fi
-if wants dflash; then
-    check dflash-smollm2 .cache/heads/dflash-smollm2 --drafter dflash --threads 2 & checks+=($!)
-    cp .cache/heads/dflash-smollm2/model.safetensors "$OUT/dflash-smollm2.safetensors" 2>/dev/null
+if wants dflash && [[ -f .cache/heads/dflash-smollm2/model.safetensors ]]; then
+    # the built-in head drafts from its training text's 4,096 most frequent tokens (its TRAINING.md)
+    rm -rf .cache/heads/dflash-smollm2-v4096
+    "$PY" scripts/dflash_draft_vocab.py .cache/heads/dflash-smollm2 --features "$FEATURES" --size 4096 \
+        --out .cache/heads/dflash-smollm2-v4096
+    check dflash-smollm2 .cache/heads/dflash-smollm2-v4096 --drafter dflash --threads 2 & checks+=($!)
+    cp .cache/heads/dflash-smollm2-v4096/model.safetensors "$OUT/dflash-smollm2.safetensors" 2>/dev/null
 fi
 wants pard && { check pard-smollm2 .cache/heads/pard-smollm2 --drafter pard --num-draft 4 --threads 2 & checks+=($!); }
 if wants circuit; then
