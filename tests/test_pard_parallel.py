@@ -80,6 +80,22 @@ def test_drafts_are_one_uncached_pass_over_the_text_and_masks(target, drafter_mo
     assert drafts == full.argmax(-1).tolist()
 
 
+def test_only_the_k_drafted_rows_go_through_the_output_head(target, drafter_model):
+    """The head is a causal LM's largest matrix: a draft of K sends K rows through it, whatever was fed."""
+    rows = []
+    handle = drafter_model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape[-2]))
+    try:
+        drafter = PardParallelDrafter(drafter_model, MASK)
+        prompt = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(5))
+        drafter.start(prompt, None, 7)
+        drafter.commit([3, 4, 5], None)  # four unfed tokens, then two masks: six rows in, three out
+        with torch.no_grad():
+            drafter.draft_logits(3)
+    finally:
+        handle.remove()
+    assert rows == [1, 3]  # the prompt's prefill keeps its last row only
+
+
 def test_an_oracle_pard_drafter_accepts_whole_drafts(target):
     """The target as its own PARD drafter drafts its own greedy token at the pending position; with the
     mask rows replaced by the true continuation every draft is accepted: K + 1 per step."""
@@ -87,12 +103,13 @@ def test_an_oracle_pard_drafter_accepts_whole_drafts(target):
     base = greedy_generate(target, prompt, 11)
 
     class Oracle(PardParallelDrafter):
-        def _forward(self, ids):
-            logits = super()._forward(ids)
+        def _forward(self, ids, keep):
+            logits = super()._forward(ids, keep)  # the last `keep` rows: the pending token's, then the masks'
             done = self.cache.get_seq_length() - prompt.shape[1]  # generated tokens in the cache (pending incl.)
             if len(ids) > 1 and ids[-1] == MASK:
-                for j in range(1, len(ids) - len(self.unfed) + 1):
-                    row = len(self.unfed) - 1 + j
+                masks = len(ids) - len(self.unfed)
+                for j in range(1, masks + 1):
+                    row = keep - 1 - masks + j
                     want = base.tokens[done + j] if done + j < len(base.tokens) else 0
                     logits[row] = torch.nn.functional.one_hot(torch.tensor(want), logits.shape[-1]).float()
             return logits

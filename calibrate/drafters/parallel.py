@@ -18,6 +18,8 @@ and the distance fixes.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -40,22 +42,25 @@ class PardParallelDrafter:
     def close(self) -> None:
         """Nothing to undo: the spec is applied per forward."""
 
-    def _forward(self, ids: list[int]) -> torch.Tensor:
-        """Feed ``ids`` after the cache; their logits (len, vocab)."""
+    def _forward(self, ids: list[int], keep: int) -> torch.Tensor:
+        """Feed ``ids`` after the cache; the logits (keep, vocab) of the last ``keep`` of them: only those
+        rows go through the output head, the drafter's largest matrix (a causal LM's forward takes
+        ``logits_to_keep``, as transformers' models do; one that does not computes them all)."""
         from ..speculative import cached_forward
         from ..taps import ScalingTap, attention_tap
 
         device = self.model.get_input_embeddings().weight.device
+        extra = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         with attention_tap(self.model, ScalingTap(self.spec), restrict=self.spec):
-            out = cached_forward(self.model, torch.tensor([ids], device=device), self.cache)
-        return out.logits[0].float()
+            out = cached_forward(self.model, torch.tensor([ids], device=device), self.cache, **extra)
+        return out.logits[0, -keep:].float()
 
     def start(self, prompt: torch.Tensor, features, pending: int) -> None:
         """Prefill the drafter's cache with ``prompt`` (1, N); ``x_N = pending`` is fed with the first draft."""
         from ..speculative import new_cache
 
         self.cache = new_cache()
-        self._forward(prompt[0].tolist())
+        self._forward(prompt[0].tolist(), 1)
         self.unfed = [pending]  # committed tokens not in the cache yet
 
     def draft_logits(self, k: int) -> torch.Tensor:
@@ -64,7 +69,7 @@ class PardParallelDrafter:
         from ..speculative import crop_cache
 
         kept = self.cache.get_seq_length() + len(self.unfed)  # real tokens once these are fed
-        logits = self._forward(self.unfed + [self.pard_token] * (k - 1))[-k:]  # (k, vocab)
+        logits = self._forward(self.unfed + [self.pard_token] * (k - 1), k)  # (k, vocab)
         self.forwards += 1
         crop_cache(self.cache, kept)
         self.unfed = []
