@@ -587,6 +587,9 @@ class DFlashDrafter:
                 f"never cuts (z-lab's transformers path applies no window); each row's statistics use exactly the "
                 f"keys it sees")
 
+        if c.draft_vocab_size is not None and c.source == "dflash":
+            self.notes.append(f"drafts from {c.draft_vocab_size} of the target's {c.vocab_size} tokens (d2t): only "
+                              f"their rows of the target's lm_head run")
         self.notes.append("training length: " + training.origin)
 
     def tokenize(self, text: str) -> list[int]:
