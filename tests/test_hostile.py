@@ -38,7 +38,7 @@ from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.stats import RowStats
 
 from test_calibrate import _write_causal_lm, _write_tokenizer, VOCAB
-from tiny_checkpoints import tiny_target, write_tiny_dflash, write_tiny_eagle3
+from tiny_checkpoints import corrupt_checkpoint, tiny_target, write_tiny_dflash, write_tiny_eagle3
 
 TIMEOUT_S = 30  # a case still running after this long is a hang (it should have been refused at once)
 UNWRITABLE = "/proc/sharpdraft-hostile"  # no one, root included, can create files under /proc
@@ -321,6 +321,16 @@ EVAL_CASES = [
          "repeat distance 4096 does not fit sequences of 128"),
     Case("eval-recall-at-nested", EVAL.replace("{fx}/corpus.txt", "recall@48:recall:pydoc"), "recall@48:recall:pydoc"),
 ]
+
+# DFlash heads with a draft vocabulary (draft_vocab_size + d2t) that does not fit
+EVAL_DFLASH = EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter dflash --drafter-path {fx}/dflash-vocab-{how}")
+EVAL_CASES += [Case(f"eval-dflash-vocab-{how}", EVAL_DFLASH.replace("{how}", how), fragment) for how, fragment in (
+    ("outside", "'d2t' maps the draft vocabulary to ids outside"),
+    ("no-map", "d2t"),
+    ("map-only", "d2t"),
+    ("size-zero", "draft_vocab_size 0"),
+    ("size-text", "draft_vocab_size"),
+)]
 
 # scripts/train_pard.py folders (layers and norm only; the embedding from the base model their config names)
 EVAL_CUT = EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter pard --drafter-path {fx}/cut-{how}")
@@ -650,6 +660,7 @@ def fx(tmp_path_factory) -> Path:
     _write_causal_lm(root / "pard-bad-token", pard_token=9999, spd_type="pard")
     target = tiny_target(0, vocab_size=VOCAB)
     write_tiny_dflash(root / "dflash", target, seed=2, block_size=4, mask_token_id=259)
+    _write_bad_draft_vocabularies(root)
     target.save_pretrained(root / "target")
     _write_tokenizer(root / "target")
     write_tiny_eagle3(root / "eagle3", target, seed=1)
@@ -691,6 +702,19 @@ def fx(tmp_path_factory) -> Path:
         code, _, err, escaped = _run_main(argv)
     assert code == 0 and escaped is None, err
     return root
+
+
+def _write_bad_draft_vocabularies(root: Path) -> None:
+    """``dflash-vocab-<how>``: copies of ``root/dflash`` whose draft vocabulary does not fit."""
+    from calibrate.drafters.vocab import d2t_of
+
+    ids = torch.arange(0, 64, 2)
+    size = lambda value: lambda c: c.update(draft_vocab_size=value)  # noqa: E731
+    add_map = lambda offset: lambda w: w.update(d2t=d2t_of(ids) + offset)  # noqa: E731
+    for how, weights, config in (("outside", add_map(10 ** 6), size(len(ids))), ("no-map", None, size(len(ids))),
+                                 ("map-only", add_map(0), None), ("size-zero", add_map(0), size(0)),
+                                 ("size-text", add_map(0), size("many"))):
+        corrupt_checkpoint(root / "dflash", root / f"dflash-vocab-{how}", weights, config)
 
 
 def _write_cut_pard(root: Path, target) -> None:
