@@ -74,6 +74,14 @@ def test_the_vocabularys_rows_are_cut_once(models, target):
     assert restricted._draft_rows is first
 
 
+def test_a_head_loaded_in_inference_mode_drafts(folder, target):
+    """eval loads and runs drafters under torch.inference_mode, whose tensors keep no version counter."""
+    with torch.inference_mode():
+        model = load_dflash(folder, target)
+        logits = model.compute_logits(torch.ones(2, target.config.hidden_size), target)
+    assert torch.isfinite(logits[:, VOCAB]).all()
+
+
 def test_greedy_block_drafting_stays_exact_and_drafts_in_the_vocabulary(models, target):
     _, restricted = models
     prompt = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(7))
@@ -168,3 +176,29 @@ def test_the_script_overwrites_nothing_and_refuses_a_head_with_a_vocabulary(plai
         script.main([str(folder), "--features", str(shards), "--size", "10", "--out", str(tmp_path / "h")])
     with pytest.raises(SystemExit, match="not a DFlash head folder"):
         script.main([str(shards), "--features", str(shards), "--size", "10", "--out", str(tmp_path / "h")])
+
+
+def test_eval_runs_a_head_with_a_draft_vocabulary_end_to_end(tmp_path):
+    """The CLI loads and runs drafters in inference mode: teacher-forced rows, blocks and speculative decoding."""
+    from typer.testing import CliRunner
+
+    from calibrate.cli import app
+    from test_calibrate import VOCAB as TOKENS, _write_tokenizer
+
+    tiny = tiny_target(0, vocab_size=TOKENS)
+    tiny.save_pretrained(tmp_path / "target")
+    _write_tokenizer(tmp_path / "target")
+    plain = write_tiny_dflash(tmp_path / "plain", tiny, seed=2, block_size=BS)
+    ids = torch.arange(0, TOKENS, 2)
+    head = corrupt_checkpoint(plain, tmp_path / "head", lambda w: w.update(d2t=d2t_of(ids)),
+                              lambda c: c.update(draft_vocab_size=len(ids)))
+    (tmp_path / "corpus.txt").write_text(" ".join(["a block drafts every token of the next few at once"] * 40))
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, [
+        "eval", "--drafter", "dflash", "--drafter-path", str(head), "--target-path", str(tmp_path / "target"),
+        "--corpus", str(tmp_path / "corpus.txt"), "--lengths", "16,64", "--sequences", "2", "--n-ref", "16",
+        "--variants", "none,spec", "--device", "cpu", "--speculative", "--new-tokens", "8", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())
+    assert r["speculative"]["outputs_identical"] is True
+    assert len(r["blocks"]["buckets"][1]["none"]["agreement_by_position"]) == BS - 1

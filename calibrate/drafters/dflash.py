@@ -462,8 +462,8 @@ class DFlashDraftModel(nn.Module):
         d2t = getattr(self, "d2t", None)
         if d2t is None:
             return head(hidden)
-        # the rows are cut once, again only if the head or the map changed
-        key = (head.weight.data_ptr(), head.weight.dtype, head.weight.device, d2t.data_ptr(), d2t._version)
+        # the rows are cut once per head and map (buffers made in inference mode keep no version counter)
+        key = (head.weight.data_ptr(), head.weight.dtype, head.weight.device, d2t.data_ptr())
         if self._draft_rows is None or self._draft_rows[0] != key:
             ids = self.draft_ids()
             bias = None if head.bias is None else head.bias.detach()[ids]
