@@ -376,7 +376,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.embed_tokens: nn.Embedding | None = None  # the checkpoint's own (speculators); None: the target's
-        if c.draft_vocab_size is not None and c.source == "dflash":  # draft rows i + d2t[i] of the target's lm_head
+        if c.draft_vocab_size is not None:  # draft rows i + d2t[i] of the target's lm_head (z-lab layout only)
             self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self._draft_rows = None  # (key, ids, weight, bias): the lm_head rows of the draft vocabulary, made once
 
@@ -456,7 +456,7 @@ class DFlashDraftModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
         """Draft logits (..., vocab) of block rows ``hidden`` (..., H) from the target's output head; DFlash
         drafts from rows 1..q-1 of a block. With a draft vocabulary only its rows of the head run (a
-        tenth of the head for 4,096 of SmolLM2's 49,152 tokens) and every other column is ``-inf``: the
+        twelfth of the head for 4,096 of SmolLM2's 49,152 tokens) and every other column is ``-inf``: the
         drafts, and the laws speculative sampling draws them from, never leave it."""
         head = target.get_output_embeddings()
         d2t = getattr(self, "d2t", None)
@@ -587,7 +587,7 @@ class DFlashDrafter:
                 f"never cuts (z-lab's transformers path applies no window); each row's statistics use exactly the "
                 f"keys it sees")
 
-        if c.draft_vocab_size is not None and c.source == "dflash":
+        if c.draft_vocab_size is not None:
             self.notes.append(f"drafts from {c.draft_vocab_size} of the target's {c.vocab_size} tokens (d2t): only "
                               f"their rows of the target's lm_head run")
         self.notes.append("training length: " + training.origin)

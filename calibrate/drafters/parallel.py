@@ -38,19 +38,20 @@ class PardParallelDrafter:
     def __init__(self, model, pard_token: int, spec: ScaleSpec | None = None):
         self.model, self.pard_token, self.spec = model, int(pard_token), spec
         self.forwards = 0
+        # transformers' causal LMs take logits_to_keep; a model that does not computes every row's logits
+        self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def close(self) -> None:
         """Nothing to undo: the spec is applied per forward."""
 
     def _forward(self, ids: list[int], keep: int) -> torch.Tensor:
         """Feed ``ids`` after the cache; the logits (keep, vocab) of the last ``keep`` of them: only those
-        rows go through the output head, the drafter's largest matrix (a causal LM's forward takes
-        ``logits_to_keep``, as transformers' models do; one that does not computes them all)."""
+        rows go through the output head, the drafter's largest matrix."""
         from ..speculative import cached_forward
         from ..taps import ScalingTap, attention_tap
 
         device = self.model.get_input_embeddings().weight.device
-        extra = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        extra = {"logits_to_keep": keep} if self._keeps else {}
         with attention_tap(self.model, ScalingTap(self.spec), restrict=self.spec):
             out = cached_forward(self.model, torch.tensor([ids], device=device), self.cache, **extra)
         return out.logits[0, -keep:].float()

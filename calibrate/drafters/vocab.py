@@ -1,6 +1,6 @@
 """Draft vocabularies: the target ids a head drafts from, stored as EAGLE-3's ``d2t`` map.
 
-A head whose output covers only the ``size`` most frequent tokens of its training text runs a tenth of
+A head whose output covers only the ``size`` most frequent tokens of its training text runs a twelfth of
 SmolLM2's 49,152-row output head (4,096 rows) per drafted row, and a greedy draft changes only where
 the whole vocabulary's argmax lies outside them. Row ``i`` of the draft vocabulary is target id
 ``i + d2t[i]`` (ids sorted), as EAGLE-3 writes it.
