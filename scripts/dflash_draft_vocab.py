@@ -87,6 +87,9 @@ def main(argv=None) -> None:
     from safetensors.torch import load_file, save_file
 
     tokens = read_tokens(folders)
+    if len(tokens) == 0 or int(tokens.min()) < 0 or int(tokens.max()) >= config["vocab_size"]:
+        raise SystemExit(f"--features {args.features}: their tokens are not ids of the head's vocabulary of "
+                         f"{config['vocab_size']}; give the shard folders this head trained on")
     ids = draft_vocabulary(tokens, config["vocab_size"], args.size)
     coverage = torch.isin(tokens, ids).float().mean().item()
     weights = load_file(str(args.head / "model.safetensors"))

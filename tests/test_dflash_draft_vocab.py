@@ -155,9 +155,11 @@ def test_the_script_writes_a_head_that_drafts_from_the_most_frequent_tokens(plai
 
 @pytest.mark.parametrize("args, named", [
     (["--size", "0"], "--size 0"),
+    (["--size", "-3"], "--size -3"),
     (["--size", "256"], "--size 256"),
+    (["--size", "10" + "0" * 20], "--size 1000"),
     (["--size", "10", "--features", "nowhere"], "--features nowhere"),
-], ids=["size-zero", "size-whole", "no-features"])
+], ids=["size-zero", "size-negative", "size-whole", "size-huge", "no-features"])
 def test_the_scripts_bad_values_are_refused_before_any_work(plain, shards, tmp_path, args, named):
     argv = [str(plain), "--features", str(shards), "--out", str(tmp_path / "h"), *args]
     with pytest.raises(SystemExit, match=named):
@@ -174,6 +176,14 @@ def test_the_script_overwrites_nothing_and_refuses_a_head_with_a_vocabulary(plai
     assert (tmp_path / "taken" / "x").read_text() == "x"
     with pytest.raises(SystemExit, match="already drafts from 86 tokens"):
         script.main([str(folder), "--features", str(shards), "--size", "10", "--out", str(tmp_path / "h")])
+    with pytest.raises(SystemExit, match="exists"):  # --out the head itself
+        script.main([str(plain), "--features", str(shards), "--size", "10", "--out", str(plain)])
+    (shards.parent / "wide").mkdir()
+    torch.save({"tokens": torch.tensor([3, 9999])}, shards.parent / "wide" / "seq-00000.pt")
+    (shards.parent / "wide" / "manifest.json").write_text(json.dumps({"sequences": 1, "seq_len": 2}))
+    with pytest.raises(SystemExit, match="not ids of the head's vocabulary of 256"):
+        script.main([str(plain), "--features", str(shards.parent / "wide"), "--size", "1", "--out", str(tmp_path / "h")])
+    assert not (tmp_path / "h").exists()
     with pytest.raises(SystemExit, match="not a DFlash head folder"):
         script.main([str(shards), "--features", str(shards), "--size", "10", "--out", str(tmp_path / "h")])
 
