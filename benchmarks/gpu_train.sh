@@ -4,10 +4,11 @@
 #
 #   bash benchmarks/gpu_train.sh              # on the GPU machine, after scripts/gpu_stage.py's parts arrived
 #   FETCH=pard bash benchmarks/gpu_train.sh   # a later call: the PARD drafter, in parts of 14 MiB
+#   FETCH=dflash bash benchmarks/gpu_train.sh # another: the DFlash head with its draft vocabulary
 #
 # JOBS (default "copy dflash pard") picks among:
 #   copy    the three EAGLE-3 heads retrained on the recall mix (scripts/train_copy_heads.sh, PARALLEL=1);
-#   dflash  a DFlash head on the same features (scripts/train_dflash.py, blocks of 16, 128 a step);
+#   dflash  a DFlash head on the same features (scripts/train_dflash.py, blocks of 5, 256 a step);
 #   pard    a PARD drafter (scripts/train_pard.py, SmolLM2's layers 0-2 and 29, 16 sequences a step);
 #   circuit (opt-in: JOBS=circuit) the demo head grown with the two-token copy circuit
 #           (scripts/induction_head.py --bigram, docs/training.md "A copy circuit, built rather than
@@ -15,9 +16,10 @@
 #           so that fc learns to keep the token identity the circuit's key map reads.
 # SmolLM2 comes from .gpu/ (scripts/gpu_stage.py unpack; docs/training.md "On a GPU machine" gives the
 # transfers that bring it). A drafter stopped at TRAIN_S (default 240 s) keeps its last save. Under $OUT
-# (else ./gpu_out): job.log, results.tar.gz (configs, training logs, each check's JSON), the EAGLE-3
-# heads' and the DFlash head's model.safetensors (14 and 15 MiB). The PARD drafter (54 MiB) does not fit
-# beside them in what one call returns: FETCH=pard returns it, split, with its config and log.
+# (else ./gpu_out): job.log, results.tar.gz (configs, training logs, each check's JSON; each check stops
+# at CHECK_S seconds) and the EAGLE-3 heads' model.safetensors (14 MiB each). The PARD drafter (54 MiB)
+# and the DFlash head (22 MiB) do not fit beside them in what one call returns (64 MiB): FETCH=pard and
+# FETCH=dflash return each, split, with its config and log.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -25,16 +27,21 @@ OUT="${OUT:-$REPO/gpu_out}"
 PY="${PYTHON:-python3}"
 SITE="${SITE:-/tmp/sharpdraft-site}"
 TRAIN_S="${TRAIN_S:-240}"
+CHECK_S="${CHECK_S:-100}"  # each check's limit, so that what was trained comes back within one call
 JOBS="${JOBS:-copy dflash pard}"
 FEATURES=.cache/smollm2-features-copy-mix  # scripts/train_copy_heads.sh writes it
 mkdir -p "$OUT"
-if [[ "${FETCH:-}" == pard ]]; then
-    folder=.cache/heads/pard-smollm2
-    [[ -f "$folder/model.safetensors" ]] || { echo "no PARD drafter in $folder: run the job first"; exit 1; }
-    split -b 14M -d "$folder/model.safetensors" "$OUT/pard.safetensors.part"
-    cp "$folder/config.json" "$OUT/pard.config.json"
-    cp "$folder/training_log.json" "$OUT/pard.training_log.json"
-    sha256sum "$folder/model.safetensors" | tee "$OUT/pard.sha256"
+if [[ -n "${FETCH:-}" ]]; then  # pard or dflash: one drafter's weights in parts of 14 MiB
+    case "$FETCH" in
+        pard) folder=.cache/heads/pard-smollm2 ;;
+        dflash) folder=.cache/heads/dflash-smollm2-v4096 ;;
+        *) echo "FETCH=$FETCH: expected pard or dflash"; exit 1 ;;
+    esac
+    [[ -f "$folder/model.safetensors" ]] || { echo "no $FETCH drafter in $folder: run the job first"; exit 1; }
+    split -b 14M -d "$folder/model.safetensors" "$OUT/$FETCH.safetensors.part"
+    cp "$folder/config.json" "$OUT/$FETCH.config.json"
+    cp "$folder/training_log.json" "$OUT/$FETCH.training_log.json"
+    sha256sum "$folder/model.safetensors" | tee "$OUT/$FETCH.sha256"
     exit 0
 fi
 mkdir -p "$OUT/results"
@@ -72,10 +79,11 @@ if wants copy || wants dflash; then
     if wants dflash; then
         stamp "dflash: training"
         # many anchors a step: on a CPU, more blocks of fewer rows left the first row's plateau sooner
-        # (docs/training.md, "A DFlash head"); a GPU takes 128 blocks of 16 a step at no cost in time. The
-        # layers start from SmolLM2's last three, which reached the random start's check in half the steps
+        # (docs/training.md, "A DFlash head"); a GPU takes hundreds of blocks a step at little cost in time.
+        # Blocks of 5, as the built-in head's: the loop verifies 4 drafts. The layers start from SmolLM2's
+        # last three, which reached the random start's check in half the steps
         "$PY" scripts/train_dflash.py --features "$FEATURES" --out .cache/heads/dflash-smollm2 --device cuda \
-            --layers 3 --layer-init target --anchors 128 --write-every-save > .cache/train-dflash-smollm2.log 2>&1 &
+            --layers 3 --layer-init target --block 5 --anchors 256 --write-every-save > .cache/train-dflash-smollm2.log 2>&1 &
         pids+=($!)
     fi
 fi
@@ -110,10 +118,10 @@ check() {  # name, folder, eval arguments...
     local name="$1" folder="$2"; shift 2
     [[ -f "$folder/model.safetensors" ]] || { stamp "$name: nothing written"; return; }
     stamp "$name: checks"
-    "$PY" -m calibrate eval --drafter-path "$folder" --corpus stdlib:heldout --lengths 256 --sequences 12 \
-        --variants none --speculative --json "$@" > "$OUT/results/accept-$name.json"
-    "$PY" -m calibrate eval --drafter-path "$folder" --corpus recall:stdlib:heldout --lengths 256 --sequences 4 \
-        --variants none --json "$@" > "$OUT/results/copy-$name.json"
+    timeout "$CHECK_S" "$PY" -m calibrate eval --drafter-path "$folder" --corpus stdlib:heldout --lengths 256 \
+        --sequences 12 --variants none --speculative --json "$@" > "$OUT/results/accept-$name.json"
+    timeout "$CHECK_S" "$PY" -m calibrate eval --drafter-path "$folder" --corpus recall:stdlib:heldout \
+        --lengths 256 --sequences 4 --variants none --json "$@" > "$OUT/results/copy-$name.json"
     cp "$folder/config.json" "$OUT/results/$name.config.json"
     cp "$folder/training_log.json" "$OUT/results/$name.training_log.json"
 }
@@ -130,7 +138,6 @@ if wants dflash && [[ -f .cache/heads/dflash-smollm2/model.safetensors ]]; then
     "$PY" scripts/dflash_draft_vocab.py .cache/heads/dflash-smollm2 --features "$FEATURES" --size 4096 \
         --out .cache/heads/dflash-smollm2-v4096
     check dflash-smollm2 .cache/heads/dflash-smollm2-v4096 --drafter dflash --threads 2 & checks+=($!)
-    cp .cache/heads/dflash-smollm2-v4096/model.safetensors "$OUT/dflash-smollm2.safetensors" 2>/dev/null
 fi
 wants pard && { check pard-smollm2 .cache/heads/pard-smollm2 --drafter pard --num-draft 4 --threads 2 & checks+=($!); }
 if wants circuit; then
