@@ -218,9 +218,9 @@ def chain_attention(query, keys, values, chunk: int, context: int = 0) -> torch.
         c = b - a
         k = torch.cat([k0[:, :, :context + b]] + [repeat_kv(kj[:, :, a:b], groups) for kj in keys[1:]], dim=2)
         v = torch.cat([v0[:, :, :context + b]] + [repeat_kv(vj[:, :, a:b], groups) for vj in values[1:]], dim=2)
-        rows = context + torch.arange(a, b)[:, None]
-        causal = torch.arange(context + b)[None, :] <= rows  # (c, context + b)
-        diagonal = torch.eye(c, dtype=torch.bool).repeat(1, len(keys) - 1)  # (c, s * c)
+        rows = context + torch.arange(a, b, device=query.device)[:, None]
+        causal = torch.arange(context + b, device=query.device)[None, :] <= rows  # (c, context + b)
+        diagonal = torch.eye(c, dtype=torch.bool, device=query.device).repeat(1, len(keys) - 1)  # (c, s * c)
         outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=torch.cat((causal, diagonal), 1)))
     return torch.cat(outs, dim=2)
 
