@@ -52,8 +52,9 @@ def test_pack_refuses_a_part_size_that_is_not_positive(tmp_path, part_mb):
 
 
 def test_heads_go_aside_for_the_parts_and_come_back(packed, tmp_path, capsys):
-    """``aside`` takes the three heads' weights out of the tree a transfer sends (and says what each
-    transfer weighs), ``back`` returns them byte for byte; a head found in neither place is named."""
+    """``aside`` takes the heads' weights out of the tree a transfer sends (and says what each transfer
+    weighs), ``back --job`` returns the EAGLE-3 heads alone (the job's transfer) and ``back`` the rest, byte
+    for byte; a head found in neither place is named."""
     import subprocess
 
     script = load_script("gpu_stage")
@@ -67,11 +68,14 @@ def test_heads_go_aside_for_the_parts_and_come_back(packed, tmp_path, capsys):
     before = script.tree_bytes(root)
     script.aside(root, stage)
     out = capsys.readouterr().out
-    assert before == 3000 and script.tree_bytes(root) == 0
+    assert before == 1000 * len(script.HEAVY) and script.tree_bytes(root) == 0
     assert "transfer 1: the tree and smollm2.xz.part00" in out and out.count("(fits)") == 3
     script.aside(root, stage)  # again: already aside
+    script.aside(root, stage, back=True, job=True)
+    assert script.tree_bytes(root) == 1000 * len(script.HEADS) and "the job's transfer" in capsys.readouterr().out
+    assert all(not (root / n).exists() for n in script.SPARE) and script.HEAVY[:3] == script.HEADS
     script.aside(root, stage, back=True)
-    assert [(root / n).read_bytes() for n in script.HEAVY] == [bytes([i]) * 1000 for i in range(3)]
+    assert [(root / n).read_bytes() for n in script.HEAVY] == [bytes([i]) * 1000 for i in range(len(script.HEAVY))]
     (root / script.HEAVY[2]).unlink()
     with pytest.raises(SystemExit, match="eagle3-smollm2-long/model.safetensors: neither in the tree nor set aside"):
         script.aside(root, stage)

@@ -63,6 +63,22 @@ def test_unrolled_steps_equal_the_chain_drafter(chunk, context):
                 past, hidden = out.past_key_values, out.hidden_states[:, -1:]
 
 
+@pytest.mark.parametrize("context", [0, 5])
+def test_the_unrolled_chain_makes_every_tensor_on_the_heads_device(context):
+    """On PyTorch's meta device (shapes, no data), which refuses a CPU operand as CUDA does: a mask made on
+    the CPU stopped the first GPU run of this script, and a CPU-only suite could not see it."""
+    train = _script()
+    config = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                          vocab_size=50, draft_vocab_size=20, rope_theta=1000.0)
+    head = Eagle3Head(config).to("meta")
+    T, ttt = 10 + context, 4
+    features = torch.empty(2, T, 3 * 32, device="meta")
+    tokens = torch.empty(2, T + ttt - 1, dtype=torch.long, device="meta")
+    pos = torch.arange(T, device="meta")[None].expand(2, T)
+    steps = list(train.unrolled_logits(head, features, tokens, pos, ttt, 3, context))
+    assert [tuple(s.shape) for s in steps] == [(2, T - context, 20)] * ttt
+
+
 def test_a_later_step_differs_from_step_zero():
     """Not vacuous: step 1 reads the head's own output, so its logits differ from step 0's."""
     train = _script()
