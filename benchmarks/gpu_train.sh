@@ -114,14 +114,16 @@ fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 cp .cache/train-*.log "$OUT/results/" 2>/dev/null
 
+# fp32 weights, as on a CPU: the checks compare with CPU figures, and in bf16 the batched verification
+# and the one-row target pass round differently (the first GPU run's greedy outputs were not identical)
 check() {  # name, folder, eval arguments...
     local name="$1" folder="$2"; shift 2
     [[ -f "$folder/model.safetensors" ]] || { stamp "$name: nothing written"; return; }
     stamp "$name: checks"
     timeout "$CHECK_S" "$PY" -m calibrate eval --drafter-path "$folder" --corpus stdlib:heldout --lengths 256 \
-        --sequences 12 --variants none --speculative --json "$@" > "$OUT/results/accept-$name.json"
+        --sequences 12 --variants none --speculative --dtype float32 --json "$@" > "$OUT/results/accept-$name.json"
     timeout "$CHECK_S" "$PY" -m calibrate eval --drafter-path "$folder" --corpus recall:stdlib:heldout \
-        --lengths 256 --sequences 4 --variants none --json "$@" > "$OUT/results/copy-$name.json"
+        --lengths 256 --sequences 4 --variants none --dtype float32 --json "$@" > "$OUT/results/copy-$name.json"
     cp "$folder/config.json" "$OUT/results/$name.config.json"
     cp "$folder/training_log.json" "$OUT/results/$name.training_log.json"
 }
