@@ -10,6 +10,10 @@
 #   copy    the three EAGLE-3 heads retrained on the recall mix (scripts/train_copy_heads.sh, PARALLEL=1);
 #   dflash  a DFlash head on the same features (scripts/train_dflash.py, blocks of 5, 256 a step);
 #   pard    a PARD drafter (scripts/train_pard.py, SmolLM2's layers 0-2 and 29, 16 sequences a step);
+#   pard-regen (opt-in) the same drafter trained on text the target wrote (scripts/regenerate.py: 8,192
+#           sequences of 512, 64 tokens of a training sequence then 448 sampled from SmolLM2 at T = 1),
+#           beside `pard` for a paired comparison: the first GPU run's PARD drafter saw its 2,275
+#           sequences five times and its held-out acceptance stayed where 800 CPU steps had left it;
 #   circuit (opt-in: JOBS=circuit) the demo head grown with the two-token copy circuit
 #           (scripts/induction_head.py --bigram, docs/training.md "A copy circuit, built rather than
 #           learned"), then trained end to end on the recall features (train_demo_eagle3.py --init),
@@ -31,11 +35,12 @@ CHECK_S="${CHECK_S:-100}"  # each check's limit, so that what was trained comes 
 JOBS="${JOBS:-copy dflash pard}"
 FEATURES=.cache/smollm2-features-copy-mix  # scripts/train_copy_heads.sh writes it
 mkdir -p "$OUT"
-if [[ -n "${FETCH:-}" ]]; then  # pard or dflash: one drafter's weights in parts of 14 MiB
+if [[ -n "${FETCH:-}" ]]; then  # pard, pard-regen or dflash: one drafter's weights in parts of 14 MiB
     case "$FETCH" in
         pard) folder=.cache/heads/pard-smollm2 ;;
+        pard-regen) folder=.cache/heads/pard-smollm2-regen ;;
         dflash) folder=.cache/heads/dflash-smollm2-v4096 ;;
-        *) echo "FETCH=$FETCH: expected pard or dflash"; exit 1 ;;
+        *) echo "FETCH=$FETCH: expected pard, pard-regen or dflash"; exit 1 ;;
     esac
     [[ -f "$folder/model.safetensors" ]] || { echo "no $FETCH drafter in $folder: run the job first"; exit 1; }
     split -b 14M -d "$folder/model.safetensors" "$OUT/$FETCH.safetensors.part"
@@ -64,6 +69,14 @@ if wants pard; then  # needs no features: starts at once
     stamp "pard: training"
     "$PY" scripts/train_pard.py --out .cache/heads/pard-smollm2 --device cuda --batch 16 --sequences 4096 \
         --save-every 25 > .cache/train-pard-smollm2.log 2>&1 &
+    pids+=($!)
+fi
+if wants pard-regen; then  # the target writes the text first (seconds on a GPU), then the drafter trains on it
+    stamp "pard-regen: the target writes the training text"
+    ( "$PY" scripts/regenerate.py --out .cache/regen-smollm2-512.npy --sequences 8192 --batch 1024 --device cuda \
+          --threads 4 && \
+      "$PY" scripts/train_pard.py --out .cache/heads/pard-smollm2-regen --device cuda --batch 16 \
+          --tokens .cache/regen-smollm2-512.npy --save-every 25 ) > .cache/train-pard-smollm2-regen.log 2>&1 &
     pids+=($!)
 fi
 if wants copy || wants dflash; then
@@ -142,6 +155,8 @@ if wants dflash && [[ -f .cache/heads/dflash-smollm2/model.safetensors ]]; then
     check dflash-smollm2 .cache/heads/dflash-smollm2-v4096 --drafter dflash --threads 2 & checks+=($!)
 fi
 wants pard && { check pard-smollm2 .cache/heads/pard-smollm2 --drafter pard --num-draft 4 --threads 2 & checks+=($!); }
+wants pard-regen && { check pard-smollm2-regen .cache/heads/pard-smollm2-regen --drafter pard --num-draft 4 --threads 2 &
+                      checks+=($!); }
 if wants circuit; then
     for head in eagle3-smollm2-ind-bi eagle3-smollm2-ind-bi-gpu; do
         check "$head" ".cache/heads/$head" --drafter eagle3 --threads 2 & checks+=($!)

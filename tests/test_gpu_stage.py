@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tiny_checkpoints import load_script
@@ -80,3 +82,46 @@ def test_heads_go_aside_for_the_parts_and_come_back(packed, tmp_path, capsys):
     with pytest.raises(SystemExit, match="eagle3-smollm2-long/model.safetensors: neither in the tree nor set aside"):
         script.aside(root, stage)
     assert (root / script.HEAVY[0]).is_file()  # nothing moved
+
+
+def _job_in(tmp_path):
+    """A copy of benchmarks/gpu_train.sh in a folder of its own, which it takes as the repository."""
+    import shutil
+
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_train.sh", root / "benchmarks")
+    return root
+
+
+@pytest.mark.parametrize("fetch, named", [("bogus", "FETCH=bogus: expected pard, pard-regen or dflash"),
+                                          ("pard", "no pard drafter in .cache/heads/pard-smollm2: run the job first")])
+def test_the_gpu_job_refuses_a_fetch_it_cannot_serve_in_one_line(tmp_path, fetch, named):
+    import subprocess
+
+    root = _job_in(tmp_path)
+    run = subprocess.run(["bash", "benchmarks/gpu_train.sh"], cwd=root, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "FETCH": fetch, "OUT": str(tmp_path / "out")})
+    assert run.returncode == 1 and run.stdout.strip().splitlines() == [named]
+    assert not list((tmp_path / "out").glob("*"))
+
+
+def test_the_gpu_job_returns_a_drafter_in_parts_that_join_to_it(tmp_path):
+    import hashlib
+    import subprocess
+
+    root = _job_in(tmp_path)
+    folder = root / ".cache" / "heads" / "dflash-smollm2-v4096"
+    folder.mkdir(parents=True)
+    weights = np.random.default_rng(0).bytes(30 << 20)  # 30 MiB: three parts of at most 14
+    (folder / "model.safetensors").write_bytes(weights)
+    (folder / "config.json").write_text("{}")
+    (folder / "training_log.json").write_text("{}")
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", "benchmarks/gpu_train.sh"], cwd=root, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "FETCH": "dflash", "OUT": str(out)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    parts = sorted(out.glob("dflash.safetensors.part*"))
+    assert [p.stat().st_size for p in parts] == [14 << 20, 14 << 20, 2 << 20]
+    assert b"".join(p.read_bytes() for p in parts) == weights
+    assert (out / "dflash.sha256").read_text().split()[0] == hashlib.sha256(weights).hexdigest()
