@@ -262,6 +262,7 @@ def eval_command(
                           temperature=temperature, slopes=slope_grid, alphas=alpha_grid, saved=saved,
                           neighbour_window=neighbour_window, group=group, sample=sample, seed=seed, lookup=lookup,
                           online=online, extra_specs=extras)
+    result["weights"] = {"device": dev.type, "dtype": str(dt).removeprefix("torch.")}
     result["spec_file"] = str(spec) if spec is not None else None
     result["extra_spec_files"] = {name: str(file) for name, file in extra_files.items()} or None
     text = json.dumps(result, indent=2)
@@ -278,6 +279,15 @@ def eval_command(
         print(text)
         return
     _table(result)
+
+
+def _half_note(result: dict) -> str:
+    """Why greedy outputs can differ under half-precision weights, and the way to an exact comparison."""
+    dtype = (result.get("weights") or {}).get("dtype")
+    if dtype not in ("bfloat16", "float16"):
+        return ""
+    return (f" ({dtype} weights: the target's verification of several rows at once and its one-row decoding can "
+            "round differently and turn a near-tie; --dtype float32 compares exactly)")
 
 
 def _at_top_k(spec, k: int, label: str):
@@ -343,7 +353,7 @@ def _table(result: dict) -> None:
             check = f"sampling at temperature {s['temperature']:g}, seed {s['seed']} (outputs are random draws)"
         else:
             check = ("outputs identical to target-only greedy decoding: "
-                     + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]"))
+                     + ("[green]yes[/]" if s["outputs_identical"] else "[red]NO[/]" + _half_note(result)))
         console.print(f"Speculative decoding ({s['loop']}): {s['new_tokens']} tokens per prompt, "
                       f"{s['drafting'].split(':')[0]} of {s['num_draft']}; {check}. Speedup is target-only decoding time over "
                       "speculative time on this machine: it falls below 1 where a target forward is too cheap "

@@ -507,6 +507,7 @@ def test_cli_extra_spec_is_a_variant_and_resumes(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "r.json").read_text())
     assert list(saved["variants"]) == ["none", "spec", "spec:layer"]
     assert saved["extra_spec_files"] == {"spec:layer": str(layer)}
+    assert saved["weights"] == {"device": "cpu", "dtype": "float32"}
     assert saved["variants"]["spec:layer"]["granularity"] == "layer"
     ScaleSpec(law="log-linear", n_ref=64, slope=[0.4], top_k=4, granularity="layer").save(layer)
     refused = CliRunner().invoke(app, [*args, "--resume"])
@@ -527,3 +528,15 @@ def test_a_saved_prompt_keeps_three_or_five_numbers_per_run():
     for run in ([1.5, 0.5, 8, 0.1], [1.5, 0.5, 8, -0.1, 5], [1.5, 0.5, 8, float("nan"), 5]):
         with pytest.raises(ValueError, match="3 or 5 finite numbers"):
             _prompt_unit({**unit, "runs": {"none": run}}, ["none"])
+
+
+def test_a_greedy_mismatch_under_half_precision_names_the_dtype_and_the_exact_way():
+    """The summary's NO beside non-identical greedy outputs says, in bfloat16 or float16, that rounding can turn
+    a near-tie and that --dtype float32 compares exactly; in float32 (or a result without the record) nothing."""
+    from calibrate.eval_cmd import _half_note
+
+    for dtype in ("bfloat16", "float16"):
+        note = _half_note({"weights": {"device": "cuda", "dtype": dtype}})
+        assert dtype in note and "--dtype float32" in note
+    assert _half_note({"weights": {"device": "cpu", "dtype": "float32"}}) == ""
+    assert _half_note({}) == ""
