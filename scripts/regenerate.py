@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from target_features import check_device, log  # noqa: E402
 from train_demo_eagle3 import atomic_text  # noqa: E402
+from train_pard import _check_source  # noqa: E402  (the sources PARD's own training reads)
 
 OPTIONS = ("base", "prompts", "sources", "sequences", "seq_len", "prompt", "temperature", "ban", "batch", "seed")
 
@@ -48,7 +49,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=Path, default=None,
                     help="a .npy of token sequences (N, >= --prompt) whose first --prompt tokens are the prompts, "
                          "instead of --sources")
-    ap.add_argument("--sources", default="pydoc:train,stdlib", help="training corpora, comma-separated (train splits)")
+    ap.add_argument("--sources", default="pydoc:train,stdlib",
+                    help="training corpora, comma-separated: train splits, their recall: forms, or text files")
     ap.add_argument("--sequences", type=int, default=1024, help="sequences to write")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per sequence, prompt included")
     ap.add_argument("--prompt", type=int, default=64, help="tokens of real text that start each sequence")
@@ -83,6 +85,9 @@ def check_options(args: argparse.Namespace) -> None:
         raise SystemExit(f"--out {args.out}: exists; give a new file (nothing is overwritten)")
     if args.out.suffix != ".npy":
         raise SystemExit(f"--out {args.out}: give a .npy file name")
+    above = next((d for d in args.out.parents if d.exists()), None)
+    if above is not None and not above.is_dir():
+        raise SystemExit(f"--out {args.out}: {above} is a file; give a path in a folder")
     if args.base is not None and not (args.base / "config.json").is_file():
         raise SystemExit(f"--base {args.base}: no config.json there; give a transformers causal LM folder")
     if args.prompts is not None and not args.prompts.is_file():
@@ -96,9 +101,7 @@ def check_options(args: argparse.Namespace) -> None:
             raise SystemExit(f"--ban {args.ban}: SmolLM2 has {SMOLLM2_VOCAB} tokens; give ids below it")
     if args.prompts is None:
         for source in args.sources.split(","):
-            name, _, split = source.partition(":")
-            if name not in ("pydoc", "stdlib") or split not in ("", "train"):
-                raise SystemExit(f"--sources {source}: give pydoc:train and/or stdlib (the training splits)")
+            _check_source(source)
 
 
 def load(args):
@@ -115,7 +118,11 @@ def load(args):
     if any(t >= vocab for t in args.ban_ids):
         raise SystemExit(f"--ban {args.ban}: the model has {vocab} tokens; give ids below it")
     if args.prompts is not None:
-        ids = np.load(args.prompts)
+        try:
+            ids = np.load(args.prompts)
+        except (OSError, ValueError, EOFError) as err:
+            raise SystemExit(f"--prompts {args.prompts}: not a .npy array ({err.__class__.__name__}); give one of "
+                             "token sequences") from None
         if ids.ndim != 2 or ids.shape[1] < args.prompt or ids.shape[0] == 0 or not np.issubdtype(ids.dtype, np.integer):
             raise SystemExit(f"--prompts {args.prompts}: shape {ids.shape}, {ids.dtype}; expected integers (N, >= "
                              f"--prompt {args.prompt})")
@@ -188,7 +195,7 @@ def main(argv=None) -> None:
             sys.exit(f"{work}: holds a run with other options; give the same options or delete it")
     model, prompts = load(args)
     model = model.to(device)
-    work.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)  # and --out's folder
     atomic_text(record, json.dumps(options) + "\n")
     batches = -(-args.sequences // args.batch)
     new = args.seq_len - args.prompt

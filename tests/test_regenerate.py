@@ -78,12 +78,12 @@ def _argv(tmp, out, *extra):
 
 def test_a_run_writes_the_file_and_a_stopped_run_resumes_to_the_same_file(base, monkeypatch):
     script = load_script("regenerate")
-    script.main(_argv(base, "whole.npy"))
-    whole = np.load(base / "whole.npy")
+    script.main(_argv(base, "new/folder/whole.npy"))  # --out's folder made
+    whole = np.load(base / "new/folder/whole.npy")
     prompts = np.load(base / "prompts.npy")
     assert whole.shape == (5, 20) and np.array_equal(whole[:, :8], prompts[:, :8])
     assert not np.isin(whole[:, 8:], [3, 4]).any()
-    assert not (base / "whole.npy.partial").exists()
+    assert not (base / "new/folder/whole.npy.partial").exists()
 
     calls = {"n": 0}
     real = script.continue_text
@@ -138,6 +138,7 @@ def test_files_and_folders_that_do_not_fit_are_refused(base):
     (base / "there.npy").write_bytes(b"keep")
     np.save(base / "short.npy", np.ones((3, 4), dtype=np.int64))
     np.save(base / "floats.npy", np.ones((3, 12)))
+    (base / "garbage.npy").write_bytes(b"not an array")
     cases = [
         (["--out", str(base / "there.npy")], "exists; give a new file"),
         (["--out", str(base / "t.txt")], "give a .npy file name"),
@@ -145,6 +146,8 @@ def test_files_and_folders_that_do_not_fit_are_refused(base):
         (["--prompts", str(base / "none.npy")], "no such file"),
         (["--prompts", str(base / "short.npy")], r"shape \(3, 4\)"),
         (["--prompts", str(base / "floats.npy")], "float64; expected integers"),
+        (["--prompts", str(base / "garbage.npy")], "not a .npy array"),
+        (["--out", str(base / "there.npy" / "x.npy")], "there.npy is a file; give a path in a folder"),
     ]
     for extra, named in cases:
         with pytest.raises(SystemExit, match=named):
@@ -152,7 +155,9 @@ def test_files_and_folders_that_do_not_fit_are_refused(base):
     assert (base / "there.npy").read_bytes() == b"keep"
     with pytest.raises(SystemExit, match="give --prompts too"):
         script.main(["--base", str(base / "base"), "--out", str(base / "o.npy")])
-    with pytest.raises(SystemExit, match="--sources pydoc:test: give pydoc:train and/or stdlib"):
+    with pytest.raises(SystemExit, match="--sources pydoc:test: train only on the train split"):
         script.main(["--sources", "pydoc:test", "--out", str(base / "o.npy")])
+    with pytest.raises(SystemExit, match="--sources nowhere.txt: no such file or folder"):
+        script.main(["--sources", "nowhere.txt", "--out", str(base / "o.npy")])
     with pytest.raises(SystemExit, match="--ban 49152: SmolLM2 has 49152 tokens"):
         script.main(["--ban", "49152", "--out", str(base / "o.npy")])
