@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from target_features import check_device, log  # noqa: E402
 from train_demo_eagle3 import atomic_text  # noqa: E402
-from train_pard import _check_source  # noqa: E402  (the sources PARD's own training reads)
+from train_pard import _check_source, packed  # noqa: E402  (the sources PARD's own training reads)
 
 OPTIONS = ("base", "prompts", "sources", "sequences", "seq_len", "prompt", "temperature", "ban", "batch", "seed")
 
@@ -127,20 +127,8 @@ def load(args):
             raise SystemExit(f"--prompts {args.prompts}: shape {ids.shape}, {ids.dtype}; expected integers (N, >= "
                              f"--prompt {args.prompt})")
         prompts = torch.from_numpy(ids[:, :args.prompt].astype(np.int64))
-    else:
-        from calibrate.corpus import pack
-        from calibrate.drafters.target import eos_token_id
-        from calibrate.errors import UserError
-
-        # the start of each packed training sequence, so that the prompts spread over the whole split
-        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        sources = args.sources.split(",")
-        per = -(-args.sequences // len(sources))
-        try:
-            prompts = torch.tensor([s[:args.prompt] for source in sources
-                                    for s in pack(source, encode, eos_token_id(tokenizer), args.seq_len, per)])
-        except UserError as err:
-            raise SystemExit(str(err).replace("--corpus", "--sources").replace("--max-length", "--seq-len")) from None
+    else:  # the start of each packed training sequence, so that the prompts spread over the whole split
+        prompts = torch.tensor([s[:args.prompt] for s in packed(args.sources, tokenizer, args.seq_len, args.sequences)])
     if int(prompts.min()) < 0 or int(prompts.max()) >= vocab:
         raise SystemExit(f"prompt tokens outside the model's vocabulary of {vocab}")
     # more sequences than prompts: the prompts again, in order (each continuation is its own draw)

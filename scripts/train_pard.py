@@ -193,6 +193,23 @@ def load_base(args):
     return model, None, str(args.base.resolve())
 
 
+def packed(sources: str, tokenizer, seq_len: int, sequences: int) -> list[list[int]]:
+    """At most ``sequences`` token sequences of ``seq_len`` from ``sources`` (comma-separated), as many from each;
+    a source too short is named in one line (``--sources``, ``--seq-len``)."""
+    from calibrate.corpus import pack
+    from calibrate.drafters.target import eos_token_id
+    from calibrate.errors import UserError
+
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    names = sources.split(",")
+    per = -(-sequences // len(names))
+    try:
+        seqs = [s for source in names for s in pack(source, encode, eos_token_id(tokenizer), seq_len, per)]
+    except UserError as err:
+        sys.exit(str(err).replace("--corpus", "--sources").replace("--max-length", "--seq-len"))
+    return seqs[:sequences]
+
+
 def training_tokens(args, tokenizer, vocab: int) -> torch.Tensor:
     """(N, seq_len) token ids: the --tokens file, or --sequences packed from --sources."""
     if args.tokens is not None:
@@ -202,19 +219,7 @@ def training_tokens(args, tokenizer, vocab: int) -> torch.Tensor:
     else:
         if tokenizer is None:
             sys.exit(f"--base {args.base}: with a base folder give --tokens (no tokenizer is read from it)")
-        from calibrate.corpus import pack
-        from calibrate.drafters.target import eos_token_id
-        from calibrate.errors import UserError
-
-        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        sources = args.sources.split(",")
-        per = -(-args.sequences // len(sources))
-        try:
-            seqs = [s for source in sources
-                    for s in pack(source, encode, eos_token_id(tokenizer), args.seq_len, per)]
-        except UserError as err:
-            sys.exit(str(err).replace("--corpus", "--sources").replace("--max-length", "--seq-len"))
-        ids = torch.tensor(seqs[:args.sequences])
+        ids = torch.tensor(packed(args.sources, tokenizer, args.seq_len, args.sequences))
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         sys.exit(f"training tokens outside the vocabulary of {vocab}")
     if bool((ids == args.mask_token).any()):
