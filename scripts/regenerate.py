@@ -70,6 +70,9 @@ def check_options(args: argparse.Namespace) -> None:
     for name, least in (("sequences", 1), ("seq_len", 2), ("prompt", 1), ("batch", 1), ("threads", 1)):
         if getattr(args, name) < least:
             raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= {least}")
+    if not 0 <= args.seed < 2 ** 32:
+        raise SystemExit(f"--seed {args.seed}: give an integer from 0 to {2 ** 32 - 1}")
+    args.batch = min(args.batch, args.sequences)  # a batch never holds more than the run
     if args.prompt >= args.seq_len:
         raise SystemExit(f"--prompt {args.prompt}: give fewer tokens than --seq-len {args.seq_len}, so that some are "
                          "sampled")
@@ -105,7 +108,7 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def load(args):
-    """(model, prompts (N, --prompt) int64): the target, or --base, and the prompts."""
+    """(model, prompts (N, --prompt) int64): the target, or --base, and the prompts (at most --sequences)."""
     if args.base is None:
         from calibrate.smollm2 import load_smollm2
 
@@ -131,8 +134,7 @@ def load(args):
         prompts = torch.tensor([s[:args.prompt] for s in packed(args.sources, tokenizer, args.seq_len, args.sequences)])
     if int(prompts.min()) < 0 or int(prompts.max()) >= vocab:
         raise SystemExit(f"prompt tokens outside the model's vocabulary of {vocab}")
-    # more sequences than prompts: the prompts again, in order (each continuation is its own draw)
-    return model.eval(), prompts[torch.arange(args.sequences) % len(prompts)]
+    return model.eval(), prompts
 
 
 @torch.no_grad()
@@ -192,7 +194,9 @@ def main(argv=None) -> None:
         if path.is_file():
             continue
         generator = torch.Generator(device=device).manual_seed(args.seed * 1_000_003 + b)
-        rows = prompts[b * args.batch:(b + 1) * args.batch].to(device)
+        # more sequences than prompts: the prompts again, in order (each continuation is its own draw)
+        first, last = b * args.batch, min((b + 1) * args.batch, args.sequences)
+        rows = prompts[torch.arange(first, last) % len(prompts)].to(device)
         text = continue_text(model, rows, new, args.temperature, args.ban_ids, generator)
         _save_npy(text.cpu().numpy().astype(np.int32), path)
         log(f"batch {b + 1}/{batches}: {len(rows)} sequences of {args.seq_len} ({new} sampled each)")

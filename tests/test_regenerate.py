@@ -125,6 +125,8 @@ def test_a_partial_run_with_other_options_is_refused(base):
     (["--ban", "64"], "--ban 64: the model has 64 tokens"),
     (["--sequences", "0"], "--sequences 0: give an integer >= 1"),
     (["--batch", "0"], "--batch 0: give an integer >= 1"),
+    (["--seed", "-1"], "--seed -1: give an integer from 0 to 4294967295"),
+    (["--seed", str(2 ** 70)], f"--seed {2 ** 70}: give an integer"),
 ])
 def test_bad_options_are_refused_in_one_line(base, args, named):
     script = load_script("regenerate")
@@ -161,3 +163,15 @@ def test_files_and_folders_that_do_not_fit_are_refused(base):
         script.main(["--sources", "nowhere.txt", "--out", str(base / "o.npy")])
     with pytest.raises(SystemExit, match="--ban 49152: SmolLM2 has 49152 tokens"):
         script.main(["--ban", "49152", "--out", str(base / "o.npy")])
+
+
+def test_more_sequences_than_prompts_take_the_prompts_again_each_its_own_draw(base):
+    script = load_script("regenerate")
+    argv = _argv(base, "more.npy")
+    argv[argv.index("--sequences") + 1] = "7"
+    script.main([*argv, "--batch", "100"])  # a batch larger than the run holds the run
+    more = np.load(base / "more.npy")
+    prompts = np.load(base / "prompts.npy")
+    assert more.shape == (7, 20)
+    assert np.array_equal(more[:, :8], prompts[np.arange(7) % 5, :8])
+    assert not np.array_equal(more[5, 8:], more[0, 8:])  # the same prompt, another continuation
