@@ -52,10 +52,12 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 @torch.no_grad()
-def chain_agreement(drafter, input_ids: torch.Tensor, steps: int) -> np.ndarray:
+def chain_agreement(drafter, input_ids: torch.Tensor, steps: int, states=None) -> np.ndarray:
     """(steps,): the share of rows whose chain step ``s`` drafts the target's greedy token, along ``input_ids``
-    (1, T); rows whose step ``steps - 1`` still lies in the text (``T - steps`` of them)."""
-    features, final = drafter.target_states(input_ids)  # (1, T, 3H); (T - 1, H): the target's law for row t at t
+    (1, T); rows whose step ``steps - 1`` still lies in the text (``T - steps`` of them). ``states``: the
+    target's pass over the text (``drafter.target_states``) when the caller already has it."""
+    # (1, T, 3H); (T - 1, H): the target's law for row t at t
+    features, final = drafter.target_states(input_ids) if states is None else states
     rows = input_ids.shape[1] - steps
     head = drafter.head
     pos = torch.arange(rows, device=input_ids.device)[None]
@@ -85,6 +87,7 @@ def main(argv=None) -> None:
 
     per_head = []
     texts = None
+    passes = {}  # the target's pass over each text, per feature layers: heads reading the same layers share it
     for head in args.heads:
         try:
             drafter = load_drafter("eagle3", str(head), args.target_path, torch.device("cpu"), torch.float32)
@@ -96,7 +99,14 @@ def main(argv=None) -> None:
                                      f"{args.sequences}; ask for fewer or shorter")
         except UserError as err:
             raise SystemExit(str(err).replace("--max-length", "--length")) from None
-        per_head.append(np.stack([chain_agreement(drafter, torch.tensor([t]), args.steps) for t in texts]))
+        rows = []
+        for i, text in enumerate(texts):
+            ids = torch.tensor([text])
+            key = (tuple(drafter.feature_ids), i)
+            if key not in passes:
+                passes[key] = drafter.target_states(ids)
+            rows.append(chain_agreement(drafter, ids, args.steps, passes[key]))
+        per_head.append(np.stack(rows))
     rng = np.random.default_rng(0)
     print(f"{args.sequences} sequences of {args.length} tokens of {args.corpus}; teacher-forced chain agreement per "
           f"step, 95% interval over sequences; differences paired with {args.heads[0]} (bold: excludes 0)\n")
