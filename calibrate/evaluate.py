@@ -125,6 +125,8 @@ assistant model).
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import re
 import time
@@ -497,8 +499,9 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     if reference is not None:
         _recovered(buckets, names)
     return {
-        "drafter": {"kind": drafter.kind, "path": drafter.info.path, "n_ref": n_ref},
-        "reference": None if reference is None else {"kind": reference.kind, "path": reference.info.path},
+        "drafter": {"kind": drafter.kind, "path": drafter.info.path, "n_ref": n_ref, **_pointer(drafter)},
+        "reference": None if reference is None else {"kind": reference.kind, "path": reference.info.path,
+                                                     **_pointer(reference)},
         "corpus": corpus, "skip": skip, "sequences": len(texts), "sequence_length": int(edges[-1]),
         "top_k": spec.top_k, "temperature": temperature,
         "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
@@ -769,6 +772,12 @@ def _decode(loop: str, target, source, spec: ScaleSpec | None, prompt: torch.Ten
         return speculative_generate(target, chain, prompt, new_tokens, num_draft, shared, rule)
     finally:
         chain.close()
+
+
+def _pointer(drafter) -> dict:
+    """``{"copy_pointer": its four numbers}`` for a head drafting with a copy pointer, else nothing."""
+    pointer = getattr(drafter, "pointer", None)
+    return {} if pointer is None else {"copy_pointer": dataclasses.asdict(pointer)}
 
 
 def _recovered(buckets: list[dict], names: list[str]) -> None:

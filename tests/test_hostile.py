@@ -332,6 +332,25 @@ EVAL_CASES += [Case(f"eval-dflash-vocab-{how}", EVAL_DFLASH.replace("{how}", how
     ("size-text", "draft_vocab_size"),
 )]
 
+# a copy pointer folder (calibrate/drafters/pointer.py) naming a head, damaged
+EVAL_POINTER = ("eval --drafter eagle3 --drafter-path {w}/ptr --target-path {fx}/target --corpus {fx}/corpus.txt "
+                "--lengths 32,64,128 --sequences 1 --device cpu --threads 1")
+_PTR = '{"format": "sharpdraft-copy-pointer", "version": 1, '
+EVAL_CASES += [Case(f"eval-copy-pointer-{how}", EVAL_POINTER, fragment, (("ptr", None), ("ptr/copy_pointer.json", text)))
+               for how, text, fragment in (
+    ("not-json", "{", "copy_pointer.json: not a readable JSON file"),
+    ("array", "[1]", "not a copy pointer"),
+    ("version", _PTR + '"version": 2}', "version 2"),
+    ("order-zero", _PTR + '"order": 0}', "order must be an integer from 1 to 8, got 0"),
+    ("gain-text", _PTR + '"gain": "all"}', "gain must be a finite number"),
+    ("scale-negative", _PTR + '"scale": -1}', "scale must be > 0"),
+    ("head-missing", _PTR + '"head": "../nowhere"}', "is not a head directory"),
+    ("head-number", _PTR + '"head": 7}', "must be a directory name"),
+    ("not-utf8", b"\xff\xfe{", "not a readable JSON file"),
+)]
+EVAL_CASES += [Case("eval-copy-pointer-head-is-itself", EVAL_POINTER, "has a copy pointer of its own",
+                    (("ptr", None), ("ptr/config.json", "{}"), ("ptr/copy_pointer.json", _PTR + '"head": "."}')))]
+
 # scripts/train_pard.py folders (layers and norm only; the embedding from the base model their config names)
 EVAL_CUT = EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter pard --drafter-path {fx}/cut-{how}")
 EVAL_CASES += [Case(f"eval-pard-cut-{how}", EVAL_CUT.replace("{how}", how), fragment) for how, fragment in (

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sharpdraft_runtime import causal_mask, causal_n_visible, query_hook
+from sharpdraft_runtime import alpha_for, causal_mask, causal_n_visible, query_hook
 from sharpdraft_runtime.positions import at_slots, decode_keys, remapped_attention
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.positions import PositionFix
@@ -59,6 +59,7 @@ from .base import AttentionTap, TeacherForced
 from .checkpoint import (TrainingLength, build, config_field, read_config, read_weights, rename_prefixes,
                          training_length)
 from .fields import check_fields
+from .pointer import CopyPointer, read as read_pointer
 from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_partial_rotary, read_rope,
                      rope_cos_sin, rope_inv_freq, rotary_dim)
 from .target import eos_token_id, hidden_state_features, load_target
@@ -571,9 +572,11 @@ class Eagle3Drafter:
     predicts = 2  # teacher-forced row t guesses token t + 2
 
     def __init__(self, head: Eagle3Head, target: nn.Module, tokenizer, path: str | None = None,
-                 training: TrainingLength | None = None, aux_layer_reading: str | None = None):
+                 training: TrainingLength | None = None, aux_layer_reading: str | None = None,
+                 pointer: CopyPointer | None = None):
         c = head.config
         self.head, self.target, self.tokenizer = head, target, tokenizer
+        self.pointer = pointer
         self.info = DrafterInfo(kind="eagle3", path=path, num_layers=1, num_heads=c.num_attention_heads,
                                 num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
         self.training = training or TrainingLength(c.max_position_embeddings, "max_position_embeddings of the head")
@@ -590,6 +593,8 @@ class Eagle3Drafter:
                       + aux_note,
                       "training length: " + (self.training.origin if self.training.value is not None else
                                              "unknown, " + self.training.origin)]
+        if pointer is not None:
+            self.notes.append(f"copy pointer ({pointer_note(pointer)}): drafts over the target's whole vocabulary")
 
     @property
     def default_n_ref(self) -> int:
@@ -650,20 +655,28 @@ class Eagle3Drafter:
         input_ids = self._input(input_ids)
         features, final = self.target_states(input_ids)
         columns = self.head.draft_to_target(torch.arange(self.head.config.draft_vocab_size, device=final.device))
-        law = NextTokenLaw(self.target.get_output_embeddings()(final), temperature, columns,
-                           points=proposals)  # rows t + 1 >= 1
+        law = NextTokenLaw(self.target.get_output_embeddings()(final), temperature,
+                           None if self.pointer is not None else columns, points=proposals)  # rows t + 1 >= 1
         drafted, accept = [], []
         for spec, tap in runs:
             scaled = ScalingTap(spec, tap)
             logits = self.head(input_ids[:, 1:], features[:, :-1], attention_hook=scaled,
                                **_restriction(spec)).logits[0]  # (T-1, draft)
-            drafted.append(self.head.draft_to_target(logits.argmax(-1)))
-            accept.append(law.acceptance(logits))
+            if self.pointer is None:
+                drafted.append(self.head.draft_to_target(logits.argmax(-1)))
+                accept.append(law.acceptance(logits))
+                continue
+            rows = torch.arange(logits.shape[0], device=logits.device)
+            alpha = pointer_alpha(spec, scaled.n_visible[0])
+            mixed = self.pointer.mix(logits, columns, input_ids[0], rows, alpha, self.head.config.vocab_size,
+                                     **pointer_restriction(self.head.config, spec))  # (T-1, vocab)
+            drafted.append(mixed.argmax(-1))
+            accept.append(law.acceptance(mixed))
         return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
                              accept=torch.stack(accept), proposed_accept=law.point_accept)
 
     def chain_drafter(self, spec: ScaleSpec | None) -> "Eagle3ChainDrafter":
-        return Eagle3ChainDrafter(self.head, self.feature_ids, spec)
+        return Eagle3ChainDrafter(self.head, self.feature_ids, spec, self.pointer)
 
 
 class Eagle3ChainDrafter:
@@ -685,12 +698,15 @@ class Eagle3ChainDrafter:
 
     name = "eagle3"  # the drafter kind the loop records
 
-    def __init__(self, head: Eagle3Head, feature_ids: tuple[int, ...], spec: ScaleSpec | None = None):
+    def __init__(self, head: Eagle3Head, feature_ids: tuple[int, ...], spec: ScaleSpec | None = None,
+                 pointer: CopyPointer | None = None):
         self.head = head
         self.feature_ids = feature_ids
         self.hook = None if spec is None else query_hook(spec)
         self.restriction = _restriction(spec)
         self._target_ids = None  # target id of each draft id, made when a law is first mapped
+        self.pointer, self.spec = pointer, spec
+        self.tokens: list[int] = []  # x_0 .. x_{R}: row i's input is tokens[i + 1] (read by the pointer)
 
     def close(self) -> None:
         """Nothing to undo: the spec lives in this drafter's hook."""
@@ -702,13 +718,30 @@ class Eagle3ChainDrafter:
         out = self.head(input_ids, hidden, position_ids=pos, past_key_values=self.past,
                         attention_hook=self.hook, **self.restriction)
         self.past = out.past_key_values
-        return out.logits[0, -1], out.hidden_states[:, -1:]
+        logits = out.logits[0, -1]
+        if self.pointer is not None:  # the last row's law over the target vocabulary, copies mixed in
+            row = position + T - 1
+            c = self.head.config
+            limits = pointer_restriction(c, self.spec)
+            n = int(causal_mask(1, row, sliding_window=limits["window"], sinks=limits["sinks"]).sum())
+            columns = self._columns()
+            tokens = torch.tensor(self.tokens[:row + 2], device=logits.device)
+            logits = self.pointer.mix(logits[None], columns, tokens, torch.tensor([row]), pointer_alpha(self.spec, n),
+                                      c.vocab_size, **limits)[0]
+        return logits, out.hidden_states[:, -1:]
+
+    def _columns(self) -> torch.Tensor:
+        if self._target_ids is None:
+            ids = torch.arange(self.head.config.draft_vocab_size, device=self.head.d2t.device)
+            self._target_ids = self.head.draft_to_target(ids).cpu().numpy()
+        return torch.as_tensor(self._target_ids, device=self.head.d2t.device)
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor, pending: int) -> None:
         """Rows 0 .. N-1 of the prompt ``x_0 .. x_{N-1}`` with target features, ``x_N = pending``."""
         self.past = None
         ids = torch.cat((prompt[:, 1:], torch.tensor([[pending]], device=prompt.device)), dim=1)
         self.rows = prompt.shape[1]  # rows with true features in the cache
+        self.tokens = prompt[0].tolist() + [int(pending)]
         self.logits, self.hidden = self._run(ids, features, 0)
 
     def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
@@ -718,20 +751,23 @@ class Eagle3ChainDrafter:
         drafts, laws = [], []
         logits, hidden = self.logits, self.hidden
         for j in range(k):
-            index, law = rule.pick(logits)  # in the draft vocabulary
-            token = int(self.head.draft_to_target(torch.tensor(index, device=logits.device)))
+            index, law = rule.pick(logits)  # in the draft vocabulary (with a pointer: the target's)
+            if self.pointer is not None:
+                token = index
+            else:
+                token = int(self.head.draft_to_target(torch.tensor(index, device=logits.device)))
+                law = None if law is None else self._on_target_vocab(law)
             drafts.append(token)
             if law is not None:
-                laws.append(self._on_target_vocab(law))
+                laws.append(law)
             if j + 1 < k:  # the head's own output stands in for the (unknown) target feature
+                self.tokens = self.tokens[:self.rows + 1 + j] + [token]
                 logits, hidden = self._run(torch.tensor([[token]], device=hidden.device), hidden, self.rows + j)
         return drafts, (np.stack(laws) if laws else None)
 
     def _on_target_vocab(self, law: np.ndarray) -> np.ndarray:
         """A law over the draft vocabulary (draft_vocab,) placed at its target ids: (vocab,)."""
-        if self._target_ids is None:
-            ids = torch.arange(self.head.config.draft_vocab_size, device=self.head.d2t.device)
-            self._target_ids = self.head.draft_to_target(ids).cpu().numpy()
+        self._columns()
         full = np.zeros(self.head.config.vocab_size)
         full[self._target_ids] = law
         return full
@@ -739,9 +775,33 @@ class Eagle3ChainDrafter:
     def commit(self, new: list[int], features: torch.Tensor) -> None:
         """Keep the true rows, then add rows for the verified positions: features (1, a+1, 3H)."""
         self.past = tuple(x[:, :, :self.rows] for x in self.past)
+        self.tokens = self.tokens[:self.rows + 1] + list(new)
         ids = torch.tensor([new], device=features.device)  # token after each verified position
         self.logits, self.hidden = self._run(ids, features, self.rows)
         self.rows += len(new)
+
+
+def pointer_restriction(config: Eagle3Config, spec: ScaleSpec | None) -> dict:
+    """The keys a copy pointer's row sees besides causality: the narrower of the head's own sliding window
+    and the spec's window, and the spec's sinks (as the head's attention has them)."""
+    window = None if spec is None else spec.window
+    if config.sliding_window is not None:
+        window = config.sliding_window if window is None else min(window, config.sliding_window)
+    return {"window": window, "sinks": None if spec is None or window is None else spec.sinks}
+
+
+def pointer_alpha(spec: ScaleSpec | None, n_visible) -> torch.Tensor | float:
+    """The spec's query factor for a copy pointer's rows: ``alpha(n)`` of layer 0, the mean over its query
+    heads for a per-head spec; 1 with no spec."""
+    if spec is None:
+        return 1.0
+    alpha = alpha_for(spec, n_visible if isinstance(n_visible, int) else n_visible.reshape(-1), 0)
+    return alpha.mean(dim=1).reshape(-1)  # (rows,)
+
+
+def pointer_note(pointer: CopyPointer) -> str:
+    return (f"exact match of up to {pointer.order} tokens, logit {pointer.scale:g} a token, sink {pointer.sink:g}, "
+            f"gain {pointer.gain:g}")
 
 
 def _restriction(spec: ScaleSpec | None) -> dict:
@@ -759,9 +819,11 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device, d
                         f"repo's EAGLE-3 training script or pass --drafter-path DIR")
     if not path.is_dir():
         raise UserError(f"EAGLE-3 checkpoint {path}: not a directory")
+    found = read_pointer(path)  # a copy pointer, here or joining the head it names
+    pointer, weights = (None, path) if found is None else found
     target, tokenizer = load_target(target_path, device, dtype)
-    head = load_eagle3_head(path, target, device=device, dtype=dtype)
+    head = load_eagle3_head(weights, target, device=device, dtype=dtype)
     c = head.config
-    training = training_length(path, c.max_position_embeddings, trust_mpe=c.source != "speculators")
+    training = training_length(weights, c.max_position_embeddings, trust_mpe=c.source != "speculators")
     return Eagle3Drafter(head, target, tokenizer, str(drafter_path) if drafter_path is not None else None,
-                         training, aux_layer_reading)
+                         training, aux_layer_reading, pointer)

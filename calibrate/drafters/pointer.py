@@ -1,0 +1,175 @@
+"""A copy pointer for an EAGLE-3 head: attention over the context by exact token match, mixed into the
+head's law (a pointer-generator's copy distribution, in one attention with a sink).
+
+Head row ``i`` holds its own token ``x_i`` (the target feature's position) and the token after it,
+``x_{i+1}`` (its input). The row that drafts ``x_{t+2}`` is row ``t``; its known suffix ends
+``.. x_t, x_{t+1}``. Each earlier row ``i <= t`` is a key whose **match** is the length of the
+common suffix of ``.. x_{i-1}, x_i`` and ``.. x_t, x_{t+1}``, at most ``order`` tokens, and whose value
+is the token that followed there, ``x_{i+1}``: where ``x_i = x_{t+1}`` (and the tokens before agree),
+what came next last time is the guess now. That is prompt lookup's rule (:mod:`calibrate.lookup`),
+written as attention:
+
+* logit of key ``i``: ``alpha(n) * scale * match(t, i)`` (0 for a row that matches nothing);
+* one **sink** with logit ``alpha(n) * sink``: the head's own law;
+* ``w = softmax`` over the sink and the ``n`` visible keys; the drafted law
+  ``q = (1 - gain * (1 - w_sink)) * p_head + gain * sum_i w_i [x_{i+1}]``, over the target's whole
+  vocabulary (a copied token need not be in the head's draft vocabulary).
+
+``alpha(n)`` is the spec's query factor for the row's count of visible keys (the mean over the head's
+query heads for a per-head spec), so a query scale acts on the pointer as on the head's attention, and a
+spec's window and sinks hide the same keys from both. Distance fixes do not touch it: its logits depend
+on content only. Every row that matches nothing adds ``exp(0)`` to the normaliser, so as ``n`` grows
+the mass on a real match and on the sink dilutes, as the module's theory describes for any attention.
+
+The pointer has no weights: four numbers, fitted by ``scripts/fit_copy_pointer.py``, stored in a head
+directory's ``copy_pointer.json`` (:func:`read`), which may name the directory of the head it joins
+(``"head"``), so that one head's weights serve with and without a pointer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from sharpdraft_runtime import causal_mask
+
+from ..errors import UserError
+
+__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "read", "write", "matches"]
+
+FILE = "copy_pointer.json"
+FORMAT = "sharpdraft-copy-pointer"
+MAX_ORDER = 8  # a longer suffix than this adds nothing a copy needs; bounds the work per row
+_CHUNK = 256  # query rows per pass over the vocabulary: (rows, vocab) float32 is 50 MB at SmolLM2's 49,152
+
+
+@dataclass(frozen=True)
+class CopyPointer:
+    """The pointer's four numbers (module docstring); ``ValueError`` naming a bad one."""
+
+    order: int = 2  # longest suffix matched, 1 .. MAX_ORDER
+    scale: float = 8.0  # logit per matched token, > 0
+    sink: float = 12.0  # the sink's logit (the head's own law), finite
+    gain: float = 1.0  # share of the non-sink mass given to the copies, 0 .. 1
+
+    def __post_init__(self):
+        if isinstance(self.order, bool) or not isinstance(self.order, int) or not 1 <= self.order <= MAX_ORDER:
+            raise ValueError(f"order must be an integer from 1 to {MAX_ORDER}, got {self.order!r}")
+        for name in ("scale", "sink", "gain"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not self.scale > 0:
+            raise ValueError(f"scale must be > 0, got {self.scale!r}")
+        if not 0 <= self.gain <= 1:
+            raise ValueError(f"gain must be from 0 to 1, got {self.gain!r}")
+
+    def mix(self, head_logits: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor,
+            alpha: torch.Tensor | float, vocab_size: int, *, window: int | None = None,
+            sinks: int | None = None) -> torch.Tensor:
+        """Log of the drafted law over the target vocabulary, (rows, vocab_size), float32.
+
+        ``head_logits`` (rows, draft_vocab) the head's logits of ``rows`` (a 1-D tensor of row indices,
+        increasing by one), ``columns`` (draft_vocab,) their target ids, ``tokens`` (>= rows[-1] + 2,)
+        the text ``x_0, x_1, ..`` (row ``i``'s input is ``tokens[i + 1]``), ``alpha`` one factor per row
+        (or one for all), ``window`` / ``sinks`` the keys a row sees besides causality
+        (:func:`sharpdraft_runtime.causal_mask`). Tokens that neither law gives mass are ``-inf``.
+        """
+        first, count = int(rows[0]), len(rows)
+        alpha = torch.as_tensor(alpha, dtype=torch.float32, device=head_logits.device).expand(count)
+        out = torch.empty(count, vocab_size, dtype=torch.float32, device=head_logits.device)
+        for a in range(0, count, _CHUNK):
+            b = min(a + _CHUNK, count)
+            lo, hi = first + a, first + b  # query rows lo .. hi - 1 see keys 0 .. hi - 1
+            match = matches(tokens, lo, hi, self.order)  # (c, hi)
+            visible = causal_mask(hi - lo, lo, sliding_window=window, sinks=sinks, device=match.device)
+            scaled = alpha[a:b, None]
+            logits = (scaled * self.scale * match).masked_fill(~visible, float("-inf"))  # (c, hi)
+            w = torch.softmax(torch.cat((scaled * self.sink, logits), dim=1), dim=1)  # (c, 1 + hi)
+            copies = torch.zeros(b - a, vocab_size, dtype=torch.float32, device=out.device)
+            values = tokens[1:hi + 1].to(out.device)[None].expand(b - a, hi)  # x_{i+1}
+            copies.scatter_add_(1, values, w[:, 1:] * self.gain)
+            keep = 1 - self.gain * (1 - w[:, :1])  # (c, 1): the head's share
+            copies[:, columns] += keep * torch.softmax(head_logits[a:b].float(), dim=-1)
+            out[a:b] = copies.log()
+        return out
+
+
+def matches(tokens: torch.Tensor, lo: int, hi: int, order: int) -> torch.Tensor:
+    """``(hi - lo, hi)`` float: for query row ``t`` in ``lo .. hi - 1`` and key row ``i`` in ``0 .. hi - 1``,
+    the length of the common suffix of ``x_0 .. x_i`` and ``x_0 .. x_{t+1}``, at most ``order``.
+
+    >>> matches(torch.tensor([5, 6, 7, 5, 6, 9]), 3, 4, 2).tolist()  # row 3 knows .. 5, 6: row 1 ends 5, 6
+    [[0.0, 2.0, 0.0, 0.0]]
+    """
+    tokens = tokens.reshape(-1)
+    if tokens.numel() < hi + 1:
+        raise ValueError(f"rows up to {hi - 1} need {hi + 1} tokens, got {tokens.numel()}")
+    q_pos = torch.arange(lo, hi, device=tokens.device) + 1  # the query's last known token, x_{t+1}
+    k_pos = torch.arange(hi, device=tokens.device)  # the key's own token, x_i
+    run = torch.ones(hi - lo, hi, dtype=torch.bool, device=tokens.device)
+    total = torch.zeros(hi - lo, hi, dtype=torch.float32, device=tokens.device)
+    for m in range(order):
+        qm, km = q_pos - m, k_pos - m
+        same = tokens[qm.clamp(min=0)][:, None] == tokens[km.clamp(min=0)][None]
+        run &= same & (qm >= 0)[:, None] & (km >= 0)[None]
+        total += run
+    return total
+
+
+def read(folder: str | Path) -> tuple[CopyPointer, Path] | None:
+    """The pointer in ``folder/copy_pointer.json`` and the directory of the head it joins (``"head"``,
+    relative to ``folder``; absent: ``folder`` itself), or None where there is no such file.
+
+    Raises ``UserError`` naming the file and the field for anything malformed, and for a ``"head"``
+    that is not a head directory or has a pointer of its own.
+    """
+    folder = Path(folder)
+    path = folder / FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise UserError(f"{path}: not a readable JSON file ({type(err).__name__}); restore it or remove it") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UserError(f"{path}: not a copy pointer (expected an object with \"format\": \"{FORMAT}\")")
+    if data.get("version") != 1:
+        raise UserError(f"{path}: version {data.get('version')!r} is not supported (this toolkit reads version 1)")
+    fields = {k: data[k] for k in ("order", "scale", "sink", "gain") if k in data}
+    try:
+        pointer = CopyPointer(**fields)
+    except ValueError as err:
+        raise UserError(f"{path}: {err}") from None
+    head = data.get("head")
+    if head is None:
+        return pointer, folder
+    if not isinstance(head, str) or not head:
+        raise UserError(f"{path}: \"head\" must be a directory name, got {head!r}")
+    base = (folder / head).resolve()
+    if not (base / "config.json").is_file():
+        raise UserError(f"{path}: \"head\" {head!r} is not a head directory (no {base / 'config.json'})")
+    if (base / FILE).is_file():
+        raise UserError(f"{path}: \"head\" {head!r} has a copy pointer of its own; name a plain head")
+    return pointer, base
+
+
+def write(folder: str | Path, pointer: CopyPointer, head: str | None = None, record: dict | None = None) -> Path:
+    """Write ``folder/copy_pointer.json`` atomically (``head`` relative to ``folder``, ``record`` how it was
+    fitted); return its path."""
+    from sharpdraft_theory.atomic import atomic_write_text
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"format": FORMAT, "version": 1, **asdict(pointer)}
+    if head is not None:
+        data["head"] = head
+    if record is not None:
+        data["fitted"] = record
+    path = folder / FILE
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
+    return path

@@ -1,0 +1,232 @@
+"""The copy pointer (``calibrate.drafters.pointer``): its match, its law, its file, and an EAGLE-3
+head drafting with it (teacher-forced and in the chain loop, greedy and sampled)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from calibrate.drafters.eagle3 import Eagle3Drafter, load, load_eagle3_head
+from calibrate.drafters.pointer import FILE, CopyPointer, matches, read, write
+from calibrate.errors import UserError
+from calibrate.speculative import Sampling, greedy_generate, prefill, speculative_generate
+from sharpdraft_theory import ScaleSpec
+
+from tiny_checkpoints import tiny_target, write_tiny_eagle3
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
+
+
+def brute_matches(tokens: list[int], lo: int, hi: int, order: int) -> np.ndarray:
+    out = np.zeros((hi - lo, hi))
+    for t in range(lo, hi):
+        for i in range(hi):
+            m = 0
+            while m < order and t + 1 - m >= 0 and i - m >= 0 and tokens[t + 1 - m] == tokens[i - m]:
+                m += 1
+            out[t - lo, i] = m
+    return out
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=3, max_size=24), st.integers(1, 4), st.data())
+def test_matches_are_common_suffix_lengths(tokens, order, data):
+    hi = data.draw(st.integers(1, len(tokens) - 1))
+    lo = data.draw(st.integers(0, hi - 1))
+    got = matches(torch.tensor(tokens), lo, hi, order).numpy()
+    np.testing.assert_array_equal(got, brute_matches(tokens, lo, hi, order))
+
+
+def _mix(pointer, head_logits, tokens, alpha=1.0, **kw):
+    columns = torch.tensor([0, 2, 3, 5])  # a draft vocabulary of 4 of the 8 target ids
+    rows = torch.arange(head_logits.shape[0])
+    return pointer.mix(head_logits, columns, torch.tensor(tokens), rows, alpha, 8, **kw), columns
+
+
+def test_gain_zero_is_the_head_alone_and_laws_sum_to_one():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4, generator=g)
+    tokens = [1, 2, 1, 2, 1, 2, 7]
+    plain, columns = _mix(CopyPointer(2, 8.0, 4.0, 0.0), logits, tokens)
+    expect = torch.full((6, 8), float("-inf"))
+    expect[:, columns] = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(plain, expect, rtol=0, atol=1e-6)  # float32 log of a softmax
+    mixed, _ = _mix(CopyPointer(2, 8.0, 4.0, 0.7), logits, tokens)
+    torch.testing.assert_close(mixed.exp().sum(-1), torch.ones(6), rtol=0, atol=1e-6)
+
+
+def test_a_repeat_is_copied_and_a_window_hides_it():
+    """Row 4 knows ``.. 1, 2`` (tokens 4, 5), which ended at row 1, followed by 7: the pointer drafts 7,
+    a token outside the head's draft vocabulary; a window of 2 keys hides row 1 and the head's law wins."""
+    tokens = [1, 2, 7, 3, 1, 2, 4]
+    logits = torch.zeros(6, 4)
+    logits[:, 1] = 3.0  # the head alone drafts target id 2
+    pointer = CopyPointer(2, 8.0, 12.0, 1.0)
+    mixed, _ = _mix(pointer, logits, tokens)
+    assert int(mixed[4].argmax()) == 7
+    # match 16 against the sink's 12 and 4 rows that match nothing (logit 0 each)
+    w = math.exp(16) / (math.exp(16) + math.exp(12) + 4)
+    assert abs(float(mixed[4, 7].exp()) - w) < 1e-5
+    windowed, _ = _mix(pointer, logits, tokens, window=2)
+    assert int(windowed[4].argmax()) == 2
+
+
+def test_alpha_scales_the_match_and_the_sink_alike():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, 4, generator=g)
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2, 1, 2]
+    scaled, _ = _mix(CopyPointer(3, 2.0, 3.0, 0.9), logits, tokens, alpha=torch.full((9,), 1.5))
+    direct, _ = _mix(CopyPointer(3, 3.0, 4.5, 0.9), logits, tokens)
+    torch.testing.assert_close(scaled, direct, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fields, what", [({"order": 0}, "order"), ({"order": 9}, "order"), ({"order": 1.5}, "order"),
+                                          ({"scale": 0.0}, "scale"), ({"scale": float("nan")}, "scale"),
+                                          ({"sink": float("inf")}, "sink"), ({"gain": 1.5}, "gain"),
+                                          ({"gain": -0.1}, "gain"), ({"gain": True}, "gain")])
+def test_bad_numbers_are_refused_by_name(fields, what):
+    with pytest.raises(ValueError, match=what):
+        CopyPointer(**fields)
+
+
+def test_file_round_trip_and_bad_files(tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    pointer = CopyPointer(3, 4.0, 6.0, 0.8)
+    path = write(tmp_path / "copy", pointer, head="../head", record={"note": "test"})
+    assert read(tmp_path / "copy") == (pointer, head.resolve())
+    assert read(head) is None
+    bad = {
+        "not json": "{", "an array": "[]", "another format": json.dumps({"format": "x", "version": 1}),
+        "version 2": json.dumps({"format": "sharpdraft-copy-pointer", "version": 2}),
+        "a bad gain": json.dumps({"format": "sharpdraft-copy-pointer", "version": 1, "gain": "all"}),
+        "a missing head": json.dumps({"format": "sharpdraft-copy-pointer", "version": 1, "head": "../nowhere"}),
+        "a head that is a number": json.dumps({"format": "sharpdraft-copy-pointer", "version": 1, "head": 3}),
+    }
+    for what, text in bad.items():
+        path.write_text(text)
+        with pytest.raises(UserError, match=FILE):
+            read(tmp_path / "copy")
+    write(head, pointer)  # the named head has a pointer of its own: refused, no chain of pointers
+    path.write_text(json.dumps({"format": "sharpdraft-copy-pointer", "version": 1, "head": "../head"}))
+    with pytest.raises(UserError, match="of its own"):
+        read(tmp_path / "copy")
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(UserError, match="not a readable JSON"):
+        read(tmp_path / "copy")
+
+
+# -- an EAGLE-3 head with a pointer ----------------------------------------------------------------
+
+POINTER = CopyPointer(2, 6.0, 9.0, 0.9)
+SPEC = ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=2)
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory):
+    target = tiny_target(0)
+    head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target)
+    return Eagle3Drafter(head, target, None), Eagle3Drafter(head, target, None, pointer=POINTER)
+
+
+def repeating_prompt(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    half = torch.randint(0, 256, (1, n // 2), generator=g)
+    return torch.cat((half, half), dim=1)
+
+
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "spec"])
+def test_the_chain_drafts_what_teacher_forcing_measures(drafters, spec):
+    """The chain drafter's first law after a prompt is teacher-forced row ``N - 1``'s mixed law."""
+    _, drafter = drafters
+    ids = repeating_prompt(40, 0)
+    forced = drafter.teacher_forced(ids, [(spec, None)])
+    shared = prefill(drafter.target, ids[:, :-1], drafter.chain_drafter(None).feature_ids)
+    chain = drafter.chain_drafter(spec)
+    with torch.no_grad():
+        chain.start(ids[:, :-1], shared.features, int(ids[0, -1]))
+    assert int(chain.logits.argmax()) == int(forced.drafted[0, -1])
+
+
+def test_the_pointer_copies_what_the_head_alone_does_not(drafters):
+    plain, pointed = drafters
+    ids = repeating_prompt(60, 1)
+    a = plain.teacher_forced(ids, [(None, None)])
+    b = pointed.teacher_forced(ids, [(None, None)])
+    second = slice(31, 58)  # rows inside the repeat, where the target's greedy token is often the copy
+    truth = ids[0, 2:]  # row t drafts token t + 2
+    copied_plain = float((a.drafted[0, second] == truth[second]).float().mean())
+    copied = float((b.drafted[0, second] == truth[second]).float().mean())
+    assert copied > 0.9 and copied > copied_plain + 0.5
+
+
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "spec"])
+def test_greedy_decoding_with_a_pointer_equals_the_target(drafters, spec):
+    _, drafter = drafters
+    for n, seed in ((2, 0), (9, 1), (30, 2)):
+        prompt = repeating_prompt(n, seed) if n > 2 else torch.tensor([[3, 4]])
+        reference = greedy_generate(drafter.target, prompt, 17).tokens
+        out = speculative_generate(drafter.target, drafter.chain_drafter(spec), prompt, 17, 4)
+        assert out.tokens == reference
+
+
+def test_sampled_drafts_come_from_the_mixed_law(drafters):
+    """Each draft's law sums to 1 over the target vocabulary and holds the draft; a copied token outside
+    the head's draft vocabulary is drafted in the test above."""
+    _, drafter = drafters
+    prompt = repeating_prompt(30, 3)
+    shared = prefill(drafter.target, prompt, drafter.chain_drafter(None).feature_ids)
+    chain = drafter.chain_drafter(None)
+    with torch.no_grad():
+        chain.start(prompt, shared.features, int(prompt[0, 15]))
+        drafts, q = chain.draft(3, Sampling(0.8, 0))
+    assert q.shape == (3, drafter.head.config.vocab_size)
+    np.testing.assert_allclose(q.sum(-1), 1.0, rtol=0, atol=1e-9)
+    assert all(q[j, x] > 0 for j, x in enumerate(drafts))
+    out = speculative_generate(drafter.target, drafter.chain_drafter(None), prompt, 12, 3, rule=Sampling(1e-4, 0))
+    assert out.tokens == greedy_generate(drafter.target, prompt, 12).tokens
+
+
+def test_a_pointer_folder_loads_its_head(tmp_path, monkeypatch):
+    """``--drafter-path`` a folder with only copy_pointer.json: the head it names is loaded, with the pointer."""
+    target = tiny_target(0)
+    head_dir = write_tiny_eagle3(tmp_path / "head", target, seed=1)
+    write(tmp_path / "copy", POINTER, head="../head")
+    import calibrate.drafters.eagle3 as eagle3
+
+    monkeypatch.setattr(eagle3, "load_target", lambda path, device, dtype: (target, None))
+    drafter = load("eagle3", str(tmp_path / "copy"), None, "cpu", torch.float32)
+    assert drafter.pointer == POINTER and any("copy pointer" in note for note in drafter.notes)
+    assert load("eagle3", str(head_dir), None, "cpu", torch.float32).pointer is None
+
+
+def test_eval_runs_every_arm_on_a_pointer_head(drafters, tmp_path):
+    """``evaluate`` with a pointer head on text that repeats: every arm measured, every speculative output
+    equal to target-only greedy, the pointer recorded. (The random target does not copy, so agreement
+    is not compared here; ``test_the_pointer_copies_what_the_head_alone_does_not`` compares copies.)"""
+    from calibrate.evaluate import evaluate
+
+    from test_eval import LENGTHS, ByteTokenizer
+
+    plain, pointed = drafters
+    passage = "the query meets its key and the mass follows; " * 2
+    corpus = tmp_path / "text.txt"
+    corpus.write_text((passage + "a drafter copies what it saw. ") * 12)
+    results = []
+    for drafter in (plain, pointed):
+        drafter.tokenizer = ByteTokenizer()
+        results.append(evaluate(drafter, spec=SPEC, lengths=LENGTHS, corpus=str(corpus), sequences=2,
+                                rows_per_bucket=8, speculative=True, new_tokens=8, num_draft=3,
+                                variants=["none", "spec", "window", "lookup+head"], window=16))
+    for r in results:
+        assert r["speculative"]["outputs_identical"] is True
+        assert all(0 <= row[v]["agreement"] <= 1 for row in r["buckets"] for v in ("none", "spec", "window"))
+    assert "copy_pointer" not in results[0]["drafter"]
+    assert results[1]["drafter"]["copy_pointer"] == {"order": 2, "scale": 6.0, "sink": 9.0, "gain": 0.9}
