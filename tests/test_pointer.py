@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calibrate.drafters.eagle3 import Eagle3Drafter, load, load_eagle3_head
-from calibrate.drafters.pointer import FILE, CopyPointer, matches, read, write
+from calibrate.drafters.pointer import FILE, CopyPointer, keeping_slope, matches, read, write
 from calibrate.errors import UserError
 from calibrate.speculative import Sampling, greedy_generate, prefill, speculative_generate
 from sharpdraft_theory import ScaleSpec
@@ -84,6 +84,29 @@ def test_alpha_scales_the_match_and_the_sink_alike():
     scaled, _ = _mix(CopyPointer(3, 2.0, 3.0, 0.9), logits, tokens, alpha=torch.full((9,), 1.5))
     direct, _ = _mix(CopyPointer(3, 3.0, 4.5, 0.9), logits, tokens)
     torch.testing.assert_close(scaled, direct, rtol=0, atol=1e-5)
+
+
+def test_the_keeping_slope_holds_the_sinks_share_at_every_length():
+    """Rows that match nothing (all tokens distinct): under the log-linear law with slope ``1 / sink`` the
+    head keeps the same share at n = 64, 256 and 1,024 as at n_ref = 64 (float32 softmax: 1e-5); with
+    no scale its share falls, so this test can fail."""
+    from calibrate.drafters.eagle3 import pointer_alpha
+
+    pointer = CopyPointer(2, 3.0, 6.0, 1.0)
+    spec = ScaleSpec(law="log-linear", n_ref=64, slope=keeping_slope(pointer), top_k=2)
+    tokens = torch.arange(1100)
+    logits = torch.zeros(1, 4)
+    columns = torch.arange(1096, 1100)  # no copied token among them
+    shares = {}
+    for n in (64, 256, 1024):
+        for name, s in (("spec", spec), ("none", None)):
+            law = pointer.mix(logits, columns, tokens, torch.tensor([n - 1]), pointer_alpha(s, n), 1100)
+            shares[name, n] = float(law[0, columns].exp().sum())
+    expect = 1 - 64 / (64 + math.exp(6.0))  # the head's share at n_ref
+    assert all(abs(shares["spec", n] - expect) < 1e-5 for n in (64, 256, 1024))
+    assert shares["none", 1024] < expect - 0.5
+    with pytest.raises(ValueError, match="no keeping slope"):
+        keeping_slope(CopyPointer(2, 3.0, 0.0, 1.0))
 
 
 @pytest.mark.parametrize("fields, what", [({"order": 0}, "order"), ({"order": 9}, "order"), ({"order": 1.5}, "order"),

@@ -39,7 +39,7 @@ from sharpdraft_runtime import causal_mask
 
 from ..errors import UserError
 
-__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "read", "write", "matches"]
+__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "read", "write", "matches", "keeping_slope"]
 
 FILE = "copy_pointer.json"
 FORMAT = "sharpdraft-copy-pointer"
@@ -97,6 +97,19 @@ class CopyPointer:
             copies[:, columns] += keep * torch.softmax(head_logits[a:b].float(), dim=-1)
             out[a:b] = copies.log()
         return out
+
+
+def keeping_slope(pointer: CopyPointer) -> float:
+    """The log-linear slope (``alpha = 1 + slope ln(n / n_ref)``) under which a row that matches nothing keeps
+    the sink's share of ``n_ref`` at every ``n > n_ref``: ``1 / sink``.
+
+    Its ``n`` rows that match nothing carry ``n / (n + e^{alpha sink})`` of the mass, and with that slope
+    ``e^{alpha sink} = e^{sink} n / n_ref``, so the share is ``n_ref / (n_ref + e^{sink})`` whatever ``n``:
+    the exact correction of this attention is the fixed-slope law. (A sink at or below 0 has none.)
+    """
+    if not pointer.sink > 0:
+        raise ValueError(f"a sink logit of {pointer.sink:g} has no keeping slope; it must be > 0")
+    return 1.0 / pointer.sink
 
 
 def matches(tokens: torch.Tensor, lo: int, hi: int, order: int) -> torch.Tensor:
