@@ -90,7 +90,7 @@ def test_the_keeping_slope_holds_the_sinks_share_at_every_length():
     """Rows that match nothing (all tokens distinct): under the log-linear law with slope ``1 / sink`` the
     head keeps the same share at n = 64, 256 and 1,024 as at n_ref = 64 (float32 softmax: 1e-5); with
     no scale its share falls, so this test can fail."""
-    from calibrate.drafters.eagle3 import pointer_alpha
+    from calibrate.drafters.pointer import alpha as pointer_alpha
 
     pointer = CopyPointer(2, 3.0, 6.0, 1.0)
     spec = ScaleSpec(law="log-linear", n_ref=64, slope=keeping_slope(pointer), top_k=2)
@@ -253,3 +253,59 @@ def test_eval_runs_every_arm_on_a_pointer_head(drafters, tmp_path):
         assert all(0 <= row[v]["agreement"] <= 1 for row in r["buckets"] for v in ("none", "spec", "window"))
     assert "copy_pointer" not in results[0]["drafter"]
     assert results[1]["drafter"]["copy_pointer"] == {"order": 2, "scale": 6.0, "sink": 9.0, "gain": 0.9}
+
+
+# -- blocks: row j copies the token j places after a match ------------------------------------------
+
+def test_block_rows_copy_further_along_the_source():
+    """Known text ``5 6 7 8 9 4 5 6``: the suffix ``5 6`` ended at position 1, so row j copies x_{1+j}:
+    7, 8, 9; a key whose source lies past the known text takes no part."""
+    from calibrate.drafters.pointer import block_mix
+
+    tokens = torch.tensor([5, 6, 7, 8, 9, 4, 5, 6])
+    logits = torch.zeros(7, 12)
+    mixed = block_mix(CopyPointer(2, 8.0, 4.0, 1.0), logits, tokens, 1.0)
+    assert mixed[:3].argmax(-1).tolist() == [7, 8, 9]
+    assert mixed[5].argmax(-1).tolist() == 6  # x_{1+6} = 6, the last known token
+    # row 7: the match's x_{1+7} is unknown, so only key 0 (x_7 = 6 known, matching nothing: logit 0) takes
+    # part beside the sink (4); were key 1 there (match 2, logit 16) it would take almost all
+    w = 1 / (1 + math.exp(4.0))
+    expect = torch.full((12,), (1 - w) / 12)
+    expect[6] += w
+    torch.testing.assert_close(mixed[6].exp(), expect, rtol=0, atol=1e-6)
+    alone = block_mix(CopyPointer(2, 8.0, 4.0, 1.0), logits[:2], tokens[:1], 1.0)  # nothing before x_0
+    torch.testing.assert_close(alone, torch.log_softmax(logits[:2], -1))
+
+
+@pytest.fixture(scope="module")
+def dflash(tmp_path_factory):
+    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+
+    from tiny_checkpoints import write_tiny_dflash
+
+    target = tiny_target(0)
+    model = load_dflash(write_tiny_dflash(tmp_path_factory.mktemp("dflash"), target, seed=2, block_size=4), target)
+    return DFlashDrafter(model, target, None), DFlashDrafter(model, target, None, pointer=POINTER)
+
+
+@pytest.mark.parametrize("spec", [None, SPEC, ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=2, window=8)],
+                         ids=["plain", "spec", "window"])
+def test_dflash_with_a_pointer_decodes_as_the_target_and_forces_as_it_drafts(dflash, spec):
+    from calibrate.drafters.target import hidden_state_features
+
+    plain, pointed = dflash
+    prompt = repeating_prompt(24, 4)
+    out = speculative_generate(pointed.target, pointed.chain_drafter(spec), prompt, 16, 3)
+    assert out.tokens == greedy_generate(pointed.target, prompt, 16).tokens
+    forced = pointed.teacher_forced(prompt, [(spec, None)])
+    feats = hidden_state_features(pointed.target, prompt, pointed.model.config.hidden_state_ids)
+    for p in (0, 5, 17):
+        chain = pointed.chain_drafter(spec)
+        chain.start(prompt[:, :p], feats[:, :p], int(prompt[0, p]))
+        assert int(chain.block_logits(1)[0].argmax()) == int(forced.drafted[0, p])
+    copies = float((forced.drafted[0, 12:23] == prompt[0, 13:24]).float().mean())  # the repeat: copy the next
+    if spec is not None and spec.window is not None:
+        assert copies < 0.5  # a window of 8 hides the source 12 tokens back
+        return
+    assert copies > 0.9
+    assert float((plain.teacher_forced(prompt, [(spec, None)]).drafted[0, 12:23] == prompt[0, 13:24]).float().mean()) < 0.5

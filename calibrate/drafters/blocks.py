@@ -120,12 +120,13 @@ def block_ids(model, anchors: torch.Tensor, tokens: torch.Tensor) -> tuple[torch
 @torch.no_grad()
 def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_ids, runs: Sequence[
         tuple[ScaleSpec | None, AttentionTap | None]], temperature: float = 1.0,
-        proposals: torch.Tensor | None = None) -> TeacherForced:
+        proposals: torch.Tensor | None = None, pointer=None) -> TeacherForced:
     """Row ``t`` of ``input_ids`` (1, T): the block anchored at ``t`` (token ``x_t``, context ``x_0 .. x_{t-1}``)
     and its row 1's guess of token ``t + 1``, per run ``(spec, tap)``; the target once for the
     features and its law. The taps are not called: the keys of a batched call are laid out as in
     :func:`anchored_masks`, not as the first ``n_visible`` keys a tap (the attention-mass meter) reads,
-    so eval reports no mass for blocks (``sharpdraft calibrate`` measures it, one block at a time)."""
+    so eval reports no mass for blocks (``sharpdraft calibrate`` measures it, one block at a time).
+    With a copy ``pointer`` (``calibrate.drafters.pointer``) row 1's law has the copies mixed in."""
     from ..measure.metrics import NextTokenLaw
     from ..taps import ScalingTap, attention_tap
     from .target import hidden_state_features
@@ -154,11 +155,29 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
                 hidden = model.forward_block(_embed(model, target, ids), pos,
                                              [(k[:, :, :width_c], v[:, :, :width_c]) for k, v in context], masks)
             logits = model.compute_logits(hidden.view(len(anchors), B, -1)[:, 1], target)  # (a, vocab): row 1
+            if pointer is not None:
+                logits = _row1_with_copies(pointer, logits, input_ids[0], anchors, spec)
             drafted[r, anchors] = logits.argmax(-1)
             accept[r, anchors] = law.acceptance(logits, start=a0)
     n_visible = torch.arange(T, device=device) + 1  # the bucket's count, as for every adapter: t + 1
     return TeacherForced(n_visible=n_visible, target_next=law.greedy, drafted=drafted, accept=accept,
                          proposed_accept=law.point_accept)
+
+
+def _row1_with_copies(pointer, logits: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                      spec: ScaleSpec | None) -> torch.Tensor:
+    """Row 1 of the blocks at ``anchors`` (consecutive) with ``pointer``'s copies: the block at ``t`` knows
+    ``x_0 .. x_t``, as the EAGLE-3 row ``t - 1`` does; the block at 0 has nothing to copy from."""
+    from .pointer import alpha
+
+    out = torch.log_softmax(logits.float(), dim=-1)
+    later = anchors >= 1
+    if later.any():
+        rows = anchors[later] - 1
+        window, sinks = (None, None) if spec is None else (spec.window, spec.sinks if spec.window else None)
+        out[later] = pointer.mix(logits[later], torch.arange(logits.shape[-1], device=logits.device), tokens, rows,
+                                 alpha(spec, anchors[later]), logits.shape[-1], window=window, sinks=sinks)
+    return out
 
 
 class DFlashBlockDrafter:
@@ -172,9 +191,11 @@ class DFlashBlockDrafter:
 
     name = "dflash"
 
-    def __init__(self, model, target, spec: ScaleSpec | None = None):
+    def __init__(self, model, target, spec: ScaleSpec | None = None, pointer=None):
         check_block_spec(spec)
         self.model, self.target, self.spec = model, target, spec
+        self.pointer = pointer  # a copy pointer (calibrate.drafters.pointer) mixed into every row, or None
+        self.tokens: list[int] = []  # x_0 .. x_N, read by the pointer
         self.feature_ids = tuple(model.config.hidden_state_ids)
         self.block_size = model.config.block_size
         self.forwards = 0
@@ -188,6 +209,7 @@ class DFlashBlockDrafter:
         self.length = 0
         self._extend(features)
         self.pending = pending
+        self.tokens = prompt[0].tolist() + [int(pending)]
 
     def _extend(self, features: torch.Tensor) -> None:
         model = self.model
@@ -216,7 +238,15 @@ class DFlashBlockDrafter:
             hidden = model.forward_block(_embed(model, self.target, ids), pos, context)
         self.forwards += 1
         last = self.block_size if rows is None else 1 + min(rows, self.block_size - 1)
-        return self.model.compute_logits(hidden[0, 1:last], self.target)
+        logits = self.model.compute_logits(hidden[0, 1:last], self.target)
+        if self.pointer is None:
+            return logits
+        from .pointer import alpha, block_mix
+
+        spec = self.spec
+        window, sinks = (None, None) if spec is None else (spec.window, spec.sinks if spec.window else None)
+        return block_mix(self.pointer, logits, torch.tensor(self.tokens, device=device), alpha(spec, N),
+                         window=window, sinks=sinks)
 
     def draft_logits(self, k: int) -> torch.Tensor:
         """Rows 1 .. min(k, B - 1) of the block at ``N`` (:meth:`block_logits`): (min(k, B - 1), vocab)."""
@@ -239,3 +269,4 @@ class DFlashBlockDrafter:
         the target's own choice, ``new[-1]``, is pending."""
         self._extend(features)
         self.pending = new[-1]
+        self.tokens.extend(int(x) for x in new)

@@ -552,9 +552,10 @@ class DFlashDrafter:
     kind = "dflash"
 
     def __init__(self, model: DFlashDraftModel, target: nn.Module, tokenizer, path: str | None = None,
-                 training: TrainingLength | None = None):
+                 training: TrainingLength | None = None, pointer=None):
         c = model.config
         self.model, self.target, self.tokenizer = model, target, tokenizer
+        self.pointer = pointer  # a copy pointer mixed into every block row (calibrate.drafters.pointer), or None
         self.info = DrafterInfo(kind="dflash", path=path, num_layers=c.num_hidden_layers,
                                 num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                 head_dim=c.head_dim)
@@ -591,6 +592,10 @@ class DFlashDrafter:
             self.notes.append(f"drafts from {c.draft_vocab_size} of the target's {c.vocab_size} tokens (d2t): only "
                               f"their rows of the target's lm_head run")
         self.notes.append("training length: " + training.origin)
+        if pointer is not None:
+            from .pointer import describe
+
+            self.notes.append(f"copy pointer ({describe(pointer)}): row j copies the token j places after a match")
 
     def tokenize(self, text: str) -> list[int]:
         """Target token ids of ``text``, without special tokens."""
@@ -612,14 +617,14 @@ class DFlashDrafter:
 
         self._check_draft_head()
         return block_teacher_forced(self.model, self.target, input_ids, self.model.config.hidden_state_ids, runs,
-                                    temperature, proposals)
+                                    temperature, proposals, self.pointer)
 
     def chain_drafter(self, spec):
         """Block drafting in the one speculative loop: ``block_size - 1`` drafts per forward."""
         from .blocks import DFlashBlockDrafter
 
         self._check_draft_head()
-        return DFlashBlockDrafter(self.model, self.target, spec)
+        return DFlashBlockDrafter(self.model, self.target, spec, self.pointer)
 
     def _check_draft_head(self) -> None:
         """Drafting reads the target's ``lm_head`` (z-lab's layout); a speculators checkpoint drafts with its own
@@ -698,7 +703,12 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device, d
                         "or pass --drafter-path DIR")
     if not path.is_dir():
         raise UserError(f"DFlash checkpoint {path}: not a directory")
+    from .pointer import read as read_pointer
+
+    found = read_pointer(path)  # a copy pointer, here or joining the model it names
+    pointer, weights = (None, path) if found is None else found
     target, tokenizer = load_target(target_path, device, dtype)
-    model = load_dflash(path, target, device=device, dtype=dtype)
-    training = training_length(path, model.config.max_position_embeddings, trust_mpe=False)
-    return DFlashDrafter(model, target, tokenizer, None if drafter_path is None else str(drafter_path), training)
+    model = load_dflash(weights, target, device=device, dtype=dtype)
+    training = training_length(weights, model.config.max_position_embeddings, trust_mpe=False)
+    return DFlashDrafter(model, target, tokenizer, None if drafter_path is None else str(drafter_path), training,
+                         pointer)

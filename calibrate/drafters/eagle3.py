@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sharpdraft_runtime import alpha_for, causal_mask, causal_n_visible, query_hook
+from sharpdraft_runtime import causal_mask, causal_n_visible, query_hook
 from sharpdraft_runtime.positions import at_slots, decode_keys, remapped_attention
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.positions import PositionFix
@@ -59,7 +59,7 @@ from .base import AttentionTap, TeacherForced
 from .checkpoint import (TrainingLength, build, config_field, read_config, read_weights, rename_prefixes,
                          training_length)
 from .fields import check_fields
-from .pointer import CopyPointer, read as read_pointer
+from .pointer import CopyPointer, alpha as pointer_alpha, describe, read as read_pointer
 from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_partial_rotary, read_rope,
                      rope_cos_sin, rope_inv_freq, rotary_dim)
 from .target import eos_token_id, hidden_state_features, load_target
@@ -594,7 +594,7 @@ class Eagle3Drafter:
                       "training length: " + (self.training.origin if self.training.value is not None else
                                              "unknown, " + self.training.origin)]
         if pointer is not None:
-            self.notes.append(f"copy pointer ({pointer_note(pointer)}): drafts over the target's whole vocabulary")
+            self.notes.append(f"copy pointer ({describe(pointer)}): drafts over the target's whole vocabulary")
 
     @property
     def default_n_ref(self) -> int:
@@ -788,20 +788,6 @@ def pointer_restriction(config: Eagle3Config, spec: ScaleSpec | None) -> dict:
     if config.sliding_window is not None:
         window = config.sliding_window if window is None else min(window, config.sliding_window)
     return {"window": window, "sinks": None if spec is None or window is None else spec.sinks}
-
-
-def pointer_alpha(spec: ScaleSpec | None, n_visible) -> torch.Tensor | float:
-    """The spec's query factor for a copy pointer's rows: ``alpha(n)`` of layer 0, the mean over its query
-    heads for a per-head spec; 1 with no spec."""
-    if spec is None:
-        return 1.0
-    alpha = alpha_for(spec, n_visible if isinstance(n_visible, int) else n_visible.reshape(-1), 0)
-    return alpha.mean(dim=1).reshape(-1)  # (rows,)
-
-
-def pointer_note(pointer: CopyPointer) -> str:
-    return (f"exact match of up to {pointer.order} tokens, logit {pointer.scale:g} a token, sink {pointer.sink:g}, "
-            f"gain {pointer.gain:g}")
 
 
 def _restriction(spec: ScaleSpec | None) -> dict:

@@ -39,7 +39,8 @@ from sharpdraft_runtime import causal_mask
 
 from ..errors import UserError
 
-__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "read", "write", "matches", "keeping_slope"]
+__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "alpha", "block_mix", "describe", "keeping_slope", "matches", "read",
+           "write"]
 
 FILE = "copy_pointer.json"
 FORMAT = "sharpdraft-copy-pointer"
@@ -70,7 +71,7 @@ class CopyPointer:
 
     def mix(self, head_logits: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor,
             alpha: torch.Tensor | float, vocab_size: int, *, window: int | None = None,
-            sinks: int | None = None) -> torch.Tensor:
+            sinks: int | None = None, shift: int = 1) -> torch.Tensor:
         """Log of the drafted law over the target vocabulary, (rows, vocab_size), float32.
 
         ``head_logits`` (rows, draft_vocab) the head's logits of ``rows`` (a 1-D tensor of row indices,
@@ -78,25 +79,68 @@ class CopyPointer:
         the text ``x_0, x_1, ..`` (row ``i``'s input is ``tokens[i + 1]``), ``alpha`` one factor per row
         (or one for all), ``window`` / ``sinks`` the keys a row sees besides causality
         (:func:`sharpdraft_runtime.causal_mask`). Tokens that neither law gives mass are ``-inf``.
+
+        ``shift`` ``s``: the law of the token ``s`` places after the row's known ``x_{t+1}`` (a block's row
+        ``s``): key ``i`` brings back ``x_{i+s}``, and only keys whose ``x_{i+s}`` is known (``i + s <= t + 1``)
+        take part. ``shift = 1`` is the EAGLE-3 row's own next guess.
         """
         first, count = int(rows[0]), len(rows)
+        if shift < 1:
+            raise ValueError(f"shift must be >= 1, got {shift}")
         alpha = torch.as_tensor(alpha, dtype=torch.float32, device=head_logits.device).expand(count)
         out = torch.empty(count, vocab_size, dtype=torch.float32, device=head_logits.device)
+        tokens = tokens.reshape(-1)
         for a in range(0, count, _CHUNK):
             b = min(a + _CHUNK, count)
             lo, hi = first + a, first + b  # query rows lo .. hi - 1 see keys 0 .. hi - 1
             match = matches(tokens, lo, hi, self.order)  # (c, hi)
             visible = causal_mask(hi - lo, lo, sliding_window=window, sinks=sinks, device=match.device)
+            source = torch.arange(hi, device=match.device) + shift  # where key i's value sits
+            if shift > 1:  # a value past the query's last known token is not known yet
+                visible &= source[None] <= torch.arange(lo, hi, device=match.device)[:, None] + 1
             scaled = alpha[a:b, None]
             logits = (scaled * self.scale * match).masked_fill(~visible, float("-inf"))  # (c, hi)
             w = torch.softmax(torch.cat((scaled * self.sink, logits), dim=1), dim=1)  # (c, 1 + hi)
             copies = torch.zeros(b - a, vocab_size, dtype=torch.float32, device=out.device)
-            values = tokens[1:hi + 1].to(out.device)[None].expand(b - a, hi)  # x_{i+1}
+            values = tokens[source.clamp(max=tokens.numel() - 1)].to(out.device)[None].expand(b - a, hi)  # x_{i+s}
             copies.scatter_add_(1, values, w[:, 1:] * self.gain)
             keep = 1 - self.gain * (1 - w[:, :1])  # (c, 1): the head's share
             copies[:, columns] += keep * torch.softmax(head_logits[a:b].float(), dim=-1)
             out[a:b] = copies.log()
         return out
+
+
+def block_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, alpha, *, window: int | None = None,
+              sinks: int | None = None) -> torch.Tensor:
+    """A block's rows with the pointer mixed in: ``logits`` (r, vocab) the drafter's rows 1 .. r after the known
+    text ``tokens`` = ``x_0 .. x_N`` (row ``j`` guesses ``x_{N+j}``), the log laws (r, vocab). Row ``j`` copies
+    the token ``j`` places after each earlier match of the known suffix (:meth:`CopyPointer.mix`, ``shift = j``);
+    with no earlier token (``N = 0``) the drafter's law alone."""
+    tokens = tokens.reshape(-1)
+    vocab = logits.shape[-1]
+    if tokens.numel() < 2:
+        return torch.log_softmax(logits.float(), dim=-1)
+    columns = torch.arange(vocab, device=logits.device)
+    row = torch.tensor([tokens.numel() - 2], device=logits.device)  # the EAGLE-3 row whose input is x_N
+    return torch.cat([pointer.mix(logits[j - 1:j], columns, tokens, row, alpha, vocab, window=window, sinks=sinks,
+                                  shift=j) for j in range(1, logits.shape[0] + 1)])
+
+
+def describe(pointer: CopyPointer) -> str:
+    """One line for a command's notes."""
+    return (f"exact match of up to {pointer.order} tokens, logit {pointer.scale:g} a token, sink {pointer.sink:g}, "
+            f"gain {pointer.gain:g}")
+
+
+def alpha(spec, n_visible) -> torch.Tensor | float:
+    """The spec's query factor for a pointer's rows with ``n_visible`` keys (an int or a 1-D tensor):
+    ``alpha(n)`` of layer 0, the mean over its query heads for a per-head spec; 1 with no spec."""
+    if spec is None:
+        return 1.0
+    from sharpdraft_runtime import alpha_for
+
+    factors = alpha_for(spec, n_visible if isinstance(n_visible, int) else n_visible.reshape(-1), 0)
+    return factors.mean(dim=1).reshape(-1)  # (rows,)
 
 
 def keeping_slope(pointer: CopyPointer) -> float:
