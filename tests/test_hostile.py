@@ -348,6 +348,9 @@ EVAL_CASES += [Case(f"eval-copy-pointer-{how}", EVAL_POINTER, fragment, (("ptr",
     ("head-number", _PTR + '"head": 7}', "must be a directory name"),
     ("not-utf8", b"\xff\xfe{", "not a readable JSON file"),
 )]
+EVAL_CASES += [Case("eval-copy-pointer-hf", EVAL_POINTER.replace("--drafter eagle3", "--drafter hf"),
+                    "a copy pointer joins an eagle3, dflash or pard drafter",
+                    (("h", None), ("h/config.json", "{}"), ("ptr", None), ("ptr/copy_pointer.json", _PTR + '"head": "../h"}')))]
 EVAL_CASES += [Case("eval-copy-pointer-head-is-itself", EVAL_POINTER, "has a copy pointer of its own",
                     (("ptr", None), ("ptr/config.json", "{}"), ("ptr/copy_pointer.json", _PTR + '"head": "."}')))]
 

@@ -309,3 +309,27 @@ def test_dflash_with_a_pointer_decodes_as_the_target_and_forces_as_it_drafts(dfl
         return
     assert copies > 0.9
     assert float((plain.teacher_forced(prompt, [(spec, None)]).drafted[0, 12:23] == prompt[0, 13:24]).float().mean()) < 0.5
+
+
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "spec"])
+def test_pard_with_a_pointer_decodes_as_the_target_and_forces_as_it_drafts(spec):
+    """PARD's K drafts from one forward, each row with its copies: greedy output equal to the target's;
+    the teacher-forced guess of x_{t+1} is the drafter's row 0 after x_t; on a repeat it copies."""
+    from calibrate.drafters.hf import CausalLMDrafter
+    from calibrate.drafters.parallel import PardParallelDrafter
+
+    target, model = tiny_target(0), tiny_target(5, num_layers=2)
+    prompt = repeating_prompt(24, 5)
+    drafter = PardParallelDrafter(model, 250, spec, POINTER)
+    out = speculative_generate(target, drafter, prompt, 16, 4)
+    assert out.tokens == greedy_generate(target, prompt, 16).tokens and drafter.forwards == out.steps
+    from test_eval import ByteTokenizer
+
+    adapter = CausalLMDrafter(model, ByteTokenizer(), kind="pard", path=None, default_n_ref=8, target=target,
+                              pointer=POINTER)
+    forced = adapter.teacher_forced(prompt, [(spec, None)])
+    for p in (3, 13, 20):
+        chain = PardParallelDrafter(model, 250, spec, POINTER)
+        chain.start(prompt[:, :p], None, int(prompt[0, p]))
+        assert int(chain.draft_logits(1)[0].argmax()) == int(forced.drafted[0, p])
+    assert float((forced.drafted[0, 12:23] == prompt[0, 13:24]).float().mean()) > 0.9

@@ -156,28 +156,14 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
                                              [(k[:, :, :width_c], v[:, :, :width_c]) for k, v in context], masks)
             logits = model.compute_logits(hidden.view(len(anchors), B, -1)[:, 1], target)  # (a, vocab): row 1
             if pointer is not None:
-                logits = _row1_with_copies(pointer, logits, input_ids[0], anchors, spec)
+                from .pointer import next_token_mix
+
+                logits = next_token_mix(pointer, logits, input_ids[0], anchors, spec)
             drafted[r, anchors] = logits.argmax(-1)
             accept[r, anchors] = law.acceptance(logits, start=a0)
     n_visible = torch.arange(T, device=device) + 1  # the bucket's count, as for every adapter: t + 1
     return TeacherForced(n_visible=n_visible, target_next=law.greedy, drafted=drafted, accept=accept,
                          proposed_accept=law.point_accept)
-
-
-def _row1_with_copies(pointer, logits: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
-                      spec: ScaleSpec | None) -> torch.Tensor:
-    """Row 1 of the blocks at ``anchors`` (consecutive) with ``pointer``'s copies: the block at ``t`` knows
-    ``x_0 .. x_t``, as the EAGLE-3 row ``t - 1`` does; the block at 0 has nothing to copy from."""
-    from .pointer import alpha
-
-    out = torch.log_softmax(logits.float(), dim=-1)
-    later = anchors >= 1
-    if later.any():
-        rows = anchors[later] - 1
-        window, sinks = (None, None) if spec is None else (spec.window, spec.sinks if spec.window else None)
-        out[later] = pointer.mix(logits[later], torch.arange(logits.shape[-1], device=logits.device), tokens, rows,
-                                 alpha(spec, anchors[later]), logits.shape[-1], window=window, sinks=sinks)
-    return out
 
 
 class DFlashBlockDrafter:
@@ -241,12 +227,9 @@ class DFlashBlockDrafter:
         logits = self.model.compute_logits(hidden[0, 1:last], self.target)
         if self.pointer is None:
             return logits
-        from .pointer import alpha, block_mix
+        from .pointer import spec_block_mix
 
-        spec = self.spec
-        window, sinks = (None, None) if spec is None else (spec.window, spec.sinks if spec.window else None)
-        return block_mix(self.pointer, logits, torch.tensor(self.tokens, device=device), alpha(spec, N),
-                         window=window, sinks=sinks)
+        return spec_block_mix(self.pointer, logits, torch.tensor(self.tokens, device=device), self.spec)
 
     def draft_logits(self, k: int) -> torch.Tensor:
         """Rows 1 .. min(k, B - 1) of the block at ``N`` (:meth:`block_logits`): (min(k, B - 1), vocab)."""

@@ -68,8 +68,9 @@ class CausalLMDrafter:
     predicts = 1  # teacher-forced row t guesses token t + 1
 
     def __init__(self, model, tokenizer, *, kind: str, path: str | None, default_n_ref: int,
-                 target: nn.Module | Callable[[], nn.Module]):
+                 target: nn.Module | Callable[[], nn.Module], pointer=None):
         self.model = model
+        self.pointer = pointer  # a copy pointer mixed into every law (calibrate.drafters.pointer), or None
         self.tokenizer = tokenizer
         self.kind = kind
         self.default_n_ref = int(default_n_ref)
@@ -109,6 +110,11 @@ class CausalLMDrafter:
             scaled = ScalingTap(spec, tap)
             with attention_tap(self.model, scaled, restrict=spec):
                 logits = self.model(input_ids=input_ids, use_cache=False).logits[0]  # (T, vocab)
+            if self.pointer is not None:
+                from .pointer import next_token_mix
+
+                positions = torch.arange(logits.shape[0], device=logits.device)
+                logits = next_token_mix(self.pointer, logits, input_ids[0], positions, spec)
             drafted.append(logits.argmax(-1))
             accept.append(law.acceptance(logits))
         return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
@@ -121,7 +127,7 @@ class CausalLMDrafter:
         if self.model is self.target:
             raise UserError("--speculative needs a drafter different from the target: pass --drafter-path "
                             "(and --target-path for the target)")
-        return PardParallelDrafter(self.model, self.pard_token, spec)
+        return PardParallelDrafter(self.model, self.pard_token, spec, self.pointer)
 
     @property
     def parallel(self) -> bool:
@@ -173,6 +179,17 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device: t
             raise UserError(f"--drafter {kind} needs --drafter-path (a local checkpoint folder or a hub id)")
         model, tokenizer = load_smollm2(device, dtype)
         return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=SMOLLM2_N_REF, target=target)
+    from .pointer import read as read_pointer
+
+    path_given = drafter_path
+    found = read_pointer(Path(drafter_path).expanduser()) if Path(drafter_path).expanduser().is_dir() else None
+    pointer = None
+    if found is not None:  # a copy pointer folder naming the drafter it joins
+        if kind != "pard":
+            raise UserError(f"--drafter-path {drafter_path}: a copy pointer joins an eagle3, dflash or pard drafter; "
+                            f"pass --drafter pard, or the drafter's own folder")
+        pointer, base = found
+        drafter_path = str(base)
     config = _check_pard_fields(drafter_path)
     if config is not None and EMBEDDING_FROM in config:  # a scripts/train_pard.py folder: layers without embedding
         model = build_pard_drafter(Path(drafter_path).expanduser(), device, dtype)
@@ -183,8 +200,8 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device: t
     else:
         model = load_causal_lm(drafter_path, device, dtype, option="--drafter-path")
         tokenizer = load_tokenizer(drafter_path, option="--drafter-path", shared_with=target_path)
-    return CausalLMDrafter(model, tokenizer, kind=kind, path=drafter_path,
-                           default_n_ref=_default_n_ref(kind, model.config), target=target)
+    return CausalLMDrafter(model, tokenizer, kind=kind, path=drafter_path if pointer is None else path_given,
+                           default_n_ref=_default_n_ref(kind, model.config), target=target, pointer=pointer)
 
 
 def _check_pard_fields(drafter_path: str) -> dict | None:

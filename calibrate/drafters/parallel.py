@@ -35,8 +35,10 @@ class PardParallelDrafter:
     name = "pard"
     feature_ids = None  # reads no target features
 
-    def __init__(self, model, pard_token: int, spec: ScaleSpec | None = None):
+    def __init__(self, model, pard_token: int, spec: ScaleSpec | None = None, pointer=None):
         self.model, self.pard_token, self.spec = model, int(pard_token), spec
+        self.pointer = pointer  # a copy pointer mixed into every row (calibrate.drafters.pointer), or None
+        self.tokens: list[int] = []  # x_0 .. x_N, read by the pointer
         self.forwards = 0
         # transformers' causal LMs take logits_to_keep; a model that does not computes every row's logits
         self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -63,6 +65,7 @@ class PardParallelDrafter:
         self.cache = new_cache()
         self._forward(prompt[0].tolist(), 1)
         self.unfed = [pending]  # committed tokens not in the cache yet
+        self.tokens = prompt[0].tolist() + [int(pending)]
 
     def draft_logits(self, k: int) -> torch.Tensor:
         """The logits (k, vocab) of one forward over the unfed committed tokens and ``k - 1`` mask tokens,
@@ -74,6 +77,10 @@ class PardParallelDrafter:
         self.forwards += 1
         crop_cache(self.cache, kept)
         self.unfed = []
+        if self.pointer is not None:
+            from .pointer import spec_block_mix
+
+            return spec_block_mix(self.pointer, logits, torch.tensor(self.tokens, device=logits.device), self.spec)
         return logits
 
     def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
@@ -90,3 +97,4 @@ class PardParallelDrafter:
     def commit(self, new: list[int], features) -> None:
         """The target accepted ``new`` (accepted drafts, then its own token): fed as themselves next time."""
         self.unfed = self.unfed + list(new)
+        self.tokens.extend(int(x) for x in new)

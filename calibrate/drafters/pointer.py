@@ -39,7 +39,7 @@ from sharpdraft_runtime import causal_mask
 
 from ..errors import UserError
 
-__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "alpha", "block_mix", "describe", "keeping_slope", "matches", "read",
+__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "alpha", "block_mix", "describe", "next_token_mix", "spec_block_mix", "keeping_slope", "matches", "read",
            "write"]
 
 FILE = "copy_pointer.json"
@@ -124,6 +124,32 @@ def block_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, 
     row = torch.tensor([tokens.numel() - 2], device=logits.device)  # the EAGLE-3 row whose input is x_N
     return torch.cat([pointer.mix(logits[j - 1:j], columns, tokens, row, alpha, vocab, window=window, sinks=sinks,
                                   shift=j) for j in range(1, logits.shape[0] + 1)])
+
+
+def _limits(spec) -> dict:
+    """A spec's window and sinks as the pointer takes them (keys a row sees besides causality)."""
+    if spec is None or spec.window is None:
+        return {"window": None, "sinks": None}
+    return {"window": spec.window, "sinks": spec.sinks}
+
+
+def spec_block_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, spec) -> torch.Tensor:
+    """:func:`block_mix` under ``spec``: its factor for the ``N`` keys before ``x_N``, its window and sinks."""
+    return block_mix(pointer, logits, tokens, alpha(spec, max(tokens.numel() - 1, 1)), **_limits(spec))
+
+
+def next_token_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                   spec) -> torch.Tensor:
+    """Teacher-forced next-token laws with ``pointer``'s copies: ``logits`` (a, vocab) the drafter's guesses of
+    ``x_{t+1}`` at consecutive ``positions`` t (knowing ``x_0 .. x_t`` of ``tokens``, as the EAGLE-3 row ``t - 1``
+    does), the log laws (a, vocab); at ``t = 0`` there is nothing to copy from, the drafter's law alone."""
+    out = torch.log_softmax(logits.float(), dim=-1)
+    later = positions >= 1
+    if later.any():
+        columns = torch.arange(logits.shape[-1], device=logits.device)
+        out[later] = pointer.mix(logits[later], columns, tokens, positions[later] - 1, alpha(spec, positions[later]),
+                                 logits.shape[-1], **_limits(spec))
+    return out
 
 
 def describe(pointer: CopyPointer) -> str:
