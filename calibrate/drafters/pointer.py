@@ -101,12 +101,17 @@ class CopyPointer:
             scaled = alpha[a:b, None]
             logits = (scaled * self.scale * match).masked_fill(~visible, float("-inf"))  # (c, hi)
             w = torch.softmax(torch.cat((scaled * self.sink, logits), dim=1), dim=1)  # (c, 1 + hi)
-            copies = torch.zeros(b - a, vocab_size, dtype=torch.float32, device=out.device)
             values = tokens[source.clamp(max=tokens.numel() - 1)].to(out.device)[None].expand(b - a, hi)  # x_{i+s}
-            copies.scatter_add_(1, values, w[:, 1:] * self.gain)
+            copies = torch.zeros(b - a, vocab_size, dtype=torch.float32, device=out.device)
+            copies.scatter_add_(1, values, w[:, 1:] * self.gain)  # each token's copied mass
             keep = 1 - self.gain * (1 - w[:, :1])  # (c, 1): the head's share
-            copies[:, columns] += keep * torch.softmax(head_logits[a:b].float(), dim=-1)
-            out[a:b] = copies.log()
+            # logs only where a law has mass (a dense log over the vocabulary costs more than all the rest):
+            # the head's columns, then the copied tokens, whose law is the head's part plus the copies'
+            part = out[a:b]
+            part.fill_(float("-inf"))
+            part[:, columns] = keep.log() + torch.log_softmax(head_logits[a:b].float(), dim=-1)
+            head_there = part.gather(1, values).exp()
+            part.scatter_(1, values, (head_there + copies.gather(1, values)).log())
         return out
 
 
