@@ -66,6 +66,7 @@ class CausalLMDrafter:
     """
 
     predicts = 1  # teacher-forced row t guesses token t + 1
+    pointer = None  # a copy pointer (calibrate.drafters.pointer), set by __init__ when the folder names one
 
     def __init__(self, model, tokenizer, *, kind: str, path: str | None, default_n_ref: int,
                  target: nn.Module | Callable[[], nn.Module], pointer=None):
