@@ -47,6 +47,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("head", type=Path, help="the EAGLE-3 head folder")
     ap.add_argument("--out", type=Path, required=True, help="folder for copy_pointer.json (not the head's own)")
+    ap.add_argument("--target-path", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--corpora", default="recall:stdlib,stdlib", help="training-split corpora, comma-separated")
     ap.add_argument("--sequences", type=int, default=12, help="sequences per corpus")
     ap.add_argument("--length", type=int, default=256, help="tokens per sequence")
@@ -100,7 +101,7 @@ def sequence_scores(drafter, ids: list[int], grid: list[CopyPointer]) -> np.ndar
 def main(argv=None) -> int:
     args = parse(argv)
     torch.set_num_threads(args.threads)
-    drafter = load("eagle3", str(args.head), None, "cpu", torch.float32)
+    drafter = load("eagle3", str(args.head), args.target_path, torch.device("cpu"), torch.float32)
     if drafter.pointer is not None:
         raise SystemExit(f"{args.head}: this head has a copy pointer already; give the plain head")
     grid = [CopyPointer(o, s, s * r, g) for o, s, r, g in itertools.product(args.orders, args.scales, args.sinks,
