@@ -59,7 +59,7 @@ from .base import AttentionTap, TeacherForced
 from .checkpoint import (TrainingLength, build, config_field, read_config, read_weights, rename_prefixes,
                          training_length)
 from .fields import check_fields
-from .pointer import CopyPointer, alpha as pointer_alpha, describe, read as read_pointer
+from .pointer import CopyPointer, alpha as pointer_alpha, describe, limits as pointer_limits, read as read_pointer
 from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_partial_rotary, read_rope,
                      rope_cos_sin, rope_inv_freq, rotary_dim)
 from .target import eos_token_id, hidden_state_features, load_target
@@ -669,7 +669,7 @@ class Eagle3Drafter:
             rows = torch.arange(logits.shape[0], device=logits.device)
             alpha = pointer_alpha(spec, scaled.n_visible[0])
             mixed = self.pointer.mix(logits, columns, input_ids[0], rows, alpha, self.head.config.vocab_size,
-                                     **pointer_restriction(self.head.config, spec))  # (T-1, vocab)
+                                     **pointer_limits(spec, self.head.config.sliding_window))  # (T-1, vocab)
             drafted.append(mixed.argmax(-1))
             accept.append(law.acceptance(mixed))
         return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
@@ -722,7 +722,7 @@ class Eagle3ChainDrafter:
         if self.pointer is not None:  # the last row's law over the target vocabulary, copies mixed in
             row = position + T - 1
             c = self.head.config
-            limits = pointer_restriction(c, self.spec)
+            limits = pointer_limits(self.spec, c.sliding_window)
             n = int(causal_mask(1, row, sliding_window=limits["window"], sinks=limits["sinks"]).sum())
             columns = self._columns()
             tokens = torch.tensor(self.tokens[:row + 2], device=logits.device)
@@ -779,15 +779,6 @@ class Eagle3ChainDrafter:
         ids = torch.tensor([new], device=features.device)  # token after each verified position
         self.logits, self.hidden = self._run(ids, features, self.rows)
         self.rows += len(new)
-
-
-def pointer_restriction(config: Eagle3Config, spec: ScaleSpec | None) -> dict:
-    """The keys a copy pointer's row sees besides causality: the narrower of the head's own sliding window
-    and the spec's window, and the spec's sinks (as the head's attention has them)."""
-    window = None if spec is None else spec.window
-    if config.sliding_window is not None:
-        window = config.sliding_window if window is None else min(window, config.sliding_window)
-    return {"window": window, "sinks": None if spec is None or window is None else spec.sinks}
 
 
 def _restriction(spec: ScaleSpec | None) -> dict:

@@ -39,8 +39,8 @@ from sharpdraft_runtime import causal_mask
 
 from ..errors import UserError
 
-__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "alpha", "block_mix", "describe", "next_token_mix", "spec_block_mix", "keeping_slope", "matches", "read",
-           "write"]
+__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "alpha", "block_mix", "describe", "keeping_slope", "limits",
+           "matches", "next_token_mix", "read", "spec_block_mix", "write"]
 
 FILE = "copy_pointer.json"
 FORMAT = "sharpdraft-copy-pointer"
@@ -131,16 +131,19 @@ def block_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, 
                                   shift=j) for j in range(1, logits.shape[0] + 1)])
 
 
-def _limits(spec) -> dict:
-    """A spec's window and sinks as the pointer takes them (keys a row sees besides causality)."""
-    if spec is None or spec.window is None:
-        return {"window": None, "sinks": None}
-    return {"window": spec.window, "sinks": spec.sinks}
+def limits(spec, sliding_window: int | None = None) -> dict:
+    """The keys a pointer's row sees besides causality, as :meth:`CopyPointer.mix` takes them: the narrower of
+    the drafter's own ``sliding_window`` and the spec's window, with the spec's sinks (as the drafter's attention
+    has them)."""
+    window = None if spec is None else spec.window
+    if sliding_window is not None:
+        window = sliding_window if window is None else min(window, sliding_window)
+    return {"window": window, "sinks": None if spec is None or window is None else spec.sinks}
 
 
 def spec_block_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, spec) -> torch.Tensor:
     """:func:`block_mix` under ``spec``: its factor for the ``N`` keys before ``x_N``, its window and sinks."""
-    return block_mix(pointer, logits, tokens, alpha(spec, max(tokens.numel() - 1, 1)), **_limits(spec))
+    return block_mix(pointer, logits, tokens, alpha(spec, max(tokens.numel() - 1, 1)), **limits(spec))
 
 
 def next_token_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -153,7 +156,7 @@ def next_token_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Ten
     if later.any():
         columns = torch.arange(logits.shape[-1], device=logits.device)
         out[later] = pointer.mix(logits[later], columns, tokens, positions[later] - 1, alpha(spec, positions[later]),
-                                 logits.shape[-1], **_limits(spec))
+                                 logits.shape[-1], **limits(spec))
     return out
 
 
