@@ -761,7 +761,8 @@ class Eagle3ChainDrafter:
             if law is not None:
                 laws.append(law)
             if j + 1 < k:  # the head's own output stands in for the (unknown) target feature
-                self.tokens = self.tokens[:self.rows + 1 + j] + [token]
+                del self.tokens[self.rows + 1 + j:]  # in place: no copy of the context per draft step
+                self.tokens.append(token)
                 logits, hidden = self._run(torch.tensor([[token]], device=hidden.device), hidden, self.rows + j)
         return drafts, (np.stack(laws) if laws else None)
 
@@ -775,7 +776,8 @@ class Eagle3ChainDrafter:
     def commit(self, new: list[int], features: torch.Tensor) -> None:
         """Keep the true rows, then add rows for the verified positions: features (1, a+1, 3H)."""
         self.past = tuple(x[:, :, :self.rows] for x in self.past)
-        self.tokens = self.tokens[:self.rows + 1] + list(new)
+        del self.tokens[self.rows + 1:]
+        self.tokens.extend(int(x) for x in new)
         ids = torch.tensor([new], device=features.device)  # token after each verified position
         self.logits, self.hidden = self._run(ids, features, self.rows)
         self.rows += len(new)
