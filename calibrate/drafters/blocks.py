@@ -129,6 +129,7 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     With a copy ``pointer`` (``calibrate.drafters.pointer``) row 1's law has the copies mixed in."""
     from ..measure.metrics import NextTokenLaw
     from ..taps import ScalingTap, attention_tap
+    from .pointer import next_token_mix
     from .target import hidden_state_features
 
     device = model.fc.weight.device
@@ -156,8 +157,6 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
                                              [(k[:, :, :width_c], v[:, :, :width_c]) for k, v in context], masks)
             logits = model.compute_logits(hidden.view(len(anchors), B, -1)[:, 1], target)  # (a, vocab): row 1
             if pointer is not None:
-                from .pointer import next_token_mix
-
                 logits = next_token_mix(pointer, logits, input_ids[0], anchors, spec)
             drafted[r, anchors] = logits.argmax(-1)
             accept[r, anchors] = law.acceptance(logits, start=a0)

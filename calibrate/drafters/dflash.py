@@ -703,10 +703,9 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device, d
                         "or pass --drafter-path DIR")
     if not path.is_dir():
         raise UserError(f"DFlash checkpoint {path}: not a directory")
-    from .pointer import read as read_pointer
+    from .pointer import locate
 
-    found = read_pointer(path)  # a copy pointer, here or joining the model it names
-    pointer, weights = (None, path) if found is None else found
+    pointer, weights = locate(path)  # a copy pointer, here or joining the model it names
     target, tokenizer = load_target(target_path, device, dtype)
     model = load_dflash(weights, target, device=device, dtype=dtype)
     training = training_length(weights, model.config.max_position_embeddings, trust_mpe=False)

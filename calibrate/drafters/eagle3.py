@@ -59,7 +59,7 @@ from .base import AttentionTap, TeacherForced
 from .checkpoint import (TrainingLength, build, config_field, read_config, read_weights, rename_prefixes,
                          training_length)
 from .fields import check_fields
-from .pointer import CopyPointer, alpha as pointer_alpha, describe, limits as pointer_limits, read as read_pointer
+from .pointer import CopyPointer, alpha as pointer_alpha, describe, limits as pointer_limits, locate as locate_pointer
 from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_partial_rotary, read_rope,
                      rope_cos_sin, rope_inv_freq, rotary_dim)
 from .target import eos_token_id, hidden_state_features, load_target
@@ -731,10 +731,12 @@ class Eagle3ChainDrafter:
         return logits, out.hidden_states[:, -1:]
 
     def _columns(self) -> torch.Tensor:
+        """Target id of each draft id (made once): a tensor for the pointer, ``_target_ids`` for numpy laws."""
         if self._target_ids is None:
             ids = torch.arange(self.head.config.draft_vocab_size, device=self.head.d2t.device)
-            self._target_ids = self.head.draft_to_target(ids).cpu().numpy()
-        return torch.as_tensor(self._target_ids, device=self.head.d2t.device)
+            self._columns_t = self.head.draft_to_target(ids)
+            self._target_ids = self._columns_t.cpu().numpy()
+        return self._columns_t
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor, pending: int) -> None:
         """Rows 0 .. N-1 of the prompt ``x_0 .. x_{N-1}`` with target features, ``x_N = pending``."""
@@ -798,8 +800,7 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device, d
                         f"repo's EAGLE-3 training script or pass --drafter-path DIR")
     if not path.is_dir():
         raise UserError(f"EAGLE-3 checkpoint {path}: not a directory")
-    found = read_pointer(path)  # a copy pointer, here or joining the head it names
-    pointer, weights = (None, path) if found is None else found
+    pointer, weights = locate_pointer(path)  # a copy pointer, here or joining the head it names
     target, tokenizer = load_target(target_path, device, dtype)
     head = load_eagle3_head(weights, target, device=device, dtype=dtype)
     c = head.config

@@ -180,17 +180,15 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device: t
             raise UserError(f"--drafter {kind} needs --drafter-path (a local checkpoint folder or a hub id)")
         model, tokenizer = load_smollm2(device, dtype)
         return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=SMOLLM2_N_REF, target=target)
-    from .pointer import read as read_pointer
+    from .pointer import locate
 
-    path_given = drafter_path
-    found = read_pointer(Path(drafter_path).expanduser()) if Path(drafter_path).expanduser().is_dir() else None
-    pointer = None
-    if found is not None:  # a copy pointer folder naming the drafter it joins
-        if kind != "pard":
+    given, pointer = drafter_path, None
+    if Path(drafter_path).expanduser().is_dir():  # a copy pointer folder names the drafter it joins
+        pointer, folder = locate(Path(drafter_path).expanduser())
+        if pointer is not None and kind != "pard":
             raise UserError(f"--drafter-path {drafter_path}: a copy pointer joins an eagle3, dflash or pard drafter; "
                             f"pass --drafter pard, or the drafter's own folder")
-        pointer, base = found
-        drafter_path = str(base)
+        drafter_path = drafter_path if pointer is None else str(folder)
     config = _check_pard_fields(drafter_path)
     if config is not None and EMBEDDING_FROM in config:  # a scripts/train_pard.py folder: layers without embedding
         model = build_pard_drafter(Path(drafter_path).expanduser(), device, dtype)
@@ -201,7 +199,7 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device: t
     else:
         model = load_causal_lm(drafter_path, device, dtype, option="--drafter-path")
         tokenizer = load_tokenizer(drafter_path, option="--drafter-path", shared_with=target_path)
-    return CausalLMDrafter(model, tokenizer, kind=kind, path=drafter_path if pointer is None else path_given,
+    return CausalLMDrafter(model, tokenizer, kind=kind, path=given,
                            default_n_ref=_default_n_ref(kind, model.config), target=target, pointer=pointer)
 
 

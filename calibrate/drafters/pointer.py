@@ -40,7 +40,7 @@ from sharpdraft_runtime import causal_mask
 from ..errors import UserError
 
 __all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "alpha", "block_mix", "describe", "keeping_slope", "limits",
-           "matches", "next_token_mix", "read", "spec_block_mix", "write"]
+           "locate", "matches", "next_token_mix", "read", "spec_block_mix", "write"]
 
 FILE = "copy_pointer.json"
 FORMAT = "sharpdraft-copy-pointer"
@@ -247,6 +247,13 @@ def read(folder: str | Path) -> tuple[CopyPointer, Path] | None:
     if (base / FILE).is_file():
         raise UserError(f"{path}: \"head\" {head!r} has a copy pointer of its own; name a plain head")
     return pointer, base
+
+
+def locate(folder: str | Path) -> tuple[CopyPointer | None, Path]:
+    """The pointer in ``folder`` (None without one) and the folder whose weights to load: the head the pointer
+    names, else ``folder`` itself (:func:`read`'s errors)."""
+    found = read(folder)
+    return (None, Path(folder)) if found is None else found
 
 
 def write(folder: str | Path, pointer: CopyPointer, head: str | None = None, record: dict | None = None) -> Path:
