@@ -49,6 +49,47 @@ def _mix(pointer, head_logits, tokens, alpha=1.0, **kw):
     return pointer.mix(head_logits, columns, torch.tensor(tokens), rows, alpha, 8, **kw), columns
 
 
+def brute_law(pointer, head_logits, columns, tokens, t, alpha, vocab, window, sinks, shift) -> np.ndarray:
+    """The module docstring's law for row ``t``, key by key in float64: the reference for both paths of mix."""
+    match = brute_matches(tokens, t, t + 1, pointer.order)[0]
+    weights, sink = [], math.exp(alpha * pointer.sink)
+    for i in range(t + 1):
+        seen = (window is None or i > t - window or (sinks or 0) > i) and i + shift <= t + 1
+        weights.append(math.exp(alpha * pointer.scale * match[i]) if seen else 0.0)
+    total = sink + sum(weights)
+    head = np.exp(np.asarray(head_logits, dtype=np.float64))
+    law = np.zeros(vocab)
+    law[np.asarray(columns)] = (1 - pointer.gain * (1 - sink / total)) * head / head.sum()
+    for i, w in enumerate(weights):
+        if w > 0:  # a hidden key brings nothing (its value may lie past the text)
+            law[tokens[i + shift]] += pointer.gain * w / total
+    return law
+
+
+@settings(derandomize=True, max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 7), min_size=4, max_size=40), st.integers(1, 3), st.floats(0.5, 8.0),
+       st.floats(-2.0, 10.0), st.floats(0.0, 1.0), st.floats(0.5, 2.0), st.data())
+def test_the_law_is_the_docstrings_on_every_row_alone_and_together(tokens, order, scale, sink, gain, alpha, data):
+    pointer = CopyPointer(order, scale, sink, gain)
+    shift = data.draw(st.integers(1, 3))
+    window = data.draw(st.one_of(st.none(), st.integers(1, 12)))
+    sinks = data.draw(st.one_of(st.none(), st.integers(1, 3))) if window else None
+    lo = data.draw(st.integers(0, len(tokens) - 3))
+    hi = data.draw(st.integers(lo + 1, len(tokens) - 1))
+    columns = torch.tensor([0, 2, 3, 5])
+    head = torch.randn(hi - lo, 4, generator=torch.Generator().manual_seed(len(tokens)))
+    rows = torch.arange(lo, hi)
+    x = torch.tensor(tokens)
+    together = pointer.mix(head, columns, x, rows, alpha, 8, window=window, sinks=sinks, shift=shift).exp()
+    for r, t in enumerate(range(lo, hi)):  # each row alone and all together (chunks of rows) agree
+        alone = pointer.mix(head[r:r + 1], columns, x, rows[r:r + 1], alpha, 8, window=window, sinks=sinks,
+                            shift=shift).exp()
+        expect = brute_law(pointer, head[r].double(), columns, tokens, t, alpha, 8, window, sinks, shift)
+        # float32 laws of probabilities <= 1: a few float32 roundings of log and exp
+        np.testing.assert_allclose(alone[0].double().numpy(), expect, rtol=0, atol=2e-6)
+        np.testing.assert_allclose(together[r].double().numpy(), expect, rtol=0, atol=2e-6)
+
+
 def test_gain_zero_is_the_head_alone_and_laws_sum_to_one():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 4, generator=g)
