@@ -1,15 +1,26 @@
-"""Fit a copy pointer's four numbers for an EAGLE-3 head (``calibrate.drafters.pointer``) and write it.
+"""Fit a copy pointer's four numbers for an EAGLE-3 or DFlash head (``calibrate.drafters.pointer``) and write it.
 
 On training-split text only (recall sequences, whose rows inside a repeat can be copied, and plain text,
 where a pointer must not get in the way), the target and the head run once per sequence; then every
-point of a grid of (order, scale, sink, gain) mixes the pointer into the head's law, and the point with
-the highest teacher-forced greedy agreement over all rows wins (ties: the higher expected acceptance at
-T = 1). Each corpus counts equally. The pointer is written to ``OUT/copy_pointer.json`` with ``"head"``
-naming the head's folder relative to OUT, and the whole grid's figures in its ``"fitted"`` record.
+point of a grid of (order, scale, sink, gain) mixes the pointer into the head's law, and the best point
+wins. Each corpus counts equally.
+
+* EAGLE-3 (``--drafter eagle3``): the highest teacher-forced greedy agreement over all rows (ties: the
+  higher expected acceptance at T = 1).
+* DFlash (``--drafter dflash``): blocks at ``--anchors`` evenly spaced positions of each sequence, drafted
+  as the speculative loop drafts them (``calibrate.measure.blocks``), row ``j`` copying the token ``j``
+  places after a match; the highest mean accepted length of a block (its leading drafts equal to the
+  target's greedy tokens along the true text; ties: the expected accepted length at T = 1). A block's
+  later rows are what set it apart from a chain, so its first row's agreement is not the rule.
+
+The pointer is written to ``OUT/copy_pointer.json`` with ``"head"`` naming the head's folder relative to
+OUT, and the whole grid's figures in its ``"fitted"`` record.
 
 Usage::
 
     python scripts/fit_copy_pointer.py calibrate/assets/eagle3-smollm2 --out calibrate/assets/eagle3-smollm2-copy
+    python scripts/fit_copy_pointer.py calibrate/assets/dflash-smollm2 --drafter dflash \
+        --out calibrate/assets/dflash-smollm2-copy
 """
 
 from __future__ import annotations
@@ -26,8 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from calibrate.corpus import pack, recall_corpus  # noqa: E402
-from calibrate.drafters.eagle3 import load  # noqa: E402
-from calibrate.drafters.pointer import FILE, MAX_ORDER, CopyPointer, write  # noqa: E402
+from calibrate.drafters import dflash, eagle3  # noqa: E402
+from calibrate.drafters.pointer import FILE, MAX_ORDER, CopyPointer, spec_block_mix, write  # noqa: E402
+from calibrate.measure.blocks import block_anchors, proposed, target_along  # noqa: E402
 from calibrate.measure.metrics import NextTokenLaw  # noqa: E402
 
 ORDERS, SCALES, SINKS, GAINS = (1, 2, 3), (2.0, 4.0, 8.0, 16.0), (0.5, 1.0, 1.5, 2.0, 2.5), (0.5, 0.8, 1.0)
@@ -45,7 +57,10 @@ def floats(text: str, name: str) -> tuple[float, ...]:
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("head", type=Path, help="the EAGLE-3 head folder")
+    ap.add_argument("head", type=Path, help="the head folder (EAGLE-3, or DFlash with --drafter dflash)")
+    ap.add_argument("--drafter", choices=("eagle3", "dflash"), default="eagle3",
+                    help="the head's kind: eagle3 (fitted by agreement) or dflash (by a block's accepted length)")
+    ap.add_argument("--anchors", type=int, default=48, help="dflash: blocks per sequence, evenly spaced")
     ap.add_argument("--out", type=Path, required=True, help="folder for copy_pointer.json (not the head's own)")
     ap.add_argument("--target-path", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--corpora", default="recall:stdlib,stdlib", help="training-split corpora, comma-separated")
@@ -57,11 +72,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--gains", default=",".join(map(str, GAINS)))
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    for name, least in (("sequences", 1), ("threads", 1), ("length", 8)):
+    for name, least in (("sequences", 1), ("threads", 1), ("length", 8), ("anchors", 1)):
         if getattr(args, name) < least:
             raise SystemExit(f"--{name} {getattr(args, name)}: give an integer >= {least}")
     if not (args.head / "config.json").is_file():
-        raise SystemExit(f"{args.head}: no config.json there; give an EAGLE-3 head folder")
+        raise SystemExit(f"{args.head}: no config.json there; give a head folder")
     if args.out.resolve() == args.head.resolve() or (args.out / FILE).exists():
         raise SystemExit(f"--out {args.out}: give a new folder (not the head's own, and holding no {FILE})")
     args.orders = tuple(int(v) for v in floats(args.orders, "orders"))
@@ -98,10 +113,31 @@ def sequence_scores(drafter, ids: list[int], grid: list[CopyPointer]) -> np.ndar
     return out
 
 
+@torch.no_grad()
+def block_scores(drafter, ids: list[int], grid: list[CopyPointer], anchors: int) -> tuple[np.ndarray, int]:
+    """(points, 2): per grid point, the sums over blocks of the greedy accepted length and the expected accepted
+    length at T = 1 (``calibrate.measure.blocks``), blocks at ``anchors`` evenly spaced positions of ``ids``;
+    and the count of blocks."""
+    draft = drafter.block_size - 1
+    at, _ = block_anchors(np.array([len(ids)]), len(ids), draft, anchors)
+    input_ids = torch.tensor([ids], device=drafter.device)
+    features, law, greedy = target_along(drafter, input_ids, at, draft)
+    logits = proposed(drafter, None, input_ids, features, at, draft)  # (A, K, vocab): the head alone
+    out = np.zeros((len(grid), 2))
+    for i, pointer in enumerate(grid):
+        mixed = torch.stack([spec_block_mix(pointer, rows, input_ids[0, :p + 1], None)
+                             for rows, p in zip(logits, at.tolist())])
+        hits = (mixed.argmax(-1) == greedy).double()
+        accept = law.acceptance(mixed.flatten(0, 1)).view(len(at), draft).double()
+        out[i] = float(hits.cumprod(1).sum()), float(accept.cumprod(1).sum())
+    return out, len(at)
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     torch.set_num_threads(args.threads)
-    drafter = load("eagle3", str(args.head), args.target_path, torch.device("cpu"), torch.float32)
+    drafter = (dflash if args.drafter == "dflash" else eagle3).load(args.drafter, str(args.head), args.target_path,
+                                                                    torch.device("cpu"), torch.float32)
     if drafter.pointer is not None:
         raise SystemExit(f"{args.head}: this head has a copy pointer already; give the plain head")
     grid = [CopyPointer(o, s, s * r, g) for o, s, r, g in itertools.product(args.orders, args.scales, args.sinks,
@@ -116,25 +152,35 @@ def main(argv=None) -> int:
                                                   args.sequences)]
         else:
             texts = list(pack(corpus, tokenize, drafter.eos_token_id, args.length, args.sequences))
-        total = np.zeros((len(grid), 2))
+        total, count = np.zeros((len(grid), 2)), 0
         for j, ids in enumerate(texts):
-            total += sequence_scores(drafter, ids, grid)
+            if args.drafter == "dflash":
+                scores, blocks = block_scores(drafter, ids, grid, args.anchors)
+            else:
+                scores, blocks = sequence_scores(drafter, ids, grid), args.length - 1
+            total += scores
+            count += blocks
             print(f"{corpus}: sequence {j + 1}/{len(texts)} ({time.time() - start:.0f} s)", flush=True)
-        per_corpus[corpus] = total / (len(texts) * (args.length - 1))
+        per_corpus[corpus] = total / count
     score = np.mean([v for v in per_corpus.values()], axis=0)  # (points, 2)
     best = max(range(len(grid)), key=lambda i: (score[i, 0], score[i, 1]))
     chosen = grid[best]
+    names = ("accepted_length", "expected_accepted_length") if args.drafter == "dflash" else (
+        "agreement", "expected_acceptance")
     table = [{"order": p.order, "scale": p.scale, "sink": p.sink, "gain": p.gain,
-              **{c: {"agreement": round(float(v[i, 0]), 4), "expected_acceptance": round(float(v[i, 1]), 4)}
+              **{c: {names[0]: round(float(v[i, 0]), 4), names[1]: round(float(v[i, 1]), 4)}
                  for c, v in per_corpus.items()}} for i, p in enumerate(grid)]
-    record = {"corpora": args.corpora, "sequences": args.sequences, "length": args.length,
-              "rule": "highest mean greedy agreement over the corpora (ties: expected acceptance at T = 1)",
-              "head_alone": table[0], "grid": table[1:]}
+    rule = ("highest mean greedy accepted length of a block over the corpora (ties: expected accepted length at "
+            "T = 1)" if args.drafter == "dflash" else
+            "highest mean greedy agreement over the corpora (ties: expected acceptance at T = 1)")
+    record = {"drafter": args.drafter, "corpora": args.corpora, "sequences": args.sequences, "length": args.length,
+              **({"anchors": args.anchors} if args.drafter == "dflash" else {}),
+              "rule": rule, "head_alone": table[0], "grid": table[1:]}
     head = os.path.relpath(args.head.resolve(), args.out.resolve())
     path = write(args.out, chosen, head=head, record=record)
     for c, v in per_corpus.items():
-        print(f"{c}: head alone agreement {v[0, 0]:.4f}, expected acceptance {v[0, 1]:.4f}; "
-              f"with the pointer {v[best, 0]:.4f}, {v[best, 1]:.4f}")
+        print(f"{c}: head alone {names[0].replace('_', ' ')} {v[0, 0]:.4f}, {names[1].replace('_', ' ')} "
+              f"{v[0, 1]:.4f}; with the pointer {v[best, 0]:.4f}, {v[best, 1]:.4f}")
     print(f"chosen: order {chosen.order}, scale {chosen.scale:g}, sink {chosen.sink:g}, gain {chosen.gain:g} -> {path}")
     return 0
 

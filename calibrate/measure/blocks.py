@@ -30,7 +30,8 @@ from sharpdraft_theory.bootstrap import paired_bootstrap
 
 from .forced import _counts
 
-__all__ = ["BLOCK_NOTE", "block_anchors", "block_rows", "block_sums", "summarize_blocks", "check_block_unit"]
+__all__ = ["BLOCK_NOTE", "block_anchors", "block_rows", "block_sums", "check_block_unit", "proposed",
+           "summarize_blocks", "target_along"]
 
 BLOCK_NOTE = ("teacher-forced: K drafts from one forward at anchors of the true text, against the target's greedy "
               "tokens and laws along the true text; expected_accepted_length = sum_j prod_{i<=j} acceptance_i "
@@ -61,11 +62,26 @@ def block_rows(source, input_ids: torch.Tensor, specs: dict, anchors: np.ndarray
     """Per arm ``name -> spec`` of ``specs``: ``(hits, accept)``, each (anchors, draft), at ``anchors`` of
     ``input_ids`` (1, T) (module docstring). ``source`` is a drafter adapter whose ``chain_drafter(spec)``
     has ``draft_logits(k)``; the target runs once."""
+    if not len(anchors):  # a text too short for one anchor: nothing to measure
+        return {name: (np.zeros((0, draft), dtype=bool), np.zeros((0, draft))) for name in specs}
+    features, law, greedy = target_along(source, input_ids, anchors, draft, temperature)
+    out = {}
+    for name, spec in specs.items():
+        logits = proposed(source, spec, input_ids, features, anchors, draft)  # (A, K, vocab)
+        hits = (logits.argmax(-1) == greedy).cpu().numpy()
+        accept = law.acceptance(logits.flatten(0, 1)).view(len(anchors), draft).double().cpu().numpy()
+        out[name] = (hits, accept)
+    return out
+
+
+@torch.no_grad()
+def target_along(source, input_ids: torch.Tensor, anchors: np.ndarray, draft: int, temperature: float = 1.0):
+    """The target once over ``input_ids`` (1, T): the drafter's features of it (None for a drafter that reads
+    none), the target's law after each ``p + k - 1`` (a ``NextTokenLaw`` of ``anchors * draft`` rows) and its
+    greedy tokens there (anchors, draft)."""
     from ..drafters.target import hidden_state_features
     from .metrics import NextTokenLaw
 
-    if not len(anchors):  # a text too short for one anchor: nothing to measure
-        return {name: (np.zeros((0, draft), dtype=bool), np.zeros((0, draft))) for name in specs}
     target = source.target
     input_ids = input_ids.to(source.device)
     feature_ids = source.chain_drafter(None).feature_ids
@@ -75,32 +91,33 @@ def block_rows(source, input_ids: torch.Tensor, specs: dict, anchors: np.ndarray
     features = states[:, :, :-width] if feature_ids else None
     where = torch.as_tensor(anchors[:, None] + np.arange(draft), device=states.device)  # (A, K): law after p + k - 1
     law = NextTokenLaw(target.get_output_embeddings()(states[0, :, -width:][where.flatten()]), temperature)
-    greedy = law.greedy.view(len(anchors), draft)
+    return features, law, law.greedy.view(len(anchors), draft)
+
+
+@torch.no_grad()
+def proposed(source, spec, input_ids: torch.Tensor, features, anchors: np.ndarray, draft: int) -> torch.Tensor:
+    """The proposer's draft logits (anchors, draft, vocab) at each anchor ``p`` of the true text, ``x_p`` pending,
+    as the speculative loop runs it (``source.chain_drafter(spec)``, committing the text between anchors)."""
+    input_ids = input_ids.to(source.device)
     text = input_ids[0].tolist()
-    out = {}
-    for name, spec in specs.items():
-        proposer = source.chain_drafter(spec)
-        try:
-            logits = []
-            first = int(anchors[0])
-            proposer.start(input_ids[:, :first], None if features is None else features[:, :first], text[first])
-            previous = first
-            for p in anchors.tolist():
-                if p != previous:  # the text up to x_p joins the context; x_p is pending
-                    proposer.commit(text[previous + 1:p + 1], None if features is None else features[:, previous:p])
-                    previous = p
-                rows = proposer.draft_logits(draft)
-                if rows.shape[0] != draft:
-                    raise ValueError(f"the drafter proposes {rows.shape[0]} tokens a forward, fewer than {draft}; "
-                                     "lower --num-draft")
-                logits.append(rows)
-        finally:
-            proposer.close()
-        logits = torch.stack(logits)  # (A, K, vocab)
-        hits = (logits.argmax(-1) == greedy).cpu().numpy()
-        accept = law.acceptance(logits.flatten(0, 1)).view(len(anchors), draft).double().cpu().numpy()
-        out[name] = (hits, accept)
-    return out
+    proposer = source.chain_drafter(spec)
+    try:
+        logits = []
+        first = int(anchors[0])
+        proposer.start(input_ids[:, :first], None if features is None else features[:, :first], text[first])
+        previous = first
+        for p in anchors.tolist():
+            if p != previous:  # the text up to x_p joins the context; x_p is pending
+                proposer.commit(text[previous + 1:p + 1], None if features is None else features[:, previous:p])
+                previous = p
+            rows = proposer.draft_logits(draft)
+            if rows.shape[0] != draft:
+                raise ValueError(f"the drafter proposes {rows.shape[0]} tokens a forward, fewer than {draft}; "
+                                 "lower --num-draft")
+            logits.append(rows)
+    finally:
+        proposer.close()
+    return torch.stack(logits)
 
 
 def block_sums(rows: dict[str, tuple[np.ndarray, np.ndarray]], buckets: np.ndarray, count: int) -> dict:
