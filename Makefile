@@ -49,8 +49,8 @@ table: $(STAMP)
 # drafter, per layer and per head on the stdlib training split, all three (the per-layer and per-head ones
 # as --extra-spec variants) against no change, qwen-logn, a window, sinks and clamp on the same passes
 # over held-out sequences of 8,192 tokens, with greedy speculative decoding (K = 4 drafts a forward).
-# PARD names a scripts/train_pard.py folder. Writes out/pard-table/.
-PARD ?= .cache/heads/pard-smollm2
+# PARD names a scripts/train_pard.py folder (default: the built-in drafter). Writes out/pard-table/.
+PARD ?= calibrate/assets/pard-smollm2
 PARD_SEQUENCES ?= 3
 pard-table: $(STAMP)
 	for g in global layer head; do \

@@ -28,7 +28,7 @@ def calibrate(
     drafter: Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names())}.")] = "hf",
     drafter_path: Annotated[Optional[str], typer.Option(
         "--drafter-path", help="Drafter checkpoint folder, .gguf file or hub id (default: built-in: SmolLM2 for "
-                               "hf, its heads for eagle3 and dflash).")] = None,
+                               "hf, its heads for eagle3 and dflash, its PARD drafter for pard).")] = None,
     target_path: Annotated[Optional[str], typer.Option(
         "--target-path", help="Target model folder (eagle3, dflash; the tokenizer source for hf/pard without one).")] = None,
     corpus: Annotated[str, typer.Option(help="pydoc[:train|heldout|all], a .txt or .jsonl file, or a folder.")] = "pydoc",

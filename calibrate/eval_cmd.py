@@ -69,7 +69,7 @@ def eval_command(
     *,
     drafter: Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names(evaluates=True))}.")] = "eagle3",
     drafter_path: Annotated[Optional[str], typer.Option(
-        "--drafter-path", help="Drafter checkpoint (default: the built-in SmolLM2 heads for eagle3 and dflash), or a "
+        "--drafter-path", help="Drafter checkpoint (default: the built-in SmolLM2 drafters for eagle3, dflash and pard), or a "
                                "folder with a copy_pointer.json naming one (e.g. calibrate/assets/eagle3-smollm2-copy).")] = None,
     target_path: Annotated[Optional[str], typer.Option(
         "--target-path", help="Target model folder (default: built-in SmolLM2).")] = None,

@@ -155,7 +155,8 @@ def unpack(stage: Path, site: Path, wheels: bool = True) -> Path:
 
 HEADS = tuple(f"calibrate/assets/{h}/model.safetensors"
               for h in ("eagle3-smollm2", "eagle3-smollm2-far", "eagle3-smollm2-long"))  # 45 MB the job reads
-SPARE = ("calibrate/assets/dflash-smollm2/model.safetensors",)  # 23 MB the job does not read
+SPARE = ("calibrate/assets/dflash-smollm2/model.safetensors",
+         "calibrate/assets/pard-smollm2/model.safetensors")  # 23 + 28 MB the job does not read
 HEAVY = HEADS + SPARE
 LIMIT = 64 << 20  # bytes a transfer takes, the working tree included
 
@@ -189,7 +190,7 @@ def aside(root: Path, stage: Path, back: bool = False, job: bool = False) -> Non
         if job:
             verdict = "fits" if tree <= LIMIT else "DOES NOT FIT"
             print(f"the job's transfer: {tree / 2**20:.1f} MiB of {LIMIT >> 20} ({verdict}; the built-in DFlash "
-                  "head stays aside until a plain `back`)")
+                  "head and PARD drafter stay aside until a plain `back`)")
         return
     try:
         manifest = json.loads((stage / "manifest.json").read_text())

@@ -217,7 +217,6 @@ def test_malformed_checkpoint_is_one_clear_line(tmp_path, ckpts, how, match):
     (dict(corpus="/no/such/corpus.txt"), "--corpus /no/such/corpus.txt: no such file or folder"),
     (dict(top_k=0), "--top-k 0"),
     (dict(drafter="medusa"), "--drafter medusa: expected one of hf, pard, eagle3, dflash"),
-    (dict(drafter="pard", drafter_path=None), "--drafter pard needs --drafter-path"),
     (dict(law="qwen-logn"), "--law qwen-logn: calibration writes one of log-linear, tabulated"),
     (dict(law="tabulated", estimator="gaussian"), "--estimator gaussian with --law tabulated"),
     (dict(max_n=4096), "--max-n 4096: only --law tabulated"),

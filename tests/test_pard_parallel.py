@@ -184,3 +184,31 @@ def test_without_its_token_a_pard_drafter_is_measured_as_a_causal_lm(folders, tm
         "--variants", "none", "--device", "cpu", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["blocks"] is None
+
+
+def test_a_missing_built_in_pard_drafter_is_named_with_what_to_do(tmp_path, monkeypatch):
+    from calibrate.drafters import hf
+
+    monkeypatch.setattr(hf, "PARD_DRAFTER_DIR", tmp_path / "pard-smollm2")
+    with pytest.raises(UserError, match="the PARD drafter for SmolLM2 is missing .*scripts/train_pard.py"):
+        hf.load("pard", None, None, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.slow
+def test_the_built_in_pard_drafter_drafts_k_tokens_a_forward_as_the_target_decodes():
+    """--drafter pard with no path: the shipped drafter (SmolLM2's embedding, 4 trained layers) with its training
+    length, K drafts from one forward, greedy output equal to SmolLM2's own; its copy pointer folder loads it."""
+    from calibrate.drafters import hf
+
+    drafter = hf.load("pard", None, None, torch.device("cpu"), torch.float32)
+    record = json.loads((hf.PARD_DRAFTER_DIR / "training_log.json").read_text())
+    assert drafter.info.path is None and drafter.default_n_ref == record["n_ref"] == 512
+    assert drafter.model.config.num_hidden_layers == 4 and drafter.pard_token == 16
+    prompt = torch.tensor([drafter.tokenize("def mean(values):\n    total = 0\n    for v in values:\n")])
+    chain = drafter.chain_drafter(None)
+    out = speculative_generate(drafter.target, chain, prompt, 12, 4)
+    assert out.tokens == greedy_generate(drafter.target, prompt, 12).tokens
+    assert chain.forwards == len(out.accepted)  # one drafter forward per verification: K drafts each
+    pointed = hf.load("pard", str(hf.PARD_DRAFTER_DIR.parent / "pard-smollm2-copy"), None, torch.device("cpu"),
+                      torch.float32)
+    assert pointed.pointer is not None and pointed.model.config.num_hidden_layers == 4

@@ -54,7 +54,10 @@ from .fields import check_fields
 from .pard_smollm2 import EMBEDDING_FROM, SMOLLM2, build_pard_drafter
 from .target import eos_token_id, has_tokenizer, load_causal_lm, load_target, load_tokenizer
 
-__all__ = ["CausalLMDrafter", "load", "PARD_N_REF"]
+__all__ = ["CausalLMDrafter", "load", "PARD_DRAFTER_DIR", "PARD_N_REF"]
+
+# built in for --drafter pard: a PARD drafter for SmolLM2 trained by scripts/train_pard.py (its TRAINING.md)
+PARD_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "assets" / "pard-smollm2"
 
 PARD_N_REF = 512  # PARD's example recipes train at max_seq_length 512
 
@@ -175,14 +178,18 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device: t
     def target():
         return load_target(target_path, device, dtype)[0]
 
+    given = drafter_path
+    if drafter_path is None and kind == "pard":  # the built-in PARD drafter for SmolLM2
+        if not (PARD_DRAFTER_DIR / "config.json").is_file():
+            raise UserError(f"the PARD drafter for SmolLM2 is missing ({PARD_DRAFTER_DIR}); train one with "
+                            "scripts/train_pard.py or pass --drafter-path DIR")
+        drafter_path = str(PARD_DRAFTER_DIR)
     if drafter_path is None:
-        if kind != "hf":
-            raise UserError(f"--drafter {kind} needs --drafter-path (a local checkpoint folder or a hub id)")
         model, tokenizer = load_smollm2(device, dtype)
         return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=SMOLLM2_N_REF, target=target)
     from .pointer import locate
 
-    given, pointer = drafter_path, None
+    pointer = None
     if Path(drafter_path).expanduser().is_dir():  # a copy pointer folder names the drafter it joins
         pointer, folder = locate(Path(drafter_path).expanduser())
         if pointer is not None and kind != "pard":
