@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from calibrate.corpus import pack, recall_corpus  # noqa: E402
-from calibrate.drafters import dflash, eagle3  # noqa: E402
+from calibrate.drafters import load_drafter  # noqa: E402
 from calibrate.drafters.pointer import FILE, MAX_ORDER, CopyPointer, spec_block_mix, write  # noqa: E402
 from calibrate.measure.blocks import block_anchors, proposed, target_along  # noqa: E402
 from calibrate.measure.metrics import NextTokenLaw  # noqa: E402
@@ -136,8 +136,7 @@ def block_scores(drafter, ids: list[int], grid: list[CopyPointer], anchors: int)
 def main(argv=None) -> int:
     args = parse(argv)
     torch.set_num_threads(args.threads)
-    drafter = (dflash if args.drafter == "dflash" else eagle3).load(args.drafter, str(args.head), args.target_path,
-                                                                    torch.device("cpu"), torch.float32)
+    drafter = load_drafter(args.drafter, str(args.head), args.target_path, torch.device("cpu"), torch.float32)
     if drafter.pointer is not None:
         raise SystemExit(f"{args.head}: this head has a copy pointer already; give the plain head")
     grid = [CopyPointer(o, s, s * r, g) for o, s, r, g in itertools.product(args.orders, args.scales, args.sinks,
