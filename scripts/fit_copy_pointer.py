@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from calibrate.corpus import pack, recall_corpus  # noqa: E402
 from calibrate.drafters import load_drafter  # noqa: E402
 from calibrate.drafters.pointer import FILE, MAX_ORDER, CopyPointer, spec_block_mix, write  # noqa: E402
+from calibrate.errors import UserError  # noqa: E402
 from calibrate.measure.blocks import block_anchors, proposed, target_along  # noqa: E402
 from calibrate.measure.metrics import NextTokenLaw  # noqa: E402
 
@@ -58,7 +59,7 @@ def floats(text: str, name: str) -> tuple[float, ...]:
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("head", type=Path, help="the head folder (EAGLE-3, or DFlash with --drafter dflash)")
-    ap.add_argument("--drafter", choices=("eagle3", "dflash"), default="eagle3",
+    ap.add_argument("--drafter", default="eagle3",
                     help="the head's kind: eagle3 (fitted by agreement) or dflash (by a block's accepted length)")
     ap.add_argument("--anchors", type=int, default=48, help="dflash: blocks per sequence, evenly spaced")
     ap.add_argument("--out", type=Path, required=True, help="folder for copy_pointer.json (not the head's own)")
@@ -72,6 +73,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--gains", default=",".join(map(str, GAINS)))
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    if args.drafter not in ("eagle3", "dflash"):
+        raise SystemExit(f"--drafter {args.drafter}: give eagle3 or dflash (a pointer is fitted to one of those heads)")
     for name, least in (("sequences", 1), ("threads", 1), ("length", 8), ("anchors", 1)):
         if getattr(args, name) < least:
             raise SystemExit(f"--{name} {getattr(args, name)}: give an integer >= {least}")
@@ -136,7 +139,10 @@ def block_scores(drafter, ids: list[int], grid: list[CopyPointer], anchors: int)
 def main(argv=None) -> int:
     args = parse(argv)
     torch.set_num_threads(args.threads)
-    drafter = load_drafter(args.drafter, str(args.head), args.target_path, torch.device("cpu"), torch.float32)
+    try:
+        drafter = load_drafter(args.drafter, str(args.head), args.target_path, torch.device("cpu"), torch.float32)
+    except UserError as err:  # e.g. a DFlash head without --drafter dflash: one line, no traceback
+        raise SystemExit(f"error: {err} (--drafter {args.drafter})") from None
     if drafter.pointer is not None:
         raise SystemExit(f"{args.head}: this head has a copy pointer already; give the plain head")
     grid = [CopyPointer(o, s, s * r, g) for o, s, r, g in itertools.product(args.orders, args.scales, args.sinks,

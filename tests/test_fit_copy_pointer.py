@@ -87,6 +87,15 @@ def test_a_dflash_fit_scores_blocks_by_their_accepted_length(tiny):
         "expected_accepted_length"] > 0.1
 
 
+def test_a_head_of_the_other_kind_is_refused_in_one_line(tiny):
+    script = load_script("fit_copy_pointer")
+    with pytest.raises(SystemExit) as err:  # a DFlash head, fitted as the default --drafter eagle3
+        script.main([str(tiny / "dflash"), "--out", str(tiny / "wrong-kind"), "--target-path", str(tiny / "target")])
+    message = str(err.value)
+    assert "is not an EAGLE-3 head" in message and "--drafter eagle3" in message and "\n" not in message
+    assert not (tiny / "wrong-kind").exists()
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--out", "{head}"], "give a new folder"),
     (["--out", "{w}/o", "--corpora", "stdlib:heldout"], "training-split corpora"),
@@ -96,6 +105,8 @@ def test_a_dflash_fit_scores_blocks_by_their_accepted_length(tiny):
     (["--out", "{w}/o", "--gains", "2"], "gain must be from 0 to 1"),
     (["--out", "{w}/o", "--sequences", "0"], "--sequences 0"),
     (["--out", "{w}/o", "--anchors", "0"], "--anchors 0"),
+    (["--out", "{w}/o", "--drafter", "hf"], "--drafter hf: give eagle3 or dflash"),
+    (["--out", "{w}/o", "--drafter", ""], "--drafter : give eagle3 or dflash"),
 ])
 def test_bad_arguments_are_refused_in_one_line(tiny, tmp_path, argv, fragment):
     script = load_script("fit_copy_pointer")
