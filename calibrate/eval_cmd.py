@@ -170,7 +170,7 @@ def eval_command(
     from sharpdraft_theory.atomic import atomic_write_text
 
     from .drafters import load_drafter, resolve_device, resolve_dtype
-    from .evaluate import (LOOKUP_VARIANTS, bucket_edges, check_block_variants, check_lookup_loop, check_variants,
+    from .evaluate import (LOOKUP_VARIANTS, bucket_edges, check_lookup_loop, check_variants,
                            default_spec, evaluate, parse_extra_specs, with_lookup)
     from .measure import SavedUnits, parse_grid, partial_dir
     from .online import online_options
@@ -219,15 +219,11 @@ def eval_command(
     check_lookup_loop(drafter, with_lookup(chosen, corpus), speculative)
     check_corpus(corpus, max(edges))
     loaded_spec = load_spec(spec) if spec is not None else None
-    check_block_variants(drafter, chosen, loaded_spec, spec)
     k = top_k or (loaded_spec.top_k if loaded_spec else 4)
     if loaded_spec is not None:
         loaded_spec = _at_top_k(loaded_spec, k, f"--spec {spec}")
     extras = {name: _at_top_k(load_spec(file), k, f"--extra-spec {name.removeprefix('spec:')}={file}")
               for name, file in extra_files.items()}
-    for name, extra in extras.items():
-        check_block_variants(drafter, (), extra, f"{name.removeprefix('spec:')}={extra_files[name]}",
-                             option="--extra-spec")
     if n_ref is not None:  # the grid's specs are checked before loading when n_ref is known
         from .measure import scale_grid
         scale_grid(slope_grid, alpha_grid, n_ref, k)

@@ -179,20 +179,6 @@ def default_spec(n_ref: int, top_k: int) -> ScaleSpec:
     return ScaleSpec(law="log-linear", n_ref=n_ref, slope=round(float(slope), 6), top_k=top_k)
 
 
-def check_block_variants(kind: str, names, spec: ScaleSpec | None = None, spec_file=None, option: str = "--spec") -> None:
-    """A ``UserError`` when a DFlash (block) drafter is asked for a distance fix, as a variant or in the spec
-    (given as ``option spec_file``): blocks run the scale, windows and sinks only (``calibrate.drafters.blocks``)."""
-    if kind != "dflash":
-        return
-    fixes = [n for n in names if n in POSITION_VARIANTS]
-    if fixes:
-        raise UserError(f"--variants {fixes[0]}: distance fixes are not built for DFlash blocks; drop "
-                        f"{', '.join(fixes)} (blocks run none, spec, qwen-logn, window, sinks, lookup)")
-    if spec is not None and spec.positions is not None:
-        raise UserError(f"{option} {spec_file}: its distance fix ({spec.positions.fix}) is not built for DFlash "
-                        "blocks; give a spec without positions")
-
-
 def check_variants(names: list[str], *, window: int | None, sinks: int, has_reference: bool,
                    neighbour_window: int | None = None, group: int | None = None, n_ref: int | None = None,
                    longest: int | None = None) -> tuple[str, ...]:
@@ -419,7 +405,6 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     recall = is_recall(corpus)
     variants = with_lookup(variants, corpus)
     check_lookup_loop(drafter.kind, variants, speculative)
-    check_block_variants(drafter.kind, variants, spec)
     if speculative and drafter.kind == "pard":
         drafter.pard_token  # noqa: B018 (read now: a PARD drafter without its mask token is refused before any pass)
     lookup = replace(lookup or LookupSettings(), eos_token_id=drafter.eos_token_id)
@@ -520,7 +505,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
 
 
 def _extra_specs(extra: dict | None, top_k: int, kind: str) -> dict[str, ScaleSpec]:
-    """The ``--extra-spec`` variants, checked: named ``spec:NAME``, at the run's top-k, no fix on blocks."""
+    """The ``--extra-spec`` variants, checked: named ``spec:NAME``, at the run's top-k."""
     extra = dict(extra or {})
     for name, spec in extra.items():
         if not (name.startswith(EXTRA_PREFIX) and EXTRA_NAME.fullmatch(name.removeprefix(EXTRA_PREFIX))):
@@ -528,7 +513,6 @@ def _extra_specs(extra: dict | None, top_k: int, kind: str) -> dict[str, ScaleSp
         if spec.top_k != top_k:
             raise UserError(f"--extra-spec {name.removeprefix(EXTRA_PREFIX)}: its top_k {spec.top_k} is not the run's "
                             f"{top_k}; every variant's mass is read at one top-k")
-        check_block_variants(kind, (), spec, name.removeprefix(EXTRA_PREFIX), option="--extra-spec")
     return extra
 
 

@@ -80,11 +80,10 @@ def kind_of(name: str) -> str:
     raise ValueError(f"candidate {name!r}: no kind in the simplicity order {SIMPLICITY}")
 
 
-def candidates(fitted: ScaleSpec, n_ref: int, longest: int, fixes: bool = True) -> list[Arm]:
-    """The candidate deployments for a fitted spec (module docstring); ``longest`` sets the group fix's G.
-    ``fixes=False`` leaves the distance fixes out (a block drafter, which does not run them)."""
+def candidates(fitted: ScaleSpec, n_ref: int, longest: int) -> list[Arm]:
+    """The candidate deployments for a fitted spec (module docstring); ``longest`` sets the group fix's G."""
     top_k = fitted.top_k
-    variants = ("none", "spec", "qwen-logn", "sinks") + ((*FIXES, *(f"{f}+spec" for f in FIXES)) if fixes else ())
+    variants = ("none", "spec", "qwen-logn", "sinks", *FIXES, *(f"{f}+spec" for f in FIXES))
     made = variant_specs(fitted, n_ref, [v for v in variants if not (v.endswith("+spec") and fitted.restricts())],
                          longest=longest)
     arms = [Arm(name, spec) for name, spec in made.items()]
@@ -111,7 +110,7 @@ def select(drafter, sequences: list[list[int]], fitted: ScaleSpec, *, n_ref: int
     edges = np.asarray(edges)
     if not (edges > n_ref).any():
         raise UserError(f"--select: no length past n_ref={n_ref} below --max-length {max_length} to measure")
-    arms = candidates(fitted, n_ref, longest, fixes=getattr(drafter, "position_fixes", True))
+    arms = candidates(fitted, n_ref, longest)
     started = time.perf_counter()
     tallies = []
     for i, ids in enumerate(sequences):

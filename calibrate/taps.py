@@ -83,15 +83,19 @@ AttentionMaskInterface.register(TAP_IMPLEMENTATION, _tap_mask)
 
 
 @contextlib.contextmanager
-def attention_tap(model, tap: AttentionTap, restrict: ScaleSpec | None = None):
+def attention_tap(model, tap: AttentionTap, restrict: ScaleSpec | None = None, inv_freq: torch.Tensor | None = None):
     """Route ``model``'s attention through ``tap`` inside the block; restore it on exit.
 
     Works for any model that dispatches through ``AttentionInterface`` (``set_attn_implementation``).
     ``restrict``: a spec whose ``window`` and ``sinks`` restrict the attention, or whose ``positions``
-    remap it (None: neither).
+    remap it (None: neither); ``inv_freq``: the RoPE frequencies those positions rotate by (default: the
+    model's rotary embedding's, ``model_inv_freq``; a DFlash model gives its own).
     """
     previous = model.config._attn_implementation
-    inv_freq = None if restrict is None or restrict.positions is None else model_inv_freq(model)
+    if restrict is None or restrict.positions is None:
+        inv_freq = None
+    elif inv_freq is None:
+        inv_freq = model_inv_freq(model)
     token = _ACTIVE.set(tap)
     restrict_token = _RESTRICT.set(restrict)
     rope_token = _INV_FREQ.set(inv_freq)

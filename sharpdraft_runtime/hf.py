@@ -49,7 +49,7 @@ from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .core import QueryScaler
-from .positions import at_slots, decode_keys, remapped_attention
+from .positions import at_slots, attention_at, decode_keys, identity_at, remapped_attention
 from .visible import IMPLEMENTATIONS, first_key, visible_keys, window_overlay
 
 __all__ = ["NAME", "WRAPPABLE", "REMAPPABLE_ROPE", "enable", "disable", "is_enabled", "sharpdraft_attention",
@@ -191,7 +191,10 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     (output (batch, q_len, heads, head_dim), weights or None); None when the call is within the fix's
     identity limit (the caller's kernel runs instead).
 
-    Queries sit at positions ``k_len - q_len ..`` and keys at their cache slots; ``position_ids``, when
+    A call that names its positions (keyword arguments ``query_positions`` and ``key_positions``, 1-D, as a
+    DFlash block does: its context keys then its own, some after its rows) runs
+    :func:`~sharpdraft_runtime.positions.attention_at` with its bool mask (None: every key visible).
+    Otherwise queries sit at positions ``k_len - q_len ..`` and keys at their cache slots; ``position_ids``, when
     the model passes them, must say so (a ``ValueError`` otherwise: left padding or packed sequences).
     A decoding step (``q_len = 1``) is ``attend``, the wrapped kernel, over the keys of
     :func:`~sharpdraft_runtime.positions.decode_keys` with everything else as the call gave it; more rows
@@ -202,6 +205,9 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     """
     q_len, k_len = query.shape[2], key.shape[2]
     fix = spec.positions
+    k_pos = kwargs.get("key_positions")
+    if k_pos is not None:  # keys named by position, not at their slots (DFlash blocks)
+        return _attention_at(query, key, value, attention_mask, scaling, fix, inv_freq, kwargs["query_positions"], k_pos)
     if k_len <= fix.identity_limit:
         return None
     if attention_mask is None and not kwargs.get("is_causal", getattr(module, "is_causal", True)):
@@ -225,6 +231,19 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = remapped_attention(query, key, value, scaling, fix, inv_freq, visible)
     return out.transpose(1, 2).contiguous(), None  # (B, q_len, H, D), as transformers' kernels return
+
+
+def _attention_at(query, key, value, attention_mask, scaling, fix, inv_freq, q_pos, k_pos) -> tuple | None:
+    """:func:`positions_attention` for a call that names its queries' and keys' positions (``query_positions``
+    (q_len,), ``key_positions`` (k_len,)): None when every pair keeps its positions, else
+    :func:`~sharpdraft_runtime.positions.attention_at` with the call's bool mask (None: every key visible)."""
+    if identity_at(fix, q_pos, k_pos):
+        return None
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError("attention with named key positions takes a bool mask (True where visible)")
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = attention_at(query, key, value, scaling, fix, inv_freq.to(query.device), q_pos, k_pos, attention_mask)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def restrict_mask_kwargs(spec: ScaleSpec | None, kwargs: dict) -> dict:

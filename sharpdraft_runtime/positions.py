@@ -43,7 +43,7 @@ from sharpdraft_theory.positions import PositionFix, pi_exponent
 from . import fused
 
 __all__ = ["rotate", "rotate_by", "cos_sin", "slot_positions", "at_slots", "remapped_logits", "decode_keys",
-           "remapped_attention"]
+           "remapped_attention", "attention_at", "identity_at"]
 
 _CHUNK_ELEMENTS = 1 << 24  # logits held at once per chunk of query rows (64 MiB in float32)
 
@@ -197,6 +197,33 @@ def remapped_logits(query: torch.Tensor, key: torch.Tensor, fix: PositionFix, in
             part = torch.where(torch.as_tensor(near, device=query.device), plain, part)
         logits[:, :, rows] = part
     return logits
+
+
+def identity_at(fix: PositionFix, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """Whether every pair of queries at ``q_pos`` and keys at ``k_pos`` keeps its own positions under ``fix``: for
+    clamp and group, every distance under the window; for pi, every query before ``n_ref`` (its exponent 0)."""
+    span = int(q_pos.max()) - (0 if fix.fix == "pi" else int(k_pos.min()))
+    return span < fix.identity_limit
+
+
+def attention_at(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, fix: PositionFix,
+                 inv_freq: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                 visible: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(scaling * remapped_logits + mask) value`` for queries and keys at any positions, in eager math.
+
+    For calls whose keys are not at their cache slots: a DFlash block's context keys then its own (non-causal,
+    the block's keys after some of its rows), or many blocks of one teacher-forced call side by side.
+    :func:`remapped_logits` is the definition; ``visible`` (bool, broadcastable to (batch, heads, q_len,
+    k_len), True where a key is visible; None: every key) is the call's mask. Returns (batch, heads, q_len,
+    head_dim) in ``query``'s dtype; the softmax in float32 at least.
+    """
+    B, H, q_len, D = query.shape
+    kv, k_len = key.shape[1], key.shape[2]
+    logits = remapped_logits(query, key, fix, inv_freq, q_pos, k_pos) * scaling  # (B, H, q_len, k_len)
+    if visible is not None:
+        logits = logits.masked_fill(~visible, torch.finfo(logits.dtype).min)
+    weights = torch.softmax(logits, dim=-1).to(value.dtype).view(B, kv, (H // kv) * q_len, k_len)  # GQA by reshape
+    return (weights @ value).view(B, H, q_len, D).to(query.dtype)
 
 
 def _far_columns(fix: PositionFix, first: int, last: int, k_len: int) -> tuple[int, int]:

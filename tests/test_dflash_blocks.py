@@ -5,7 +5,8 @@
 * block drafting in ``speculative_generate`` equals target-only greedy decoding, drafts ``B - 1``
   tokens per drafter forward, and under sampling repeats with its seed;
 * a window of W leaves a block alone while its anchor sees at most W keys;
-* distance fixes are refused in one line.
+* distance fixes (clamp, group, pi, alone and with the scale) run in blocks: many in one call equal one at a
+  time, drafting with them equals target-only greedy decoding, and they change nothing until a pair is far.
 
 The sampling law of block drafting (drafts drawn in one go, each row from its own law) is checked by
 Monte Carlo in tests/test_sampling.py.
@@ -19,8 +20,8 @@ import re
 import pytest
 import torch
 
-from calibrate.drafters.blocks import (DFlashBlockDrafter, _embed, anchored_masks, block_ids, block_teacher_forced,
-                                       context_columns)
+from calibrate.drafters.blocks import (DFlashBlockDrafter, _embed, anchored_masks, block_ids, block_tap,
+                                       block_teacher_forced, context_columns)
 from calibrate.drafters.dflash import DFlashDrafter, load_dflash
 from calibrate.errors import UserError
 from calibrate.speculative import Sampling, greedy_generate, speculative_generate
@@ -64,18 +65,28 @@ def _window(w, sinks=None):
     return ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=4, window=w, sinks=sinks)
 
 
+def _fixed(fix, slope=0.0, **kw):
+    law = "log-linear" if slope else "constant"
+    return ScaleSpec(law=law, n_ref=8, slope=slope, top_k=4,
+                     positions=PositionFix(fix, n_ref=8 if fix == "pi" else None, **kw))
+
+
 SPECS = {
     "none": None,
     "scale": ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=4),
     "window": _window(8),
     "sinks": _window(6, sinks=2),
+    "clamp": _fixed("clamp", window=6),
+    "group": _fixed("group", window=6, group=3),
+    "pi": _fixed("pi"),
+    "clamp+spec": _fixed("clamp", slope=0.5, window=6),
 }
 
 
+@torch.no_grad()
 def one_block_logits(model, target, text, p, spec):
     """Row 1's logits of the block at ``p`` run alone, its context cut by ``context_columns``, scaled by hand."""
     from calibrate.drafters.target import hidden_state_features
-    from calibrate.taps import ScalingTap, attention_tap
 
     feats = hidden_state_features(target, text, model.config.hidden_state_ids)
     ctx = model.encode_context(feats, torch.arange(T)[None])
@@ -85,8 +96,8 @@ def one_block_logits(model, target, text, p, spec):
     masks = None
     if keep is not None and model.config.layer_types:  # a sliding layer's mask over the kept keys
         masks = [_kept_mask(model, i, p, keep) for i in range(model.config.num_hidden_layers)]
-    with attention_tap(model, ScalingTap(spec)):
-        hidden = model.forward_block(_embed(model, target, ids), pos, ctx, masks)
+    with block_tap(model, spec):
+        hidden = model.forward_block(_embed(model, target, ids), pos, ctx, masks, context_positions=keep)
     return target.get_output_embeddings()(hidden[0, 1])
 
 
@@ -126,8 +137,9 @@ def test_block_teacher_forced_matches_the_adapter(model, target, text):
     assert drafter.predicts == 1 and out.drafted.shape == (1, T)
 
 
-@pytest.mark.parametrize("spec", [None, SPECS["scale"], SPECS["window"]], ids=["none", "scale", "window"])
-def test_block_drafting_equals_greedy(spec, model, target):
+@pytest.mark.parametrize("name", ["none", "scale", "window", "clamp", "pi", "clamp+spec"])
+def test_block_drafting_equals_greedy(name, model, target):
+    spec = SPECS[name]
     prompt = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(7))
     base = greedy_generate(target, prompt, 20)
     drafter = DFlashBlockDrafter(model, target, spec)
@@ -178,12 +190,43 @@ def test_block_sampling_repeats_with_its_seed(model, target):
     assert runs[0] == runs[1]
 
 
-def test_distance_fixes_are_refused_for_blocks(model, target, text):
-    fixed = ScaleSpec(law="constant", n_ref=16, slope=0.0, top_k=4, positions=PositionFix("clamp", window=8))
-    with pytest.raises(UserError, match="not built for DFlash blocks"):
-        DFlashBlockDrafter(model, target, fixed)
-    with pytest.raises(UserError, match="not built for DFlash blocks"):
-        block_teacher_forced(model, target, text, model.config.hidden_state_ids, [(fixed, None)])
+@pytest.mark.parametrize("name", ["clamp", "group", "pi", "clamp+spec"])
+def test_a_distance_fix_changes_a_block_only_past_its_window(name, model, target, text):
+    """Rows whose every pair is near (clamp, group: distance < 6; pi: row before n_ref 8) equal none exactly;
+    later rows differ (the fix is applied, not dropped)."""
+    runs = [(None, None), (SPECS[name], None)]
+    out = block_teacher_forced(model, target, text, model.config.hidden_state_ids, runs, temperature=0.7)
+    spec = SPECS[name]
+    # the batched call of anchors 0 .. 31 holds rows up to 31 + B - 1: only a call wholly near keeps the kernel,
+    # so compare one block at a time there
+    limit = 8 - BS if name.startswith("pi") else 6 - BS  # anchors whose rows p .. p + B - 1 are all near
+    for p in range(0, limit + 1):
+        torch.testing.assert_close(one_block_logits(model, target, text, p, spec),
+                                   one_block_logits(model, target, text, p, None), rtol=0, atol=0)
+    assert not torch.allclose(out.accept[1, 12:], out.accept[0, 12:], atol=1e-3)
+    if spec.law == "constant":  # the fix alone: far rows differ by the remapping only, the drafts mostly agree
+        assert (out.drafted[1] == out.drafted[0]).float().mean() > 0.3
+
+
+def test_attention_at_named_positions_equals_the_slot_path():
+    """positions.attention_at (any positions, eager math) against remapped_attention (keys at their slots,
+    tested against the definition in tests/test_positions*.py), with a causal mask and a non-causal block."""
+    from sharpdraft_runtime.positions import attention_at, remapped_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, kv, groups, q_len, k_len, D = 1, 2, 3, 5, 29, 8
+    q = torch.randn(B, kv * groups, q_len, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, kv, k_len, D, generator=g, dtype=torch.float64) for _ in range(2))
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    q_pos, k_pos = torch.arange(k_len - q_len, k_len), torch.arange(k_len)
+    causal = k_pos[None] <= q_pos[:, None]
+    block = causal.clone()
+    block[:, k_len - q_len:] = True  # the block's rows see one another
+    for fix in (PositionFix("clamp", window=6), PositionFix("group", window=6, group=3), PositionFix("pi", n_ref=8)):
+        for visible in (causal, block):
+            want = remapped_attention(q, k, v, 0.3, fix, inv_freq, visible[None, None])
+            got = attention_at(q, k, v, 0.3, fix, inv_freq, q_pos, k_pos, visible[None, None])
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_masks_keep_blocks_apart(model):
@@ -218,7 +261,7 @@ def test_eval_runs_a_dflash_drafter_end_to_end(folders, tmp_path):
     out = tmp_path / "eval.json"
     args = ["eval", "--drafter", "dflash", "--drafter-path", str(folders / "dflash"), "--target-path",
             str(folders / "target"), "--corpus", str(folders / "corpus.txt"), "--lengths", "16,64", "--sequences", "2",
-            "--n-ref", "16", "--variants", "none,spec,window,sinks", "--sinks", "2", "--device", "cpu",
+            "--n-ref", "16", "--variants", "none,spec,window,sinks,clamp,clamp+spec", "--sinks", "2", "--device", "cpu",
             "--speculative", "--new-tokens", "8", "--out", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -228,7 +271,7 @@ def test_eval_runs_a_dflash_drafter_end_to_end(folders, tmp_path):
     assert spec["drafting"].startswith(f"block: up to {BS - 1} drafts from one drafter forward")
     assert set(spec["drafters"].values()) == {"dflash"}
     first = r["buckets"][0]  # n <= 16 = n_ref = the window: every variant is none there
-    for variant in ("spec", "window", "sinks"):
+    for variant in ("spec", "window", "sinks", "clamp", "clamp+spec"):
         assert first[variant]["delta_vs_none"]["agreement"][0] == 0, variant
     blocks = r["blocks"]  # per-position metrics of the B - 1 drafts of one forward
     assert blocks["draft_length"] == BS - 1 and [b["n"] for b in blocks["buckets"]] == [16, 64]
@@ -249,14 +292,11 @@ def test_calibrate_selects_for_a_dflash_drafter(folders, tmp_path):
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())["calibration"]["selection"]
     names = set(record["candidates"])
-    assert {"none", "spec", "qwen-logn", "sinks", "window 64", "lookup"} <= names
-    assert not names & {"clamp", "group", "pi", "clamp+spec"}  # no distance fix for blocks
+    assert {"none", "spec", "qwen-logn", "sinks", "window 64", "lookup", "clamp", "group", "pi", "clamp+spec"} <= names
     assert record["chosen"] in names
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--variants", "none,clamp"], "--variants clamp: distance fixes are not built for DFlash blocks"),
-    (["--variants", "none,pi+spec"], "--variants pi\\+spec: distance fixes are not built for DFlash blocks"),
     (["--num-draft", "0"], "--num-draft 0: need at least 1"),
     (["--num-draft", "9"], "--num-draft 9: a block of 4 drafts at most 3 tokens a forward"),
 ])

@@ -19,7 +19,11 @@ What a spec changes in a block (:func:`context_columns`):
 * a ``window`` W (with ``sinks`` S) is the runtime's rule read at the block's anchor position ``p``:
   the context keys ``c > p - W`` stay visible, and ``c < S``; the block itself always does. At
   ``n = p + 1 <= W`` nothing is dropped, so a window of ``n_ref`` leaves a block alone at ``n <= n_ref``;
-* distance fixes (``positions``) are not built for blocks: refused in one line.
+* a distance fix (``positions``: clamp, group, pi) computes each logit at the remapped positions of
+  its query and key, the block's rows at ``p + j`` and its keys at their own positions (the context's,
+  then the block's, some after the row: near by any window, so unchanged), through the tap's
+  :func:`sharpdraft_runtime.hf.positions_attention` with the head's own ``inv_freq``. Until a pair is
+  past the fix's window (pi: a row past ``n_ref``) the plain kernel runs.
 
 Teacher-forced (:func:`block_teacher_forced`): the anchor at every position ``t`` of a text, its
 block's row 1 guessing token ``t + 1`` (the adapter's ``predicts = 1``), against the target's
@@ -38,20 +42,20 @@ import torch
 
 from sharpdraft_theory import ScaleSpec
 
-from ..errors import UserError
 from .base import AttentionTap, TeacherForced
 
-__all__ = ["DFlashBlockDrafter", "anchored_masks", "block_ids", "block_teacher_forced", "check_block_spec",
-           "context_columns"]
+__all__ = ["DFlashBlockDrafter", "anchored_masks", "block_ids", "block_tap", "block_teacher_forced", "context_columns"]
 
 ANCHORS_PER_CALL = 32  # blocks batched into one drafter forward by the teacher-forced pass
 
 
-def check_block_spec(spec: ScaleSpec | None) -> None:
-    """A ``UserError`` for what blocks do not run: distance fixes."""
-    if spec is not None and spec.positions is not None:
-        raise UserError(f"a distance fix ({spec.positions.fix}) is not built for DFlash blocks; use the scale, "
-                        "a window or sinks (variants none, spec, qwen-logn, window, sinks)")
+def block_tap(model, spec: ScaleSpec | None):
+    """The tap a block runs under: ``spec``'s scale on every query, its distance fix (if any) on the logits."""
+    from ..taps import ScalingTap, attention_tap
+
+    fixed = spec is not None and spec.positions is not None
+    return attention_tap(model, ScalingTap(spec), restrict=spec if fixed else None,
+                         inv_freq=model.inv_freq(model.fc.weight.device) if fixed else None)
 
 
 def context_columns(spec: ScaleSpec | None, p: int) -> torch.Tensor | None:
@@ -128,7 +132,6 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     so eval reports no mass for blocks (``sharpdraft calibrate`` measures it, one block at a time).
     With a copy ``pointer`` (``calibrate.drafters.pointer``) row 1's law has the copies mixed in."""
     from ..measure.metrics import NextTokenLaw
-    from ..taps import ScalingTap, attention_tap
     from .pointer import next_token_mix
     from .target import hidden_state_features
 
@@ -145,14 +148,12 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     drafted = torch.empty(len(runs), T, dtype=torch.long, device=device)
     accept = torch.empty(len(runs), T, dtype=torch.float32, device=device)
     for r, (spec, _tap) in enumerate(runs):
-        check_block_spec(spec)
-        scaled = ScalingTap(spec)
         for a0 in range(0, T, ANCHORS_PER_CALL):
             anchors = torch.arange(a0, min(a0 + ANCHORS_PER_CALL, T), device=device)
             ids, pos = block_ids(model, anchors, input_ids[0, anchors])
             width_c = int(anchors[-1])  # the last anchor's context: every other block's is a prefix of it
             masks = anchored_masks(model, anchors, width_c, spec)
-            with attention_tap(model, scaled):
+            with block_tap(model, spec):
                 hidden = model.forward_block(_embed(model, target, ids), pos,
                                              [(k[:, :, :width_c], v[:, :, :width_c]) for k, v in context], masks)
             logits = model.compute_logits(hidden.view(len(anchors), B, -1)[:, 1], target)  # (a, vocab): row 1
@@ -177,7 +178,6 @@ class DFlashBlockDrafter:
     name = "dflash"
 
     def __init__(self, model, target, spec: ScaleSpec | None = None, pointer=None):
-        check_block_spec(spec)
         self.model, self.target, self.spec = model, target, spec
         self.pointer = pointer  # a copy pointer (calibrate.drafters.pointer) mixed into every row, or None
         self.tokens: list[int] = []  # x_0 .. x_N, read by the pointer
@@ -211,16 +211,14 @@ class DFlashBlockDrafter:
         ``rows`` is None). The whole block runs (its rows see one another); only the ``r`` rows a verification
         reads go through the output head, the drafter's largest matrix (only its draft vocabulary's rows, when
         the head has one: :meth:`DFlashDraftModel.compute_logits`)."""
-        from ..taps import ScalingTap, attention_tap
-
         model, N = self.model, self.length
         device = model.fc.weight.device
         anchor = torch.tensor([N], device=device)
         ids, pos = block_ids(model, anchor, torch.tensor([self.pending], device=device))
         keep = context_columns(self.spec, N)
         context = self.context if keep is None else [(k[:, :, keep], v[:, :, keep]) for k, v in self.context]
-        with attention_tap(model, ScalingTap(self.spec)):
-            hidden = model.forward_block(_embed(model, self.target, ids), pos, context)
+        with block_tap(model, self.spec):
+            hidden = model.forward_block(_embed(model, self.target, ids), pos, context, context_positions=keep)
         self.forwards += 1
         last = self.block_size if rows is None else 1 + min(rows, self.block_size - 1)
         logits = self.model.compute_logits(hidden[0, 1:last], self.target)

@@ -46,7 +46,8 @@ from ..taps import attention_tap
 from .base import AttentionTap
 from .checkpoint import TrainingLength, build, config_field, read_config, read_weights, training_length
 from .fields import check_fields
-from .layers import GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_partial_rotary, read_rope, rope_cos_sin
+from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_partial_rotary, read_rope, rope_cos_sin,
+                     rope_inv_freq)
 from .target import eos_token_id, hidden_state_features, load_target
 
 __all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load", "load_dflash", "context_features",
@@ -365,7 +366,8 @@ class DFlashDraftModel(nn.Module):
     """DFlash draft model with z-lab/dflash's parameter names (``fc``, ``hidden_norm``,
     ``layers.{i}.*``, ``norm``); the embedding and ``lm_head`` are the target's."""
 
-    block_drafter = True  # non-causal blocks: sharpdraft_runtime.enable takes a scale-only spec on it
+    block_drafter = True  # non-causal blocks: sharpdraft_runtime.enable takes a scale-only spec on it (the block
+    # drafter of calibrate.drafters.blocks runs windows, sinks and distance fixes)
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -411,6 +413,12 @@ class DFlashDraftModel(nn.Module):
         c = self.config
         return rope_cos_sin(position_ids, c.head_dim, c.rope_theta, dtype, c.rope_scaling)
 
+    def inv_freq(self, device=None) -> torch.Tensor:
+        """The RoPE frequencies (head_dim / 2,) the head rotates by, its scaling included: what a spec's distance
+        fix re-rotates queries and keys with (every RoPE this config reads can be re-rotated)."""
+        c = self.config
+        return rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, device)[0]
+
     def encode_context(self, features: torch.Tensor, position_ids: torch.Tensor):
         """Per-layer context (key, value), each (B, kv_heads, n, D), post-norm and post-RoPE.
 
@@ -422,7 +430,7 @@ class DFlashDraftModel(nn.Module):
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     def forward_block(self, noise_embedding: torch.Tensor, position_ids: torch.Tensor, context,
-                      masks=None, **kwargs) -> torch.Tensor:
+                      masks=None, context_positions: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Normed output hidden states (B, q, H) of a block.
 
         ``noise_embedding`` (B, q, H): the target's embedding of anchor + mask tokens (times
@@ -430,11 +438,17 @@ class DFlashDraftModel(nn.Module):
         cut to the block's prefix (``p`` positions). Each layer sees the keys of :meth:`visible_mask`:
         all ``p + q`` in full layers, a window in sliding ones; ``masks`` (one bool mask per layer,
         (1, 1, q, p + q), True where visible) replaces them, e.g. for many blocks in one call
-        (:func:`anchored_masks`).
+        (:func:`anchored_masks`). ``context_positions`` (p,): the context keys' positions when they are
+        not ``0 .. p - 1`` (columns cut by a window). The attention call is told every query's and key's
+        position (``query_positions``, ``key_positions``), which a spec's distance fix reads; one sequence
+        at a time (the positions of batch row 0).
         """
         cos, sin = self._rope(position_ids, noise_embedding.dtype)
         h = noise_embedding
         p, q_len = context[0][0].shape[2], noise_embedding.shape[1]
+        if context_positions is None:
+            context_positions = torch.arange(p, device=position_ids.device)
+        kwargs.update(query_positions=position_ids[0], key_positions=torch.cat((context_positions, position_ids[0])))
         for i, (layer, ctx) in enumerate(zip(self.layers, context)):
             mask = self.visible_mask(i, p, q_len, h.device) if masks is None else masks[i]
             h = layer(h, ctx, cos, sin, mask, **kwargs)
@@ -446,7 +460,8 @@ class DFlashDraftModel(nn.Module):
         (B, p + q) cover the context then the block. Returns the normed block hidden states."""
         p = target_hidden.shape[1]
         context = self.encode_context(target_hidden, position_ids[:, :p])
-        return self.forward_block(noise_embedding, position_ids[:, p:], context, **kwargs)
+        return self.forward_block(noise_embedding, position_ids[:, p:], context, context_positions=position_ids[0, :p],
+                                  **kwargs)
 
     def draft_ids(self) -> torch.Tensor | None:
         """Target ids of the draft vocabulary, ``i + d2t[i]`` (None: the whole vocabulary)."""
@@ -602,7 +617,6 @@ class DFlashDrafter:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     predicts = 1  # teacher-forced row t: the block anchored at t, its row 1 guessing token t + 1
-    position_fixes = False  # distance fixes are not built for blocks (calibrate.drafters.blocks)
     parallel = True  # drafts a block in one forward: eval adds per-position metrics (calibrate.measure.blocks)
 
     @property
