@@ -179,21 +179,25 @@ def remapped_logits(query: torch.Tensor, key: torch.Tensor, fix: PositionFix, in
     -------
     Tensor of shape (batch, heads, q_len, k_len), in ``query``'s dtype (float32 at least)
     """
-    groups = query.shape[1] // key.shape[1]
+    B, H, _, D = query.shape
+    kv, k_len = key.shape[1], key.shape[2]
     i_all, j = q_pos.cpu().numpy(), k_pos.cpu().numpy()
     row_group = fix.key_group(i_all)  # (q_len,)
     dtype = torch.promote_types(query.dtype, torch.float32)
-    logits = torch.empty(*query.shape[:3], key.shape[2], dtype=dtype, device=query.device)
-    near_keys = key.to(dtype).repeat_interleave(groups, dim=1)  # (B, H, k_len, D)
+    logits = torch.empty(B, H, len(i_all), k_len, dtype=dtype, device=query.device)
+    keys = key.to(dtype)
+    # GQA by reshape: query head h reads key head h // groups, so (B, H, r, D) -> (B, kv, groups * r, D)
+    per_key = lambda x: x.reshape(B, kv, -1, D)  # noqa: E731
     for g in np.unique(row_group):
         rows = np.flatnonzero(row_group == g)
+        r = len(rows)
         q_shift, k_shift = _shifts(fix, i_all[rows], j)
-        far_keys = rotate(key.to(dtype), k_shift, inv_freq).repeat_interleave(groups, dim=1)
-        q_far = rotate(query[:, :, rows].to(dtype), q_shift, inv_freq)  # (B, H, r, D)
-        part = q_far @ far_keys.transpose(-1, -2)  # (B, H, r, k_len)
+        far_keys = rotate(keys, k_shift, inv_freq)  # (B, kv, k_len, D)
+        q_rows = query[:, :, rows].to(dtype)  # (B, H, r, D)
+        part = (per_key(rotate(q_rows, q_shift, inv_freq)) @ far_keys.transpose(-1, -2)).view(B, H, r, k_len)
         near = fix.near(i_all[rows, None], j[None])  # (r, k_len) or None
         if near is not None:
-            plain = query[:, :, rows].to(dtype) @ near_keys.transpose(-1, -2)
+            plain = (per_key(q_rows) @ keys.transpose(-1, -2)).view(B, H, r, k_len)
             part = torch.where(torch.as_tensor(near, device=query.device), plain, part)
         logits[:, :, rows] = part
     return logits
