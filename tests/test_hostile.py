@@ -224,11 +224,13 @@ EVAL_CASES = [
     Case("eval-lengths-one", EVAL + " --lengths 1", "--lengths"),
     Case("eval-plot-pdf", EVAL + " --plot {w}/r.pdf", "--plot"),
     Case("eval-drafter-unknown", EVAL + " --drafter medusa", "--drafter medusa"),
-    Case("eval-dflash-fix", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter dflash --drafter-path "
-                                          "{fx}/dflash") + " --variants none,clamp", "--variants clamp"),
-    Case("eval-dflash-fix-spec", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter dflash --drafter-path "
-                                               "{fx}/dflash") + " --variants none,spec --spec {w}/s.json", "positions",
-         (("s.json", _spec(positions={"fix": "clamp", "window": 16, "group": None, "n_ref": None})),)),
+    Case("eval-dflash-fix-window-zero", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter dflash "
+                                                      "--drafter-path {fx}/dflash") + " --variants none,clamp "
+         "--neighbour-window 0", "--neighbour-window 0"),
+    Case("eval-dflash-fix-spec-past-n-ref", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter dflash "
+                                                          "--drafter-path {fx}/dflash") + " --n-ref 64 --variants "
+         "none,spec --spec {w}/s.json", "positions.window",
+         (("s.json", _spec(positions={"fix": "clamp", "window": 64, "group": None, "n_ref": None})),)),
     Case("eval-pard-token-out-of-range", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter pard "
                                                        "--drafter-path {fx}/pard-bad-token") + " --speculative",
          "pard_token 9999"),
@@ -254,10 +256,10 @@ EVAL_CASES = [
          (("s.json", SPEC_9_HEADS),)),
     Case("eval-extra-spec-window-past-n-ref", EVAL + " --n-ref 64 --extra-spec a={w}/s.json", "positions.window",
          (("s.json", _spec(positions={"fix": "clamp", "window": 64, "group": None, "n_ref": None})),)),
-    Case("eval-extra-spec-dflash-fix", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter dflash "
-                                                     "--drafter-path {fx}/dflash") + " --extra-spec a={w}/s.json",
-         "--extra-spec a=", (("s.json", _spec(positions={"fix": "clamp", "window": 16, "group": None,
-                                                          "n_ref": None})),)),
+    Case("eval-extra-spec-dflash-fix-past-n-ref", EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter "
+                                                                "dflash --drafter-path {fx}/dflash") + " --n-ref 64 "
+         "--extra-spec a={w}/s.json", "positions.window", (("s.json", _spec(positions={"fix": "clamp", "window": 64,
+                                                                                       "group": None, "n_ref": None})),)),
     Case("eval-spec-not-json", EVAL + " --spec {w}/s.json", "s.json", (("s.json", "{oops"),)),
     Case("eval-spec-negative-slope", EVAL + " --spec {w}/s.json", "slope", (("s.json", _spec(slope=-1.0)),)),
     Case("eval-spec-9-heads", EVAL + " --spec {w}/s.json", "9 heads", (("s.json", SPEC_9_HEADS),)),
@@ -882,7 +884,7 @@ BEFORE_LOADING = ["calibrate-top-k-huge", "calibrate-top-k-above-half-n-ref", "c
                   "calibrate-top-k-huge-built-in", "calibrate-corpus-empty", "calibrate-corpus-blank",
                   "calibrate-corpus-jsonl-blank", "calibrate-n-ref-small", "calibrate-alpha-max-nan",
                   "eval-corpus-empty", "eval-threads-text", "eval-extra-spec-no-name", "eval-extra-spec-twice",
-                  "eval-extra-spec-missing", "eval-extra-spec-is-out", "eval-extra-spec-dflash-fix"] + [c.id for c in ONLINE]
+                  "eval-extra-spec-missing", "eval-extra-spec-is-out"] + [c.id for c in ONLINE]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in BEFORE_LOADING], ids=BEFORE_LOADING)
