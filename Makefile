@@ -51,7 +51,7 @@ table: $(STAMP)
 # over held-out sequences of 8,192 tokens, with greedy speculative decoding (K = 4 drafts a forward).
 # PARD names a scripts/train_pard.py folder (default: the built-in drafter). Writes out/pard-table/.
 PARD ?= calibrate/assets/pard-smollm2
-PARD_SEQUENCES ?= 3
+PARD_SEQUENCES ?= 6
 pard-table: $(STAMP)
 	for g in global layer head; do \
 		$(VENV)/bin/sharpdraft calibrate --drafter pard --drafter-path $(PARD) --corpus stdlib --max-length 2048 \
