@@ -423,7 +423,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         raise UserError(f"--variants {learning[0].name} with --speculative: online arms run teacher-forced only")
     specs = variant_specs(spec, n_ref, [v for v in variants if v not in ONLINE_VARIANTS], window=window, sinks=sinks,
                           neighbour_window=neighbour_window, group=group, longest=int(edges[-1]))
-    specs.update(_extra_specs(extra_specs, spec.top_k, drafter.kind))
+    specs.update(_extra_specs(extra_specs, spec.top_k))
     grid = scale_grid(list(slopes), list(alphas), n_ref, spec.top_k)
     arms = ([Arm(v, s, drafts=v if v in LOOKUP_VARIANTS else "head") for v, s in specs.items()] + grid
             + ([Arm("reference", None, other=True)] if reference is not None else []))
@@ -504,7 +504,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     }
 
 
-def _extra_specs(extra: dict | None, top_k: int, kind: str) -> dict[str, ScaleSpec]:
+def _extra_specs(extra: dict | None, top_k: int) -> dict[str, ScaleSpec]:
     """The ``--extra-spec`` variants, checked: named ``spec:NAME``, at the run's top-k."""
     extra = dict(extra or {})
     for name, spec in extra.items():
