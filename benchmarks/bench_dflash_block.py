@@ -5,8 +5,9 @@ writes nothing. The built-in DFlash head (``calibrate/assets/dflash-smollm2``) d
 (``DFlashBlockDrafter.block_logits``, the drafts a verification reads) after a context of ``--n``
 tokens (random ids; the target's features computed once), under eval's variants at its n_ref: the
 scale (``spec``, slope 0.2), the window (the last n_ref keys), ``clamp`` (neighbour window n_ref)
-and ``clamp+spec``. Each kind is paired with the plain block, the two arms alternated call by call
-(A B B A ...); the ratio is the median of per-pair ratios ``kind / plain``.
+and ``clamp+spec``. Each kind is paired with the plain block by ``bench_runtime.compare`` (the two arms
+alternated call by call, the ratio the median of per-pair ratios ``kind / plain``; ``+peak`` the extra
+peak memory of one call, ``kept`` what outlives it).
 
 A distance fix on a block runs in eager math over every context key
 (``sharpdraft_runtime.positions.attention_at``: the far keys rotated, two logit matrices merged),
@@ -16,10 +17,9 @@ where the plain block runs the fused kernel; a window attends to n_ref keys only
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_runtime import compare  # this folder: the runtime benchmark's alternated timing and memory
 
 
 def main(argv=None) -> None:
@@ -47,31 +47,16 @@ def main(argv=None) -> None:
         def drafter(spec):
             dr = DFlashBlockDrafter(d.model, d.target, spec)
             dr.start(ids[:, :args.n], feats, int(ids[0, args.n]))
-            dr.block_logits(4)  # warm
-            return dr
-
-        def timed(dr):
-            start = time.perf_counter()
-            dr.block_logits(4)
-            return time.perf_counter() - start
+            return lambda: dr.block_logits(4)
 
         plain = drafter(None)
+        cpu = torch.device("cpu")
         print(f"DFlash head, a block of {d.model.config.block_size} after {args.n:,} context tokens, n_ref {n_ref}, "
               f"{args.threads} thread(s); ratio: median of {args.reps} alternated pairs")
-        print(f"  {'kind':12s} {'ratio':>6s} {'ms':>7s} {'plain ms':>9s}")
+        print(f"  {'kind':12s} {'ratio':>6s} {'plain ms':>9s} {'+peak':>12s} {'kept':>6s}")
         for name, spec in specs.items():
-            dr = drafter(spec)
-            ratios, ms, base = [], [], []
-            for rep in range(args.reps):
-                first, second = (plain, dr) if rep % 2 == 0 else (dr, plain)
-                a, b = timed(first), timed(second)
-                p, k = (a, b) if first is plain else (b, a)
-                ratios.append(k / p)
-                ms.append(k * 1e3)
-                base.append(p * 1e3)
-            print(f"  {name:12s} {statistics.median(ratios):6.2f} {statistics.median(ms):7.1f} "
-                  f"{statistics.median(base):9.1f}")
-
+            r = compare(plain, drafter(spec), args.reps, cpu)
+            print(f"  {name:12s} {r['ratio']:6.2f} {r['plain_ms']:9.1f} {r['peak']:12,d} {r['kept']:6,d}")
 
 if __name__ == "__main__":
     main()
