@@ -1,15 +1,15 @@
-"""A decoding step's far keys rotated in one pass on the CPU: each key read once and written rotated.
+"""A decoding step's far keys, rotated in one compiled pass on the CPU.
 
-:func:`sharpdraft_runtime.positions.decode_keys` rotates every far key of a one-row step by its own
-shift. In torch's elementwise ops that is a cos and sin table of the far keys (angle addition from
-two small tables, a dozen calls) and four passes over the keys, each a kernel launch and a sweep of
-the cache; on a drafter with one layer (an EAGLE-3 head) that cost about a fifth of the whole
-drafting step. Here it is one compiled loop (numba) over the far key rows: row ``j``'s cos and sin
-come from row ``j - 1``'s by angle addition in float64 (exact angles every ``ANCHOR`` rows), and the
-rows are rotated as they are copied; the neighbour keys are copied as they are.
+A decoding step's far key ``j`` is rotated by its own shift ``a j + b (j // G) + c``
+(:func:`positions._decode_law`: clamp, group and pi all have that form for one query row). In torch's
+elementwise ops that is a cos and sin table over the far keys (angle addition from two small tables, a
+dozen calls) and four passes over the keys; on a drafter with one layer (an EAGLE-3 head) that cost
+about a fifth of the whole drafting step. Here it is one compiled loop (numba, :mod:`._kernels`) over
+the far key rows, their cos and sin formed by angle addition a few rows at a time:
 
-Key ``j``'s shift is ``a j + b (j // G) + c`` (:func:`positions._decode_law`: clamp, group and pi all
-have that form for one query row), so a step from row to row is one of two fixed rotations.
+* :func:`rotate_far_keys` writes the rotated keys (a new tensor) for the caller's own kernel to attend;
+* :func:`decode_logits` writes only the logits: each far key is rotated in registers and dotted with the
+  query heads that share it, so no copy of the keys is written or read again.
 
 Used for float32 tensors on the CPU that need no gradient; anything else (CUDA, half precision,
 autograd), a Python without numba, or numba told to compile nothing (``NUMBA_DISABLE_JIT=1``), takes
@@ -19,73 +19,33 @@ Nothing outlives a call: no table, no buffer.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-__all__ = ["available", "usable", "rotate_far_keys"]
+__all__ = ["available", "usable", "rotate_far_keys", "decode_logits"]
 
-_KERNEL = None  # the compiled kernel; False when numba cannot be imported
-ANCHOR = 128  # rows between exact angles: the running product's rounding (~1e-16 a row) never builds up
-
-
-def _compile():
-    """The kernel, compiled on first use (numba's on-disk cache makes later processes fast); False without numba."""
-    try:
-        import numba
-    except ImportError:  # the torch path serves
-        return False
-    if numba.config.DISABLE_JIT:  # NUMBA_DISABLE_JIT=1 would run the loop in Python, far slower than torch's path
-        return False
-
-    @numba.njit(cache=True, nogil=True)
-    def rotate(key, out, far, a, b, G, c, inv_freq):
-        """``out``: ``key``'s rows ``j < far`` rotated by the angles ``(a j + b (j // G) + c) inv_freq``, the rest
-        copied; the angles in float64 whatever ``inv_freq``'s precision (float32 values are exact in float64)."""
-        B, H, T, D = key.shape
-        freq = inv_freq.astype(np.float64)
-        half = freq.shape[0]
-        cos, sin = np.empty(half), np.empty(half)  # the running angle of row j, float64
-        step_cos, step_sin = np.cos(a * freq), np.sin(a * freq)  # row j - 1 to j
-        jump_cos, jump_sin = np.cos((a + b) * freq), np.sin((a + b) * freq)  # the same where j // G grows
-        c32, s32 = np.empty(half, np.float32), np.empty(half, np.float32)
-        for j in range(far):
-            if j % ANCHOR == 0:
-                angle = (a * j + b * (j // G) + c) * freq  # exact shifts (integers or dyadic) in float64
-                cos[:], sin[:] = np.cos(angle), np.sin(angle)
-            else:
-                jumps = b != 0.0 and j % G == 0
-                for p in range(half):  # (cos, sin) times the step: angle addition
-                    dc, ds = (jump_cos[p], jump_sin[p]) if jumps else (step_cos[p], step_sin[p])
-                    cos[p], sin[p] = cos[p] * dc - sin[p] * ds, sin[p] * dc + cos[p] * ds
-            for p in range(half):
-                c32[p], s32[p] = cos[p], sin[p]
-            for bb in range(B):
-                for h in range(H):
-                    x, y = key[bb, h, j], out[bb, h, j]
-                    for p in range(half):  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-                        x1, x2 = x[p], x[p + half]
-                        y[p] = x1 * c32[p] - x2 * s32[p]
-                        y[p + half] = x2 * c32[p] + x1 * s32[p]
-                    for p in range(2 * half, D):  # partial rotary: the rest is not rotated
-                        y[p] = x[p]
-        for bb in range(B):
-            for h in range(H):
-                out[bb, h, far:] = key[bb, h, far:]
-
-    return rotate
+_KERNELS = None  # the compiled kernels' module; False when numba cannot be imported or compiles nothing
 
 
 def available() -> bool:
-    """Whether the compiled kernel can be used here (numba importable). numba compiles it at its first call (about
-    a second) and keeps it on disk, so later processes load it."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _compile()
-    return _KERNEL is not False
+    """Whether the compiled kernels can be used here (numba importable and compiling). numba compiles each at its
+    first call (about a second) and keeps it on disk, so later processes load it."""
+    global _KERNELS
+    if _KERNELS is None:
+        try:
+            import numba
+        except ImportError:  # the torch path serves
+            _KERNELS = False
+        else:  # NUMBA_DISABLE_JIT=1 would run the loops in Python, far slower than torch's path
+            if numba.config.DISABLE_JIT:
+                _KERNELS = False
+            else:
+                from . import _kernels
+                _KERNELS = _kernels
+    return _KERNELS is not False
 
 
 def usable(key: torch.Tensor) -> bool:
-    """Whether :func:`rotate_far_keys` serves ``key``: float32 on the CPU, no gradient, and the kernel here."""
+    """Whether the compiled kernels serve ``key``: float32 on the CPU, no gradient, and the kernels here."""
     return (key.device.type == "cpu" and key.dtype == torch.float32 and not key.requires_grad
             and key.dim() == 4 and available())
 
@@ -97,5 +57,25 @@ def rotate_far_keys(key: torch.Tensor, far: int, law: tuple[float, float, int, f
     the rest copied."""
     out = torch.empty(key.shape, dtype=key.dtype)
     a, b, G, c = law
-    _KERNEL(key.numpy(), out.numpy(), far, float(a), float(b), int(G), float(c), inv_freq.detach().cpu().numpy())
+    _KERNELS.rotate_far(key.numpy(), out.numpy(), far, float(a), float(b), int(G), float(c), _freq(inv_freq))
     return out
+
+
+def decode_logits(query: torch.Tensor, key: torch.Tensor, far: int, law: tuple[float, float, int, float],
+                  inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The logits ``scaling * q . k`` (B, heads, 1, k_len), float32, of a decoding step's ``query`` (B, heads, 1, D)
+    against ``key`` (:func:`usable`) with its rows ``j < far`` rotated as :func:`rotate_far_keys` rotates them.
+    Query head ``h`` reads key head ``h // (heads / kv_heads)`` (GQA, as ``repeat_kv`` pairs them)."""
+    B, heads, _, D = query.shape
+    kv = key.shape[1]
+    scaled = (query.detach() * scaling).to(torch.float32).reshape(B, kv, heads // kv, D)
+    logits = torch.empty((B, kv, heads // kv, key.shape[2]), dtype=torch.float32)
+    a, b, G, c = law
+    _KERNELS.far_logits(scaled.numpy(), key.numpy(), logits.numpy(), far, float(a), float(b), int(G), float(c),
+                        _freq(inv_freq))
+    return logits.view(B, heads, 1, key.shape[2])
+
+
+def _freq(inv_freq: torch.Tensor):
+    """``inv_freq`` as the kernels take it: a numpy array on the host."""
+    return inv_freq.detach().cpu().numpy()

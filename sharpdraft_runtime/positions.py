@@ -43,7 +43,7 @@ from sharpdraft_theory.positions import PositionFix, pi_exponent
 from . import fused
 
 __all__ = ["rotate", "rotate_by", "cos_sin", "slot_positions", "at_slots", "remapped_logits", "decode_keys",
-           "remapped_attention", "attention_at", "identity_at"]
+           "decode_attention", "remapped_attention", "attention_at", "identity_at"]
 
 _CHUNK_ELEMENTS = 1 << 24  # logits held at once per chunk of query rows (64 MiB in float32)
 
@@ -282,6 +282,33 @@ def decode_keys(key: torch.Tensor, fix: PositionFix, inv_freq: torch.Tensor, tab
     keys[:, :, far:] = key[:, :, far:]
     rotate_by(key[:, :, :far], *table, out=keys[:, :, :far])
     return keys
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, fix: PositionFix,
+                     inv_freq: torch.Tensor, kernel, visible: torch.Tensor | None = None, tables: dict | None = None
+                     ) -> torch.Tensor:
+    """A decoding step's attention at the fix's positions, for a caller whose kernel is plain attention.
+
+    ``softmax(scaling * q . k + mask) v`` over the keys of :func:`decode_keys`, query row at ``k_len - 1``.
+    float32 on the CPU (:func:`fused.usable`) runs it without writing those keys: the compiled pass forms
+    the logits, each far key rotated in registers (:func:`fused.decode_logits`), then one softmax and one
+    product with the values (query heads grouped over their key head by a reshape, GQA). Anything else
+    calls ``kernel(query, keys, value)`` (the caller's own, its mask and scaling bound) over
+    :func:`decode_keys`' keys (``tables`` as there).
+
+    ``visible``: bool, broadcastable to (batch, heads, 1, k_len), True where a key is seen (None: every key);
+    it is applied on the compiled path only, so ``kernel`` must apply the same. Returns (batch, heads, 1, D).
+    """
+    if not (fused.usable(key) and query.dtype == value.dtype == torch.float32 and value.device.type == "cpu"):
+        return kernel(query, decode_keys(key, fix, inv_freq, tables), value)
+    k_len = key.shape[2]
+    far, _ = _far_columns(fix, k_len - 1, k_len - 1, k_len)
+    logits = fused.decode_logits(query, key, far, _decode_law(fix, k_len - 1), inv_freq, scaling)
+    if visible is not None:
+        logits = logits.masked_fill(~visible, torch.finfo(logits.dtype).min)
+    B, heads, _, D = query.shape
+    weights = torch.softmax(logits, dim=-1).view(B, key.shape[1], heads // key.shape[1], k_len)
+    return torch.matmul(weights, value).view(B, heads, 1, D)
 
 
 def _key_law(fix: PositionFix, i: int) -> tuple[float, float, int]:

@@ -232,11 +232,69 @@ def test_remapped_attention_in_float32_takes_the_compiled_pass_and_keeps_the_flo
     monkeypatch.setattr(fused, "rotate_far_keys", lambda *a, **k: used.append(a[1]) or real(*a, **k))
     got = remapped_attention(query.float(), key.float(), value.float(), 0.25, fix, inv_freq.float())
     assert used  # the compiled pass served (this test can fail)
-    monkeypatch.setattr(fused, "_KERNEL", False)
+    monkeypatch.setattr(fused, "_KERNELS", False)
     torch_path = remapped_attention(query.float(), key.float(), value.float(), 0.25, fix, inv_freq.float())
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=0, atol=ATOL_ATTENTION32)
     torch.testing.assert_close(torch_path.double(), want, rtol=0, atol=ATOL_ATTENTION32)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all-keys", "masked"])
+@pytest.mark.parametrize("fix", FIXES + [PositionFix("group", window=4, group=40)], ids=["clamp", "group", "pi", "group40"])
+def test_decode_attention_forms_the_remapped_logits_without_writing_keys(fix, masked, monkeypatch):
+    """A decoding step's attention on the compiled path (float32 CPU: logits with each far key rotated in the pass,
+    no rotated keys written) equals softmax of the float64 remapped logits times the values, and the caller's kernel
+    over :func:`decode_keys` (which serves when the compiled pass cannot), within float32 rounding: batch 2, GQA (6
+    query heads over 2 key heads), a strided cache, partial rotary (4 of 20 dimensions not rotated), a bool mask,
+    a few far keys and thousands."""
+    D, inv_freq = 20, rope_inv_freq(16, 10000.0)[0]
+    for k_len in (fix.identity_limit + 2, 3000):
+        gen = torch.Generator().manual_seed(k_len)
+        query = torch.randn(2, 6, 1, D, generator=gen)
+        key = torch.randn(2, k_len, 2, D, generator=gen).transpose(1, 2)  # strided, as a cache slice may be
+        value = torch.randn(2, 2, k_len, D, generator=gen)
+        visible = (torch.arange(k_len) % 3 != 1)[None] if masked else None  # every third key hidden
+        far, _ = positions._far_columns(fix, k_len - 1, k_len - 1, k_len)
+        q_shift, k_shift = positions._shifts(fix, np.array([k_len - 1]), np.arange(far))
+        rotated = key.double().numpy().copy()  # float64 definition: far key j rotated by its own shift
+        angle = (k_shift - q_shift)[:, None] * inv_freq.double().numpy()
+        x1, x2 = rotated[:, :, :far, :8].copy(), rotated[:, :, :far, 8:16].copy()
+        rotated[:, :, :far, :8] = x1 * np.cos(angle) - x2 * np.sin(angle)
+        rotated[:, :, :far, 8:16] = x2 * np.cos(angle) + x1 * np.sin(angle)
+        logits = 0.3 * query.double() @ torch.from_numpy(rotated).repeat_interleave(3, dim=1).transpose(-1, -2)
+        if visible is not None:
+            logits = logits.masked_fill(~visible, -torch.inf)
+        want = torch.softmax(logits, -1) @ value.double().repeat_interleave(3, dim=1)
+        calls = []
+
+        def kernel(q, k, v):
+            calls.append(k.shape)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.3,
+                                                                    enable_gqa=True)
+
+        got = positions.decode_attention(query, key, value, 0.3, fix, inv_freq, kernel, visible)
+        assert not calls and got.dtype == torch.float32 and got.shape == (2, 6, 1, D)  # the compiled pass served
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=ATOL_ATTENTION32)
+        monkeypatch.setattr(fused, "_KERNELS", False)  # as without numba: the kernel over decode_keys
+        served = positions.decode_attention(query, key, value, 0.3, fix, inv_freq, kernel, visible)
+        monkeypatch.undo()
+        assert calls == [key.shape]
+        torch.testing.assert_close(served.double(), want, rtol=0, atol=ATOL_ATTENTION32)
+    unfixed = kernel(query, key, value).double()
+    assert (unfixed - want).abs().max() > 100 * ATOL_ATTENTION32  # the far keys move it (this test can fail)
+
+
+def test_decode_attention_hands_what_the_pass_cannot_take_to_the_callers_kernel():
+    """float64 (or a gradient, CUDA, half precision) is not the compiled pass's: ``kernel`` attends over
+    :func:`decode_keys`' keys, and its output is returned as it is."""
+    fix, inv_freq = PositionFix("clamp", window=3), rope_inv_freq(16, 10000.0)[0]
+    query, key, value = torch.randn(1, 2, 1, 16, dtype=torch.float64), torch.randn(1, 1, 30, 16, dtype=torch.float64), \
+        torch.randn(1, 1, 30, 16, dtype=torch.float64)
+    seen = []
+    out = positions.decode_attention(query, key, value, 0.25, fix, inv_freq,
+                                     lambda q, k, v: seen.append(k) or torch.zeros(1, 2, 1, 16), None)
+    assert torch.equal(out, torch.zeros(1, 2, 1, 16)) and len(seen) == 1
+    torch.testing.assert_close(seen[0], decode_keys(key, fix, inv_freq), rtol=0, atol=0)
 
 
 # cos_sin against numpy's float64 cos and sin of the product: angles up to ~1e4 rad carry ~1e-12 of rounding in
@@ -277,7 +335,7 @@ def test_the_compiled_decode_pass_rotates_as_the_torch_path_and_the_float64_defi
     """float32 keys on the CPU take the compiled pass (``sharpdraft_runtime.fused``); its keys equal the torch
     path's and each far key rotated in float64 by its own shift, within float32 rounding: batch 2, a strided
     cache, partial rotary (4 of 20 dimensions not rotated), a few far keys and thousands (the compiled pass
-    carries each row's angle to the next, exact again every ``fused.ANCHOR`` rows; the torch path adds
+    carries each row's angle to the next, exact again every ``_kernels.ANCHOR`` rows; the torch path adds
     angles over a period, a multiple of G for group)."""
     assert fused.available()  # numba is a dependency: the compiled pass is what CPU users run
     inv_freq = rope_inv_freq(16, 10000.0)[0]
@@ -290,7 +348,7 @@ def test_the_compiled_decode_pass_rotates_as_the_torch_path_and_the_float64_defi
     want[:, :, :far, :8] = x1 * np.cos(angle) - x2 * np.sin(angle)
     want[:, :, :far, 8:16] = x2 * np.cos(angle) + x1 * np.sin(angle)
     got = decode_keys(key, fix, inv_freq)
-    monkeypatch.setattr(fused, "_KERNEL", False)  # as without numba: the torch path
+    monkeypatch.setattr(fused, "_KERNELS", False)  # as without numba: the torch path
     assert not fused.usable(key)
     torch_path = decode_keys(key, fix, inv_freq)
     assert got.dtype == torch_path.dtype == torch.float32 and got.shape == torch_path.shape == key.shape
@@ -309,7 +367,7 @@ def test_the_compiled_pass_steps_aside_when_numba_compiles_nothing(monkeypatch):
     fix, inv_freq = PositionFix("clamp", window=7), rope_inv_freq(16, 10000.0)[0]
     compiled = decode_keys(key, fix, inv_freq)
     monkeypatch.setattr(numba.config, "DISABLE_JIT", True)
-    monkeypatch.setattr(fused, "_KERNEL", None)  # decided again, as in a fresh process
+    monkeypatch.setattr(fused, "_KERNELS", None)  # decided again, as in a fresh process
     assert not fused.available() and not fused.usable(key)
     torch.testing.assert_close(decode_keys(key, fix, inv_freq), compiled, rtol=0, atol=ATOL_ROTATED32)
 
@@ -396,9 +454,10 @@ def test_eagle3_chain_drafter_drafts_what_eval_measured(eagle3, variant):
 
 
 @pytest.mark.parametrize("variant", POSITION_VARIANTS)
-def test_eagle3_decoding_steps_equal_the_full_pass(eagle3, variant):
-    """The head's one-row steps over its cache (decode_keys, then the head's kernel) give the logits of its
-    full pass (remapped_attention) row by row, in float32, for sdpa and eager; and differ from the unfixed head."""
+def test_eagle3_decoding_steps_equal_the_full_pass(eagle3, variant, monkeypatch):
+    """The head's one-row steps over its cache give the logits of its full pass (remapped_attention) row by row,
+    in float32, on the compiled path (decode_attention's logits pass) and without it (decode_keys, then the head's
+    kernel, sdpa and eager); and differ from the unfixed head."""
     spec = variant_specs(SPEC, 8, [variant], longest=40)[variant]
     head, hook = eagle3.head, sr.query_hook(spec)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(6))
@@ -406,7 +465,8 @@ def test_eagle3_decoding_steps_equal_the_full_pass(eagle3, variant):
         features = hidden_state_features(eagle3.target, ids, eagle3.feature_ids)
         full = head(ids, features, attention_hook=hook, positions=spec.positions)
         unfixed = head(ids, features, attention_hook=hook)
-        for implementation in ("sdpa", "eager"):
+        for implementation, compiled in (("sdpa", True), ("sdpa", False), ("eager", False)):
+            monkeypatch.setattr(fused, "_KERNELS", None if compiled else False)  # None: decided again (numba here)
             head.set_attn_implementation(implementation)
             try:
                 out = head(ids[:, :20], features[:, :20], attention_hook=hook, positions=spec.positions)
@@ -475,7 +535,7 @@ def test_the_layers_of_a_decoding_step_share_one_table_dropped_when_the_forward_
     made = []
     real = positions._decode_table  # the torch path's table (the compiled pass has none to share)
     monkeypatch.setattr(positions, "_decode_table", lambda *a, **k: made.append(a[2]) or real(*a, **k))
-    monkeypatch.setattr(fused, "_KERNEL", False)
+    monkeypatch.setattr(fused, "_KERNELS", False)
     model = _tiny_llama()
     spec = variant_specs(SPEC, 8, ["clamp"], longest=40)["clamp"]
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(6))

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from sharpdraft_runtime import causal_mask, causal_n_visible, query_hook
-from sharpdraft_runtime.positions import at_slots, decode_keys, remapped_attention
+from sharpdraft_runtime.positions import at_slots, decode_attention, remapped_attention
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.positions import PositionFix
 from sharpdraft_theory.spec import DrafterInfo
@@ -316,9 +316,9 @@ class Eagle3Attention(nn.Module):
                 raise ValueError(f"the spec's positions ({positions.fix}) need each row at its cache slot; "
                                  "these position_ids differ")
             inv_freq, _ = frequencies
-            if T == 1:  # a decoding step: the plain kernel over re-rotated keys
-                out = attention(query, decode_keys(key, positions, inv_freq), value, self.scaling, visible,
-                                self.implementation)
+            if T == 1:  # a decoding step: far keys rotated in the logits' pass, or the plain kernel over them
+                kernel = lambda q, k, v: attention(q, k, v, self.scaling, visible, self.implementation)  # noqa: E731
+                out = decode_attention(query, key, value, self.scaling, positions, inv_freq, kernel, visible)
             else:
                 out = remapped_attention(query, key, value, self.scaling, positions, inv_freq, visible[None, None])
         else:

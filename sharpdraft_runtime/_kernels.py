@@ -1,0 +1,120 @@
+"""The compiled loops of :mod:`sharpdraft_runtime.fused` (numba; imported on first use, cached on disk).
+
+Far key ``j`` of a decoding step is rotated by the angles ``(a j + b (j // G) + c) inv_freq``. Its cos
+and sin come from row ``j - 1``'s by angle addition in float64 (one of two fixed steps: ``a``, or
+``a + b`` where ``j // G`` grows), exact again every ``ANCHOR`` rows, and are formed for ``CHUNK`` rows
+at a time (a 16 KB table that stays in the first-level cache), so no table over the whole context is
+made. Rotation is rotate-half RoPE; dimensions past ``2 len(inv_freq)`` (partial rotary) are not rotated.
+
+Floating-point: ``reassoc`` and ``contract`` let the dot products vectorise (their sums are reordered, a
+float32 rounding); infinities and NaNs keep their meaning (no ``nnan`` / ``ninf``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+ANCHOR = 1024  # rows between exact angles: float64 angle addition drifts ~1e-16 a row, far below float32
+CHUNK = 64  # rows whose cos and sin are formed at once (64 x 32 x 4 B x 2 = 16 KB for 64 frequencies)
+_FAST = {"reassoc", "contract", "nsz", "arcp"}
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _steps(a, b, freq):
+    """cos and sin (float64, (4, half)) of one row's step ``a`` and of the step where ``j // G`` grows, ``a + b``."""
+    half = freq.shape[0]
+    out = np.empty((4, half))
+    for p in range(half):
+        out[0, p], out[1, p] = math.cos(a * freq[p]), math.sin(a * freq[p])
+        out[2, p], out[3, p] = math.cos((a + b) * freq[p]), math.sin((a + b) * freq[p])
+    return out
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _fill(j0, rows, a, b, G, c, freq, steps, run, cos, sin):
+    """``cos``, ``sin`` (CHUNK, half) float32 of rows ``j0 .. j0 + rows - 1``; ``run`` (2, half) float64 holds row
+    ``j0 - 1``'s angle on entry (anything when ``j0`` is an anchor) and row ``j0 + rows - 1``'s on return."""
+    half = freq.shape[0]
+    for t in range(rows):
+        j = j0 + t
+        if j % ANCHOR == 0:
+            shift = a * j + b * (j // G) + c  # exact (integers or dyadic) in float64
+            for p in range(half):
+                run[0, p], run[1, p] = math.cos(shift * freq[p]), math.sin(shift * freq[p])
+        else:
+            k = 2 if b != 0.0 and j % G == 0 else 0
+            for p in range(half):
+                x, y = run[0, p], run[1, p]
+                run[0, p] = x * steps[k, p] - y * steps[k + 1, p]
+                run[1, p] = y * steps[k, p] + x * steps[k + 1, p]
+        for p in range(half):
+            cos[t, p], sin[t, p] = run[0, p], run[1, p]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def rotate_far(key, out, far, a, b, G, c, inv_freq):
+    """``out``: ``key``'s (B, H, T, D) rows ``j < far`` rotated by their angles, the rest copied."""
+    B, H, T, D = key.shape
+    freq = inv_freq.astype(np.float64)
+    half = freq.shape[0]
+    steps, run = _steps(a, b, freq), np.empty((2, half))
+    cos, sin = np.empty((CHUNK, half), np.float32), np.empty((CHUNK, half), np.float32)
+    for j0 in range(0, far, CHUNK):
+        rows = min(CHUNK, far - j0)
+        _fill(j0, rows, a, b, G, c, freq, steps, run, cos, sin)
+        for bb in range(B):
+            for h in range(H):
+                for t in range(rows):
+                    x, y = key[bb, h, j0 + t], out[bb, h, j0 + t]
+                    for p in range(half):
+                        x1, x2 = x[p], x[p + half]
+                        y[p] = x1 * cos[t, p] - x2 * sin[t, p]
+                        y[p + half] = x2 * cos[t, p] + x1 * sin[t, p]
+                    for p in range(2 * half, D):
+                        y[p] = x[p]
+    for bb in range(B):
+        for h in range(H):
+            out[bb, h, far:] = key[bb, h, far:]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def far_logits(query, key, out, far, a, b, G, c, inv_freq):
+    """``out`` (B, H, g, T): the logits of the ``g`` query rows ``query`` (B, H, g, D) of each key head against
+    ``key`` (B, H, T, D), rows ``j < far`` rotated by their angles (never written), the rest as they are."""
+    B, H, T, D = key.shape
+    g = query.shape[2]
+    freq = inv_freq.astype(np.float64)
+    half = freq.shape[0]
+    steps, run = _steps(a, b, freq), np.empty((2, half))
+    cos, sin = np.empty((CHUNK, half), np.float32), np.empty((CHUNK, half), np.float32)
+    rot = np.empty(D, np.float32)
+    for j0 in range(0, far, CHUNK):
+        rows = min(CHUNK, far - j0)
+        _fill(j0, rows, a, b, G, c, freq, steps, run, cos, sin)
+        for bb in range(B):
+            for h in range(H):
+                for t in range(rows):
+                    x = key[bb, h, j0 + t]
+                    for p in range(half):
+                        x1, x2 = x[p], x[p + half]
+                        rot[p] = x1 * cos[t, p] - x2 * sin[t, p]
+                        rot[p + half] = x2 * cos[t, p] + x1 * sin[t, p]
+                    for p in range(2 * half, D):
+                        rot[p] = x[p]
+                    for r in range(g):
+                        q, s = query[bb, h, r], np.float32(0.0)
+                        for p in range(D):
+                            s += q[p] * rot[p]
+                        out[bb, h, r, j0 + t] = s
+    for bb in range(B):
+        for h in range(H):
+            for j in range(far, T):
+                x = key[bb, h, j]
+                for r in range(g):
+                    q, s = query[bb, h, r], np.float32(0.0)
+                    for p in range(D):
+                        s += q[p] * x[p]
+                    out[bb, h, r, j] = s
