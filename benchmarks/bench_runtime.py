@@ -20,10 +20,12 @@ trained length), so every kind is active past 256 keys: ``spec`` (query scaling,
   tensor allocation and free inside the call); the smaller of two calls per arm, measured A B B A.
   ``+peak`` is runtime minus plain. ``kept`` is the same for the bytes still allocated when the call
   returns, beyond what the call returns itself (both arms return the same shapes): persistent state.
-* Floor: a distance fix must re-rotate the far keys, ``O(n d)`` per layer and call, the order of the
-  attention itself. Below the table, per drafter, the plain decoding step's attention call is timed
-  alone (the drafter's kernel over a 1,024-key cache) and the step ratio that one more such call per
-  layer would give is printed: the floor the fixes are measured against.
+* The attention call alone: a distance fix must re-rotate the far keys, ``O(n d)`` per layer and call,
+  the order of the attention itself. Below the table, per drafter, one decoding step's attention call
+  over the 1,024-key cache is timed alone, plain and with clamp (A B alternated) on the drafter's own
+  path (the head: ``decode_attention``, the far keys rotated inside the logits' pass; SmolLM2: its sdpa
+  over ``decode_keys``), and turned into step ratios: what the clamp call's extra alone adds to the
+  step, and what one more plain call per layer would (a rotated copy attended again costs about that).
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import sharpdraft_runtime as sr
+from sharpdraft_runtime.positions import decode_attention, decode_keys
 from calibrate.drafters.eagle3 import Eagle3ChainDrafter, load
-from calibrate.drafters.layers import attention
+from calibrate.drafters.layers import attention, rope_inv_freq
 from calibrate.drafters.target import hidden_state_features
 from calibrate.evaluate import variant_specs
 
@@ -175,8 +178,13 @@ def eagle3_cases(drafter, ids: torch.Tensor, law: str, granularity: str, reps: i
     if "decode" not in cases:
         return
     query = torch.randn(1, c.num_attention_heads, 1, c.head_dim, device=device, dtype=past[0].dtype)
-    yield "attention", "decode", time_call(lambda: attention(query, *past, head.midlayer.self_attn.scaling,
-                                                             None, "sdpa"), reps, device)
+    scaling, inv_freq = head.midlayer.self_attn.scaling, rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling,
+                                                                      device)[0]
+    kernel = lambda q, k, v: attention(q, k, v, scaling, None, "sdpa")  # noqa: E731
+    past = tuple(t.contiguous() for t in past)  # a step's cache is contiguous (its new row joined by torch.cat)
+    yield "attention", "decode", compare(
+        lambda: kernel(query, *past),
+        lambda: decode_attention(query, *past, scaling, specs["clamp"].positions, inv_freq, kernel), reps, device)
 
 
 def smollm2_cases(model, ids: torch.Tensor, law: str, granularity: str, reps: int, device: torch.device,
@@ -212,19 +220,25 @@ def smollm2_cases(model, ids: torch.Tensor, law: str, granularity: str, reps: in
     module = model.model.layers[0].self_attn
     key, value = caches[model].layers[0].keys, caches[model].layers[0].values
     query = torch.randn(1, text.num_attention_heads, 1, key.shape[-1], device=device, dtype=key.dtype)
-    yield "attention", "decode", time_call(lambda: sdpa_attention_forward(module, query, key, value, None,
-                                                                          scaling=module.scaling), reps, device)
+    inv_freq = model.model.rotary_emb.inv_freq
+    kernel = lambda q, k, v: sdpa_attention_forward(module, q, k, v, None, scaling=module.scaling)[0]  # noqa: E731
+    yield "attention", "decode", compare(
+        lambda: kernel(query, key, value),
+        lambda: kernel(query, decode_keys(key, specs["clamp"].positions, inv_freq), value), reps, device)
 
 
 def report(name: str, layers: int, cases, shown=CASES) -> None:
-    """Print the drafter's rows (one per kind, as soon as its cases are measured) and its floor line."""
+    """Print the drafter's rows (one per kind, as soon as its cases are measured) and its attention line."""
     print(name, flush=True)
     rows, decode_ms = {}, []
     for kind, case, result in cases:
-        if kind == "attention":
-            floor = 1 + layers * result * 1e3 / statistics.median(decode_ms)
-            print(f"  floor: the plain decoding step {statistics.median(decode_ms):.2f} ms, its attention call "
-                  f"{1e3 * result:.3f} ms x {layers} layer(s); one more such call per layer: {floor:.3f}", flush=True)
+        if kind == "attention":  # the step's attention call alone, plain and with clamp, against the whole step
+            step, plain = statistics.median(decode_ms), result["plain_ms"]
+            extra = plain * (result["ratio"] - 1)
+            print(f"  attention call alone (one row, {CONTEXT:,} keys): plain {plain:.3f} ms, clamp "
+                  f"{result['ratio']:.2f}x (+{extra:.3f} ms); x {layers} layer(s) over the {step:.2f} ms step: "
+                  f"clamp's call alone {1 + layers * extra / step:.3f}, one more plain call {1 + layers * plain / step:.3f}",
+                  flush=True)
             continue
         rows.setdefault(kind, {})[case] = result
         if case == "decode":

@@ -81,11 +81,12 @@ def rotate_far(key, out, far, a, b, G, c, inv_freq):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def far_logits(query, key, out, far, a, b, G, c, inv_freq):
-    """``out`` (B, H, g, T): the logits of the ``g`` query rows ``query`` (B, H, g, D) of each key head against
-    ``key`` (B, H, T, D), rows ``j < far`` rotated by their angles (never written), the rest as they are."""
+def far_logits(query, key, out, far, a, b, G, c, inv_freq, scaling):
+    """``out`` (B, heads, 1, T): ``scaling`` times the logits of ``query`` (B, heads, 1, D) against ``key``
+    (B, H, T, D), rows ``j < far`` rotated by their angles (never written), the rest as they are; query head
+    heads ``g h .. g h + g - 1`` (``g = heads / H``) read key head ``h`` (GQA, as ``repeat_kv`` pairs them)."""
     B, H, T, D = key.shape
-    g = query.shape[2]
+    g = query.shape[1] // H
     freq = inv_freq.astype(np.float64)
     half = freq.shape[0]
     steps, run = _steps(a, b, freq), np.empty((2, half))
@@ -104,17 +105,17 @@ def far_logits(query, key, out, far, a, b, G, c, inv_freq):
                         rot[p + half] = x2 * cos[t, p] + x1 * sin[t, p]
                     for p in range(2 * half, D):
                         rot[p] = x[p]
-                    for r in range(g):
-                        q, s = query[bb, h, r], np.float32(0.0)
+                    for r in range(g * h, g * h + g):
+                        q, s = query[bb, r, 0], np.float32(0.0)
                         for p in range(D):
                             s += q[p] * rot[p]
-                        out[bb, h, r, j0 + t] = s
+                        out[bb, r, 0, j0 + t] = s * scaling
     for bb in range(B):
         for h in range(H):
             for j in range(far, T):
                 x = key[bb, h, j]
-                for r in range(g):
-                    q, s = query[bb, h, r], np.float32(0.0)
+                for r in range(g * h, g * h + g):
+                    q, s = query[bb, r, 0], np.float32(0.0)
                     for p in range(D):
                         s += q[p] * x[p]
-                    out[bb, h, r, j] = s
+                    out[bb, r, 0, j] = s * scaling

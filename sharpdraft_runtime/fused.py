@@ -63,17 +63,15 @@ def rotate_far_keys(key: torch.Tensor, far: int, law: tuple[float, float, int, f
 
 def decode_logits(query: torch.Tensor, key: torch.Tensor, far: int, law: tuple[float, float, int, float],
                   inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The logits ``scaling * q . k`` (B, heads, 1, k_len), float32, of a decoding step's ``query`` (B, heads, 1, D)
-    against ``key`` (:func:`usable`) with its rows ``j < far`` rotated as :func:`rotate_far_keys` rotates them.
-    Query head ``h`` reads key head ``h // (heads / kv_heads)`` (GQA, as ``repeat_kv`` pairs them)."""
-    B, heads, _, D = query.shape
-    kv = key.shape[1]
-    scaled = (query.detach() * scaling).to(torch.float32).reshape(B, kv, heads // kv, D)
-    logits = torch.empty((B, kv, heads // kv, key.shape[2]), dtype=torch.float32)
+    """The logits ``scaling * q . k`` (B, heads, 1, k_len), float32, of a decoding step's ``query`` (B, heads, 1, D),
+    float32 on the CPU, against ``key`` (:func:`usable`) with its rows ``j < far`` rotated as
+    :func:`rotate_far_keys` rotates them. Query head ``h`` reads key head ``h // (heads / kv_heads)`` (GQA, as
+    ``repeat_kv`` pairs them)."""
+    logits = torch.empty((query.shape[0], query.shape[1], 1, key.shape[2]), dtype=torch.float32)
     a, b, G, c = law
-    _KERNELS.far_logits(scaled.numpy(), key.numpy(), logits.numpy(), far, float(a), float(b), int(G), float(c),
-                        _freq(inv_freq))
-    return logits.view(B, heads, 1, key.shape[2])
+    _KERNELS.far_logits(query.detach().numpy(), key.numpy(), logits.numpy(), far, float(a), float(b), int(G), float(c),
+                        _freq(inv_freq), float(scaling))
+    return logits
 
 
 def _freq(inv_freq: torch.Tensor):

@@ -197,7 +197,9 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     Otherwise queries sit at positions ``k_len - q_len ..`` and keys at their cache slots; ``position_ids``, when
     the model passes them, must say so (a ``ValueError`` otherwise: left padding or packed sequences).
     A decoding step (``q_len = 1``) is ``attend``, the wrapped kernel, over the keys of
-    :func:`~sharpdraft_runtime.positions.decode_keys` with everything else as the call gave it; more rows
+    :func:`~sharpdraft_runtime.positions.decode_keys` with everything else as the call gave it (the model's
+    kernel may carry terms of its own, a softcap or sink logits, so it is not replaced by
+    :func:`~sharpdraft_runtime.positions.decode_attention`'s plain attention); more rows
     run :func:`~sharpdraft_runtime.positions.remapped_attention`, the mask the call received selecting
     the keys (none: causal by position). A call without a mask that is not causal (a draft block) is refused.
     ``shared``: a dict the layers of one forward share (the decoding step's rotation table, the

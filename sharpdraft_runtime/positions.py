@@ -20,9 +20,12 @@ The fast paths assume what a causal cache gives: keys at their slots ``0 .. k_le
 * A decoding step (one query row, at ``i = k_len - 1``): a rotation moves from the query to the key,
   ``R(u) q . R(v) k = q . R(v - u) k``, so each far key rotated once by its own
   ``(p_k - j) - (p_q - i)`` gives, against the query as it is, that row's remapped logit
-  (:func:`decode_keys`). The caller's own kernel (sdpa, eager) then attends over those keys: the cost
-  is one rotation of the far keys, ``O(k_len d)`` elementwise, the order of the logits themselves;
-  on the CPU in float32 one compiled pass (:mod:`sharpdraft_runtime.fused`), elsewhere torch's ops.
+  (:func:`decode_keys`). The caller's own kernel (sdpa, eager) can then attend over those keys: the
+  cost is one rotation of the far keys, ``O(k_len d)`` elementwise, the order of the logits
+  themselves; on the CPU in float32 one compiled pass (:mod:`sharpdraft_runtime.fused`), elsewhere
+  torch's ops. A caller whose kernel is plain attention (the EAGLE-3 head) calls
+  :func:`decode_attention` instead: on the CPU in float32 the compiled pass forms the logits
+  directly, each far key rotated in registers, so no rotated copy is written or read again.
 * Several rows (a draft block, a prefill): :func:`remapped_attention` in eager math (fp32 softmax),
   chunked by rows. Per row group (one for clamp and group; one per power of two for pi, a handful)
   the far keys are rotated once, and per chunk the queries once; the far logits cover only the

@@ -28,8 +28,9 @@ Query ``i`` of a call after ``past`` cached rows sees ``past + i + 1`` rows
 engines' drafter window), the rows that rule keeps (``sharpdraft_runtime.causal_mask``, the same
 count). A spec's ``positions`` (a distance fix) computes the logits at remapped RoPE positions, with
 the head's own ``inv_freq``, once a call holds a key past the fix's identity limit: a decoding step
-attends with the plain kernel over re-rotated keys (``sharpdraft_runtime.positions.decode_keys``),
-more rows through ``sharpdraft_runtime.positions.remapped_attention``.
+through ``sharpdraft_runtime.positions.decode_attention`` (on the CPU the far keys rotated inside the
+logits' compiled pass; elsewhere the head's kernel over re-rotated keys), more rows through
+``sharpdraft_runtime.positions.remapped_attention``.
 
 The adapter (``Eagle3Drafter``) runs the head over a text for calibration and teacher-forced
 evaluation, and drafts chains for speculative decoding (``Eagle3ChainDrafter``).
