@@ -248,7 +248,7 @@ def report(name: str, layers: int, cases, shown=CASES) -> None:
             print(f"  {kind:<12}" + "".join(f"{r[c]['ratio']:>9.3f}" for c in shown)
                   + "".join(f"{r[c]['peak']:>15,}" for c in shown)
                   + f"{max((r[c]['kept'] for c in shown), key=abs):>8,}"
-                  + "".join(f"{r[c]['plain_ms']:>10.2f}" for c in shown), flush=True)
+                  + "".join(f"{r[c]['plain_ms']:>11.2f}" for c in shown), flush=True)
 
 
 def main() -> None:
@@ -282,7 +282,7 @@ def main() -> None:
           f"spec: {args.law} n_ref={N_REF} {args.granularity}; ratios runtime / plain, bytes runtime - plain")
     print(f"  {'kind':<12}" + "".join(f"{case:>9}" for case in cases)
           + "".join(f"{'+peak ' + case:>15}" for case in cases) + f"{'kept':>8}"
-          + "".join(f"{case + ' ms':>10}" for case in cases))
+          + "".join(f"{case + ' ms':>11}" for case in cases))
     with torch.inference_mode():
         if "eagle3" in drafters:
             report("EAGLE-3 demo head (drafting step)", 1,
