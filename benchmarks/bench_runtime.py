@@ -136,19 +136,6 @@ def compare(plain, runtime, reps: int, device: torch.device, prepare=lambda: Non
                 peak=peak_runtime - peak_plain, kept=kept_runtime - kept_plain)
 
 
-def time_call(fn, reps: int, device: torch.device) -> float:
-    """Median seconds of ``fn()``."""
-    fn()
-    seconds = []
-    for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
-
-
 def eagle3_cases(drafter, ids: torch.Tensor, law: str, granularity: str, reps: int, device: torch.device,
                  cases=CASES):
     """(kind, case, result) for the demo head: prefill (``Eagle3ChainDrafter.start``), a drafting step
