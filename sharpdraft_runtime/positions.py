@@ -302,7 +302,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ``visible``: bool, broadcastable to (batch, heads, 1, k_len), True where a key is seen (None: every key);
     it is applied on the compiled path only, so ``kernel`` must apply the same. Returns (batch, heads, 1, D).
     """
-    if not (fused.usable(key) and query.dtype == value.dtype == torch.float32 and value.device.type == "cpu"):
+    if not (fused.usable(key) and query.dtype == value.dtype == torch.float32 and value.device.type == "cpu"
+            and not query.requires_grad):  # the pass's logits carry no gradient back to the query
         return kernel(query, decode_keys(key, fix, inv_freq, tables), value)
     k_len = key.shape[2]
     far, _ = _far_columns(fix, k_len - 1, k_len - 1, k_len)

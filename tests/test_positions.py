@@ -284,16 +284,26 @@ def test_decode_attention_forms_the_remapped_logits_without_writing_keys(fix, ma
     assert (unfixed - want).abs().max() > 100 * ATOL_ATTENTION32  # the far keys move it (this test can fail)
 
 
-def test_decode_attention_hands_what_the_pass_cannot_take_to_the_callers_kernel():
-    """float64 (or a gradient, CUDA, half precision) is not the compiled pass's: ``kernel`` attends over
-    :func:`decode_keys`' keys, and its output is returned as it is."""
+@pytest.mark.parametrize("case", ["float64", "query-needs-gradient"])
+def test_decode_attention_hands_what_the_pass_cannot_take_to_the_callers_kernel(case):
+    """float64 (or CUDA, half precision), or a query whose gradient is wanted (the pass's logits would drop it),
+    is not the compiled pass's: ``kernel`` attends over :func:`decode_keys`' keys, and its output is returned as it
+    is (with its gradient)."""
     fix, inv_freq = PositionFix("clamp", window=3), rope_inv_freq(16, 10000.0)[0]
-    query, key, value = torch.randn(1, 2, 1, 16, dtype=torch.float64), torch.randn(1, 1, 30, 16, dtype=torch.float64), \
-        torch.randn(1, 1, 30, 16, dtype=torch.float64)
+    dtype = torch.float64 if case == "float64" else torch.float32
+    gen = torch.Generator().manual_seed(2)
+    query, key, value = (torch.randn(shape, dtype=dtype, generator=gen) for shape in ((1, 2, 1, 16), (1, 1, 30, 16),
+                                                                                         (1, 1, 30, 16)))
+    query.requires_grad_(case == "query-needs-gradient")
     seen = []
-    out = positions.decode_attention(query, key, value, 0.25, fix, inv_freq,
-                                     lambda q, k, v: seen.append(k) or torch.zeros(1, 2, 1, 16), None)
-    assert torch.equal(out, torch.zeros(1, 2, 1, 16)) and len(seen) == 1
+
+    def kernel(q, k, v):
+        seen.append(k)
+        return (q * 2).sum() * torch.ones(1, 2, 1, 16)
+
+    out = positions.decode_attention(query, key, value, 0.25, fix, inv_freq, kernel, None)
+    assert len(seen) == 1 and out.requires_grad == query.requires_grad
+    torch.testing.assert_close(out, kernel(query, key, value), rtol=0, atol=0)
     torch.testing.assert_close(seen[0], decode_keys(key, fix, inv_freq), rtol=0, atol=0)
 
 
