@@ -54,6 +54,19 @@ def _fill(j0, rows, a, b, G, c, freq, steps, run, cos, sin):
             cos[t, p], sin[t, p] = run[0, p], run[1, p]
 
 
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
+def _rotate_row(x, y, cos, sin):
+    """``y``: the key row ``x`` rotated by the angles whose ``cos`` and ``sin`` (half,) are given (rotate-half RoPE;
+    dimensions past ``2 half``, partial rotary, copied)."""
+    half = cos.shape[0]
+    for p in range(half):
+        x1, x2 = x[p], x[p + half]
+        y[p] = x1 * cos[p] - x2 * sin[p]
+        y[p + half] = x2 * cos[p] + x1 * sin[p]
+    for p in range(2 * half, x.shape[0]):
+        y[p] = x[p]
+
+
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def rotate_far(key, out, far, a, b, G, c, inv_freq):
     """``out``: ``key``'s (B, H, T, D) rows ``j < far`` rotated by their angles, the rest copied."""
@@ -68,13 +81,7 @@ def rotate_far(key, out, far, a, b, G, c, inv_freq):
         for bb in range(B):
             for h in range(H):
                 for t in range(rows):
-                    x, y = key[bb, h, j0 + t], out[bb, h, j0 + t]
-                    for p in range(half):
-                        x1, x2 = x[p], x[p + half]
-                        y[p] = x1 * cos[t, p] - x2 * sin[t, p]
-                        y[p + half] = x2 * cos[t, p] + x1 * sin[t, p]
-                    for p in range(2 * half, D):
-                        y[p] = x[p]
+                    _rotate_row(key[bb, h, j0 + t], out[bb, h, j0 + t], cos[t], sin[t])
     for bb in range(B):
         for h in range(H):
             out[bb, h, far:] = key[bb, h, far:]
@@ -98,13 +105,7 @@ def far_logits(query, key, out, far, a, b, G, c, inv_freq, scaling):
         for bb in range(B):
             for h in range(H):
                 for t in range(rows):
-                    x = key[bb, h, j0 + t]
-                    for p in range(half):
-                        x1, x2 = x[p], x[p + half]
-                        rot[p] = x1 * cos[t, p] - x2 * sin[t, p]
-                        rot[p + half] = x2 * cos[t, p] + x1 * sin[t, p]
-                    for p in range(2 * half, D):
-                        rot[p] = x[p]
+                    _rotate_row(key[bb, h, j0 + t], rot, cos[t], sin[t])
                     for r in range(g * h, g * h + g):
                         q, s = query[bb, r, 0], np.float32(0.0)
                         for p in range(D):
