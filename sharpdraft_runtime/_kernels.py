@@ -33,6 +33,16 @@ def _steps(a, b, freq):
     return out
 
 
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
+def _angle_state(a, b, inv_freq):
+    """What :func:`_fill` works with: the float64 frequencies, their steps (:func:`_steps`), the running angle
+    (2, half) and one chunk's float32 cos and sin (CHUNK, half)."""
+    freq = inv_freq.astype(np.float64)
+    half = freq.shape[0]
+    cos, sin = np.empty((CHUNK, half), np.float32), np.empty((CHUNK, half), np.float32)
+    return freq, _steps(a, b, freq), np.empty((2, half)), cos, sin
+
+
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def _fill(j0, rows, a, b, G, c, freq, steps, run, cos, sin):
     """``cos``, ``sin`` (CHUNK, half) float32 of rows ``j0 .. j0 + rows - 1``; ``run`` (2, half) float64 holds row
@@ -67,14 +77,22 @@ def _rotate_row(x, y, cos, sin):
         y[p] = x[p]
 
 
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
+def _dot_heads(query, bb, heads, x, out, j, scaling):
+    """``out[bb, r, 0, j]``: ``scaling`` times query row ``query[bb, r, 0]`` dotted with the key row ``x``, for
+    each query head ``r`` in ``heads`` (those that share ``x``'s key head)."""
+    for r in heads:
+        q, s = query[bb, r, 0], np.float32(0.0)
+        for p in range(x.shape[0]):
+            s += q[p] * x[p]
+        out[bb, r, 0, j] = s * scaling
+
+
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def rotate_far(key, out, far, a, b, G, c, inv_freq):
     """``out``: ``key``'s (B, H, T, D) rows ``j < far`` rotated by their angles, the rest copied."""
     B, H, T, D = key.shape
-    freq = inv_freq.astype(np.float64)
-    half = freq.shape[0]
-    steps, run = _steps(a, b, freq), np.empty((2, half))
-    cos, sin = np.empty((CHUNK, half), np.float32), np.empty((CHUNK, half), np.float32)
+    freq, steps, run, cos, sin = _angle_state(a, b, inv_freq)
     for j0 in range(0, far, CHUNK):
         rows = min(CHUNK, far - j0)
         _fill(j0, rows, a, b, G, c, freq, steps, run, cos, sin)
@@ -90,14 +108,11 @@ def rotate_far(key, out, far, a, b, G, c, inv_freq):
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def far_logits(query, key, out, far, a, b, G, c, inv_freq, scaling):
     """``out`` (B, heads, 1, T): ``scaling`` times the logits of ``query`` (B, heads, 1, D) against ``key``
-    (B, H, T, D), rows ``j < far`` rotated by their angles (never written), the rest as they are; query head
+    (B, H, T, D), rows ``j < far`` rotated by their angles (never written), the rest as they are; query
     heads ``g h .. g h + g - 1`` (``g = heads / H``) read key head ``h`` (GQA, as ``repeat_kv`` pairs them)."""
     B, H, T, D = key.shape
     g = query.shape[1] // H
-    freq = inv_freq.astype(np.float64)
-    half = freq.shape[0]
-    steps, run = _steps(a, b, freq), np.empty((2, half))
-    cos, sin = np.empty((CHUNK, half), np.float32), np.empty((CHUNK, half), np.float32)
+    freq, steps, run, cos, sin = _angle_state(a, b, inv_freq)
     rot = np.empty(D, np.float32)
     for j0 in range(0, far, CHUNK):
         rows = min(CHUNK, far - j0)
@@ -106,17 +121,8 @@ def far_logits(query, key, out, far, a, b, G, c, inv_freq, scaling):
             for h in range(H):
                 for t in range(rows):
                     _rotate_row(key[bb, h, j0 + t], rot, cos[t], sin[t])
-                    for r in range(g * h, g * h + g):
-                        q, s = query[bb, r, 0], np.float32(0.0)
-                        for p in range(D):
-                            s += q[p] * rot[p]
-                        out[bb, r, 0, j0 + t] = s * scaling
+                    _dot_heads(query, bb, range(g * h, g * h + g), rot, out, j0 + t, scaling)
     for bb in range(B):
         for h in range(H):
             for j in range(far, T):
-                x = key[bb, h, j]
-                for r in range(g * h, g * h + g):
-                    q, s = query[bb, r, 0], np.float32(0.0)
-                    for p in range(D):
-                        s += q[p] * x[p]
-                    out[bb, r, 0, j] = s * scaling
+                _dot_heads(query, bb, range(g * h, g * h + g), key[bb, h, j], out, j, scaling)

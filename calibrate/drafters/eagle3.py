@@ -319,7 +319,8 @@ class Eagle3Attention(nn.Module):
             inv_freq, _ = frequencies
             if T == 1:  # a decoding step: far keys rotated in the logits' pass, or the plain kernel over them
                 kernel = lambda q, k, v: attention(q, k, v, self.scaling, visible, self.implementation)  # noqa: E731
-                out = decode_attention(query, key, value, self.scaling, positions, inv_freq, kernel, visible)
+                out = decode_attention(query, key, value, self.scaling, positions, inv_freq, kernel,
+                                       None if window is None else visible)  # a step sees every key but a window's
             else:
                 out = remapped_attention(query, key, value, self.scaling, positions, inv_freq, visible[None, None])
         else:
