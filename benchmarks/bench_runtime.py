@@ -23,8 +23,8 @@ trained length), so every kind is active past 256 keys: ``spec`` (query scaling,
 * The attention call alone: a distance fix must re-rotate the far keys, ``O(n d)`` per layer and call,
   the order of the attention itself. Below the table, per drafter, one decoding step's attention call
   over the 1,024-key cache is timed alone, plain and with clamp (A B alternated) on the drafter's own
-  path (the head: ``decode_attention``, the far keys rotated inside the logits' pass; SmolLM2: its sdpa
-  over ``decode_keys``), and turned into step ratios: what the clamp call's extra alone adds to the
+  path (``decode_attention``: the far keys rotated inside the logits' pass; SmolLM2's sdpa is plain
+  attention, so ``enable`` takes it too), and turned into step ratios: what the clamp call's extra alone adds to the
   step, and what one more plain call per layer would (a rotated copy attended again costs about that).
 """
 
@@ -53,7 +53,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import sharpdraft_runtime as sr
-from sharpdraft_runtime.positions import decode_attention, decode_keys
+from sharpdraft_runtime.positions import decode_attention
 from calibrate.drafters.eagle3 import Eagle3ChainDrafter, load
 from calibrate.drafters.layers import attention, rope_inv_freq
 from calibrate.drafters.target import hidden_state_features
@@ -205,13 +205,14 @@ def smollm2_cases(model, ids: torch.Tensor, law: str, granularity: str, reps: in
         return
     prepare()
     module = model.model.layers[0].self_attn
-    key, value = caches[model].layers[0].keys, caches[model].layers[0].values
+    key, value = (t.contiguous() for t in (caches[model].layers[0].keys, caches[model].layers[0].values))  # a step's are
     query = torch.randn(1, text.num_attention_heads, 1, key.shape[-1], device=device, dtype=key.dtype)
     inv_freq = model.model.rotary_emb.inv_freq
     kernel = lambda q, k, v: sdpa_attention_forward(module, q, k, v, None, scaling=module.scaling)[0]  # noqa: E731
     yield "attention", "decode", compare(
         lambda: kernel(query, key, value),
-        lambda: kernel(query, decode_keys(key, specs["clamp"].positions, inv_freq), value), reps, device)
+        lambda: decode_attention(query, key, value, module.scaling, specs["clamp"].positions, inv_freq, kernel),
+        reps, device)
 
 
 def report(name: str, layers: int, cases, shown=CASES) -> None:

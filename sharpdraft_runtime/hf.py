@@ -49,7 +49,7 @@ from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .core import QueryScaler
-from .positions import at_slots, attention_at, decode_keys, identity_at, remapped_attention
+from .positions import at_slots, attention_at, decode_attention, decode_keys, identity_at, remapped_attention
 from .visible import IMPLEMENTATIONS, first_key, visible_keys, window_overlay
 
 __all__ = ["NAME", "WRAPPABLE", "REMAPPABLE_ROPE", "enable", "disable", "is_enabled", "sharpdraft_attention",
@@ -196,10 +196,12 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     :func:`~sharpdraft_runtime.positions.attention_at` with its bool mask (None: every key visible).
     Otherwise queries sit at positions ``k_len - q_len ..`` and keys at their cache slots; ``position_ids``, when
     the model passes them, must say so (a ``ValueError`` otherwise: left padding or packed sequences).
-    A decoding step (``q_len = 1``) is ``attend``, the wrapped kernel, over the keys of
-    :func:`~sharpdraft_runtime.positions.decode_keys` with everything else as the call gave it (the model's
-    kernel may carry terms of its own, a softcap or sink logits, so it is not replaced by
-    :func:`~sharpdraft_runtime.positions.decode_attention`'s plain attention); more rows
+    A decoding step (``q_len = 1``) whose kernel is plain attention (transformers' sdpa, no dropout, position
+    bias or softcap, a bool mask or none: :func:`_plain_sdpa`) runs
+    :func:`~sharpdraft_runtime.positions.decode_attention` (on the CPU in float32 the far keys rotated inside
+    the logits' compiled pass); any other is ``attend``, the wrapped kernel, over the keys of
+    :func:`~sharpdraft_runtime.positions.decode_keys` with everything else as the call gave it (a model's own
+    eager function may carry terms of its own, sink logits say, that plain attention would drop); more rows
     run :func:`~sharpdraft_runtime.positions.remapped_attention`, the mask the call received selecting
     the keys (none: causal by position). A call without a mask that is not causal (a draft block) is refused.
     ``shared``: a dict the layers of one forward share (the decoding step's rotation table, the
@@ -224,8 +226,17 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
             shared["position_ids"] = position_ids  # the same tensor reaches every layer of the forward
     inv_freq = inv_freq.to(query.device)
     if q_len == 1:
-        return attend(module, query, decode_keys(key, fix, inv_freq, shared), value, attention_mask, dropout=dropout,
-                      scaling=scaling, **kwargs)
+        if not _plain_sdpa(attend, attention_mask, dropout, kwargs):
+            return attend(module, query, decode_keys(key, fix, inv_freq, shared), value, attention_mask,
+                          dropout=dropout, scaling=scaling, **kwargs)
+
+        def kernel(q, k, v):  # the wrapped sdpa as the call gave it, (B, H, 1, D)
+            return attend(module, q, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs)[0].transpose(1, 2)
+
+        visible = None if attention_mask is None else attention_mask[..., :k_len]
+        out = decode_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5, fix,
+                               inv_freq, kernel, visible, shared)
+        return out.transpose(1, 2).contiguous(), None
     visible = None
     if attention_mask is not None:
         mask = attention_mask[..., :k_len]
@@ -233,6 +244,15 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = remapped_attention(query, key, value, scaling, fix, inv_freq, visible)
     return out.transpose(1, 2).contiguous(), None  # (B, q_len, H, D), as transformers' kernels return
+
+
+def _plain_sdpa(attend, attention_mask, dropout: float, kwargs: dict) -> bool:
+    """Whether ``attend`` with these arguments is plain attention, ``softmax(q k^T scaling + mask) v``: transformers'
+    sdpa function without dropout, a position bias or a softcap, with a bool mask or none. Only then may
+    :func:`~sharpdraft_runtime.positions.decode_attention` stand in for it (a model's own eager function may add
+    terms, sink logits say, that the runtime does not know)."""
+    return (attend is ALL_ATTENTION_FUNCTIONS["sdpa"] and not dropout and kwargs.get("position_bias") is None
+            and kwargs.get("softcap") is None and (attention_mask is None or attention_mask.dtype == torch.bool))
 
 
 def _attention_at(query, key, value, attention_mask, scaling, fix, inv_freq, q_pos, k_pos) -> tuple | None:

@@ -537,6 +537,43 @@ def test_enable_gives_what_eval_measured(variant):
     assert (got - unfixed).abs().max() > 100 * ATOL_SAME32  # the fix changes the logits (this test can fail)
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_enabled_decoding_steps_take_the_logits_pass_only_for_plain_sdpa(implementation, monkeypatch):
+    """Through ``enable``, a one-token step whose kernel is transformers' sdpa (plain attention) runs
+    ``decode_attention``'s compiled logits pass in every layer; a model's own eager function keeps its kernel over
+    ``decode_keys``. Either way, and with the compiled pass unavailable, the steps equal the full pass."""
+    model = _tiny_llama()
+    model.set_attn_implementation(implementation)
+    spec = variant_specs(SPEC, 8, ["clamp"], longest=40)["clamp"]
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(8))
+    calls = []
+    real = fused.decode_logits
+    monkeypatch.setattr(fused, "decode_logits", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
+    from transformers import DynamicCache
+
+    def steps():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :30], cache=cache)
+        return torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(30, 40)], dim=1)
+
+    with torch.inference_mode():
+        sr.enable(model, spec)
+        try:
+            full = model(ids).logits
+            compiled = steps()
+            taken = list(calls)
+            monkeypatch.setattr(fused, "_KERNELS", False)  # as without numba: the kernel over decode_keys
+            served = steps()
+        finally:
+            sr.disable(model)
+        unfixed = model(ids).logits
+    layers = model.config.num_hidden_layers
+    assert taken == ([k for k in range(31, 41) for _ in range(layers)] if implementation == "sdpa" else [])
+    torch.testing.assert_close(compiled, full[:, 30:], rtol=0, atol=ATOL_SAME32)
+    torch.testing.assert_close(served, full[:, 30:], rtol=0, atol=ATOL_SAME32)
+    assert (full - unfixed)[:, 30:].abs().max() > 100 * ATOL_SAME32  # the fix changes the steps (this test can fail)
+
+
 def test_the_layers_of_a_decoding_step_share_one_table_dropped_when_the_forward_ends(monkeypatch):
     """Under ``enable``, the two layers of a decoding step build one rotation table between them (not
     one each), and nothing of it is left once the forward returns or raises."""
