@@ -168,10 +168,10 @@ def eagle3_cases(drafter, ids: torch.Tensor, law: str, granularity: str, reps: i
     scaling, inv_freq = head.midlayer.self_attn.scaling, rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling,
                                                                       device)[0]
     kernel = lambda q, k, v: attention(q, k, v, scaling, None, "sdpa")  # noqa: E731
-    past = tuple(t.contiguous() for t in past)  # a step's cache is contiguous (its new row joined by torch.cat)
+    cache = tuple(t.contiguous() for t in past)  # a step's cache is contiguous (its new row joined by torch.cat)
     yield "attention", "decode", compare(
-        lambda: kernel(query, *past),
-        lambda: decode_attention(query, *past, scaling, specs["clamp"].positions, inv_freq, kernel), reps, device)
+        lambda: kernel(query, *cache),
+        lambda: decode_attention(query, *cache, scaling, specs["clamp"].positions, inv_freq, kernel), reps, device)
 
 
 def smollm2_cases(model, ids: torch.Tensor, law: str, granularity: str, reps: int, device: torch.device,

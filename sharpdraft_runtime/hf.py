@@ -225,6 +225,7 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         if shared is not None:
             shared["position_ids"] = position_ids  # the same tensor reaches every layer of the forward
     inv_freq = inv_freq.to(query.device)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5  # what the wrapped kernel defaults to
     if q_len == 1:
         if not _plain_sdpa(attend, attention_mask, dropout, kwargs):
             return attend(module, query, decode_keys(key, fix, inv_freq, shared), value, attention_mask,
@@ -234,15 +235,13 @@ def positions_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
             return attend(module, q, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs)[0].transpose(1, 2)
 
         visible = None if attention_mask is None else attention_mask[..., :k_len]
-        out = decode_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5, fix,
-                               inv_freq, kernel, visible, shared)
+        out = decode_attention(query, key, value, scale, fix, inv_freq, kernel, visible, shared)
         return out.transpose(1, 2).contiguous(), None
     visible = None
     if attention_mask is not None:
         mask = attention_mask[..., :k_len]
         visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = remapped_attention(query, key, value, scaling, fix, inv_freq, visible)
+    out = remapped_attention(query, key, value, scale, fix, inv_freq, visible)
     return out.transpose(1, 2).contiguous(), None  # (B, q_len, H, D), as transformers' kernels return
 
 
