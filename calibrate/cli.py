@@ -213,6 +213,7 @@ from .calibrate_cmd import calibrate as _calibrate; app.command(name="calibrate"
 from .plot_cmd import plot as _plot; app.command(name="plot")(_plot)  # noqa: E402, E702
 from .eval_cmd import eval_command as _eval; app.command(name="eval")(_eval)  # noqa: E402, E702
 from .fit_cmd import fit as _fit; app.command(name="fit")(_fit)  # noqa: E402, E702
+from .generate_cmd import generate as _generate; app.command(name="generate")(_generate)  # noqa: E402, E702
 
 
 def _fail(message: str) -> None:

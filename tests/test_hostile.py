@@ -655,7 +655,36 @@ ONLINE_AFTER_LOADING = [  # needs the head's widths: refused once it is read, st
     Case("online-rank-above-width", EVAL_ONLINE + " --online-rank 200", "--online-rank 200"),
 ]
 
-CASES = (PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES + ONLINE
+_GEN = "generate --out {w}/g --workload math:heldout"
+GENERATE = [
+    Case("generate-new-tokens-zero", _GEN + " --new-tokens 0", "--new-tokens 0"),
+    Case("generate-new-tokens-huge", _GEN + " --new-tokens 1000000000", "--new-tokens 1000000000"),
+    Case("generate-temperature-nan", _GEN + " --temperature nan", "--temperature nan"),
+    Case("generate-temperature-negative", _GEN + " --temperature -1", "--temperature -1"),
+    Case("generate-top-p-zero", _GEN + " --top-p 0", "--top-p 0"),
+    Case("generate-top-p-above-one", _GEN + " --top-p 1.5", "--top-p 1.5"),
+    Case("generate-batch-zero", _GEN + " --batch 0", "--batch 0"),
+    Case("generate-prompts-zero", _GEN + " --prompts 0", "--prompts 0"),
+    Case("generate-seed-negative", _GEN + " --seed -1", "--seed -1"),
+    Case("generate-threads-zero", _GEN + " --threads 0", "--threads 0"),
+    Case("generate-workload-unknown", "generate --out {w}/g --workload poetry", "poetry"),
+    Case("generate-workload-missing-file", "generate --out {w}/g --workload {w}/none.jsonl", "none.jsonl"),
+    Case("generate-workload-split-unknown", "generate --out {w}/g --workload math:test", "math:test"),
+    Case("generate-workload-missing-field", "generate --out {w}/g --workload {w}/p.jsonl", "missing field 'prompt'",
+         (("p.jsonl", '{"id": "a"}\n'),)),
+    Case("generate-workload-empty-prompt", "generate --out {w}/g --workload {w}/p.jsonl", "field 'prompt'",
+         (("p.jsonl", '{"id": "a", "prompt": ""}\n'),)),
+    Case("generate-workload-empty-file", "generate --out {w}/g --workload {w}/p.jsonl", "no prompts", (("p.jsonl", ""),)),
+    Case("generate-out-is-a-file", "generate --out {w}/g --workload math", "a file is there", (("g", "x"),)),
+    Case("generate-out-has-a-run", "generate --out {w}/g --workload math", "pass --resume",
+         (("g", None), ("g/run.json", "{}"))),
+    Case("generate-resume-unreadable-run", "generate --out {w}/g --workload math --resume", "cannot be read",
+         (("g", None), ("g/run.json", "{"))),
+    Case("generate-resume-other-settings", "generate --out {w}/g --workload math --resume --seed 3", "differs from the run",
+         (("g", None), ("g/run.json", json.dumps({"settings": {"seed": 0}})))),
+]
+
+CASES = (GENERATE + PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES + ONLINE
          + ONLINE_AFTER_LOADING)
 
 
@@ -884,12 +913,13 @@ BEFORE_LOADING = ["calibrate-top-k-huge", "calibrate-top-k-above-half-n-ref", "c
                   "calibrate-top-k-huge-built-in", "calibrate-corpus-empty", "calibrate-corpus-blank",
                   "calibrate-corpus-jsonl-blank", "calibrate-n-ref-small", "calibrate-alpha-max-nan",
                   "eval-corpus-empty", "eval-threads-text", "eval-extra-spec-no-name", "eval-extra-spec-twice",
-                  "eval-extra-spec-missing", "eval-extra-spec-is-out"] + [c.id for c in ONLINE]
+                  "eval-extra-spec-missing", "eval-extra-spec-is-out"] + [c.id for c in ONLINE] + [c.id for c in GENERATE]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in BEFORE_LOADING], ids=BEFORE_LOADING)
 def test_refused_before_any_model_loads(case, fx, tmp_path, monkeypatch):
     import calibrate.drafters
+    import calibrate.drafters.target
     import calibrate.run
 
     def no_loading(*args, **kwargs):
@@ -897,6 +927,7 @@ def test_refused_before_any_model_loads(case, fx, tmp_path, monkeypatch):
 
     monkeypatch.setattr(calibrate.run, "load_drafter", no_loading)
     monkeypatch.setattr(calibrate.drafters, "load_drafter", no_loading)
+    monkeypatch.setattr(calibrate.drafters.target, "load_target", no_loading)
     monkeypatch.chdir(tmp_path)
     w = tmp_path / "w"
     w.mkdir()

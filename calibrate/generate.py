@@ -1,0 +1,256 @@
+"""The target's own long text: ``sharpdraft generate`` writes what the target answers to a workload.
+
+A run writes a folder::
+
+    OUT/run.json           settings, the tokenizer's identity, the workload's prompt ids (written first)
+    OUT/prompts/ID.json    one prompt's generation, written atomically once the prompt is done
+
+Each prompt file holds ``id``, ``prompt_ids`` (the chat-templated prompt), ``output_ids`` (the
+generated tokens, cut after the workload's end marker when it appears), ``text`` (their decoding),
+``stopped`` (``eos``, ``end`` or ``length``) and ``seconds``. A prompt file exists only when its
+generation finished, so a run stopped half-way never leaves a half-written generation to be read as
+whole; ``--resume`` continues a run with the same settings and skips the prompts already written.
+
+Generation is batched (``batch`` prompts decode together, left-padded) with transformers' own
+``generate`` (plain target decoding: no drafter). Sampling (the default, temperature 0.8, nucleus
+``top_p``) draws from a generator seeded by the run's seed and the batch's first prompt, so a batch
+gives the same text whether a run is resumed or not (a batch's files are written together once it is
+done; a prompt whose file was removed decodes in a smaller batch, from the same law but another
+sample); ``temperature 0`` is greedy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sharpdraft_theory.atomic import atomic_write_text
+
+from .errors import UserError
+from .workloads import Prompt, Workload, chat_ids, check_fits, load_workload
+
+__all__ = ["GenerateOptions", "Generation", "read_generations", "run_generation", "tokenizer_identity"]
+
+MAX_NEW_TOKENS = 1 << 17
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """Everything a generation run depends on; checked once by :meth:`check` before any model loads."""
+
+    workload: str
+    out: Path
+    new_tokens: int = 4096
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = 0
+    batch: int = 4
+    prompts: int | None = None  # the first N prompts of the split (None: all)
+    target_path: str | None = None
+    resume: bool = False
+
+    def check(self) -> Workload:
+        """The workload's prompts, after every option is checked; ``UserError`` naming the first bad one."""
+        if not 1 <= self.new_tokens <= MAX_NEW_TOKENS:
+            raise UserError(f"--new-tokens {self.new_tokens}: expected 1 to {MAX_NEW_TOKENS}")
+        if not (self.temperature == self.temperature and 0 <= self.temperature <= 10):  # NaN fails the first test
+            raise UserError(f"--temperature {self.temperature}: expected 0 (greedy) to 10")
+        if not (self.top_p == self.top_p and 0 < self.top_p <= 1):
+            raise UserError(f"--top-p {self.top_p}: expected a number in (0, 1]")
+        if not 0 <= self.seed < 2**63:
+            raise UserError(f"--seed {self.seed}: expected 0 to 2^63 - 1")
+        if not 1 <= self.batch <= 256:
+            raise UserError(f"--batch {self.batch}: expected 1 to 256 prompts decoded together")
+        if self.prompts is not None and self.prompts < 1:
+            raise UserError(f"--prompts {self.prompts}: expected at least 1 (or leave it out for all)")
+        if self.out.exists() and not self.out.is_dir():
+            raise UserError(f"--out {self.out}: a file is there; name a folder for the generations")
+        workload = load_workload(self.workload)
+        if self.prompts is not None:
+            workload = Workload(workload.name, workload.path, workload.split, workload.prompts[:self.prompts])
+        _check_resume(self, workload)
+        return workload
+
+    def settings(self, workload: Workload) -> dict:
+        """What a resumed run must match: every option but ``out`` and ``resume``, and the prompts' ids."""
+        d = asdict(self)
+        for name in ("out", "resume", "workload", "prompts"):
+            d.pop(name)
+        d["greedy"] = self.temperature == 0
+        d["workload"] = workload.to_dict()
+        return d
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One prompt's finished generation (a ``prompts/ID.json`` file)."""
+
+    id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    stopped: str
+    seconds: float
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """A short hash of what makes two tokenizers give the same ids: vocabulary, special tokens, chat template."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]).encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()[:16]
+
+
+def _check_resume(opts: GenerateOptions, workload: Workload) -> None:
+    run = opts.out / "run.json"
+    if not run.exists():
+        return
+    if not opts.resume:
+        raise UserError(f"--out {opts.out}: a generation run is already there; pass --resume to continue it, "
+                        "or name another folder")
+    try:
+        before = json.loads(run.read_text())["settings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"--out {opts.out}: its run.json cannot be read; name another folder") from None
+    now = json.loads(json.dumps(opts.settings(workload)))
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if changed:
+        raise UserError(f"--resume: {changed[0]} differs from the run in {opts.out} "
+                        f"({before.get(changed[0])!r} there, {now.get(changed[0])!r} now); rerun with its options "
+                        "or name another folder")
+
+
+def run_generation(opts: GenerateOptions, *, model=None, tokenizer=None, progress=None) -> list[Generation]:
+    """Generate every prompt of ``opts.workload`` not yet written; all the run's generations, in prompt order.
+
+    ``model``/``tokenizer`` default to the target at ``opts.target_path`` (the built-in SmolLM2 when
+    None). ``progress(done, total)`` is called after each batch.
+    """
+    import torch
+
+    from .drafters.target import load_target
+
+    workload = opts.check()
+    checked = False
+    if model is None:
+        tokenizer, context = _tokenizer_and_context(opts.target_path)
+        if tokenizer is not None and context:  # a prompt too long is refused before the weights load
+            check_fits(workload, tokenizer, context, opts.new_tokens)
+            checked = True
+        model, tokenizer = load_target(opts.target_path, torch.device("cpu"), torch.float32)
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if context and not checked:
+        check_fits(workload, tokenizer, context, opts.new_tokens)
+    identity = tokenizer_identity(tokenizer)
+    (opts.out / "prompts").mkdir(parents=True, exist_ok=True)
+    run = opts.out / "run.json"
+    if not run.exists():
+        atomic_write_text(run, json.dumps({"settings": opts.settings(workload), "tokenizer": identity}, indent=1))
+    elif json.loads(run.read_text()).get("tokenizer") != identity:
+        raise UserError(f"--resume: the target's tokenizer is not the one {opts.out} was generated with; "
+                        "rerun with the same --target-path or name another folder")
+    todo = [(i, p) for i, p in enumerate(workload.prompts) if not _file(opts.out, p).exists()]
+    done = len(workload.prompts) - len(todo)
+    batches = {}
+    for i, p in todo:  # batches fixed by prompt order, so a resumed run decodes the same batches
+        batches.setdefault(i // opts.batch, []).append(p)
+    for first, prompts in batches.items():
+        for g in _generate(model, tokenizer, prompts, opts, seed=opts.seed + first * opts.batch):
+            atomic_write_text(_file(opts.out, Prompt(g.id, "x")), json.dumps(asdict(g)))
+        done += len(prompts)
+        if progress is not None:
+            progress(done, len(workload.prompts))
+    return read_generations(opts.out)
+
+
+def _tokenizer_and_context(target_path: str | None):
+    """``(tokenizer, context length)`` of the target read without its weights; ``(None, None)`` where that
+    needs the weights (the built-in target before its converted copy is cached)."""
+    from .drafters.target import load_tokenizer
+    from .smollm2 import smollm2_cache_dir
+
+    folder = Path(target_path).expanduser() if target_path is not None else smollm2_cache_dir()
+    if folder is None or not (folder / "config.json").is_file():
+        return None, None
+    try:
+        context = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None, None  # the loader names what is wrong with the folder
+    return load_tokenizer(str(folder), option="--target-path"), context if isinstance(context, int) else None
+
+
+def _file(out: Path, prompt: Prompt) -> Path:
+    return out / "prompts" / f"{prompt.id}.json"
+
+
+def _generate(model, tokenizer, prompts: list[Prompt], opts: GenerateOptions, seed: int) -> list[Generation]:
+    """One batch, left-padded; each output cut at its end-of-sequence token or end marker."""
+    import torch
+
+    from .drafters.target import eos_token_id
+
+    ids = [chat_ids(tokenizer, p) for p in prompts]
+    width = max(map(len, ids))
+    eos = eos_token_id(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    sample = opts.temperature > 0
+    extra = {"temperature": opts.temperature, "top_p": opts.top_p, "top_k": 0} if sample else {}
+    ends = sorted({p.end for p in prompts if p.end})
+    if ends:
+        extra.update(stop_strings=ends, tokenizer=tokenizer)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=opts.new_tokens,
+                             min_new_tokens=0, do_sample=sample, pad_token_id=pad, eos_token_id=eos,
+                             num_beams=1, **extra)
+    seconds = (time.perf_counter() - start) / len(prompts)
+    result = []
+    for row, (p, x) in enumerate(zip(prompts, ids)):
+        output, stopped = _cut(out[row, width:].tolist(), p, tokenizer, eos, opts.new_tokens)
+        result.append(Generation(p.id, x, output, tokenizer.decode(output), stopped, round(seconds, 3)))
+    return result
+
+
+def _cut(output: list[int], prompt: Prompt, tokenizer, eos: int | None, limit: int) -> tuple[list[int], str]:
+    """``output`` up to and including its end-of-sequence token or the token that completes the end marker.
+
+    Whichever comes first; what follows it in a batch is padding. The marker is found by bisection on
+    prefixes (a prefix's text holds it from some length on), so a long output is decoded about log2(n) times.
+    """
+    stop = output.index(eos) + 1 if eos is not None and eos in output else None
+    searched = output[:stop]
+    if prompt.end and prompt.end in tokenizer.decode(searched):
+        lo, hi = 1, len(searched)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if prompt.end in tokenizer.decode(searched[:mid]) else (mid + 1, hi)
+        return searched[:lo], "end"
+    if stop is not None:
+        return searched, "eos"
+    return output, "length"
+
+
+def read_generations(out: Path) -> list[Generation]:
+    """The finished generations in ``out``, in the order of the run's prompts; ``UserError`` on a bad file."""
+    try:
+        ids = json.loads((out / "run.json").read_text())["settings"]["workload"]["ids"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{out}: not a generation run (no readable run.json); run `sharpdraft generate` first") \
+            from None
+    result = []
+    for i in ids:
+        path = out / "prompts" / f"{i}.json"
+        if path.exists():
+            try:
+                result.append(Generation(**json.loads(path.read_text())))
+            except (ValueError, TypeError):
+                raise UserError(f"{path}: not a finished generation; delete it and rerun with --resume") from None
+    return result
+
