@@ -684,7 +684,31 @@ GENERATE = [
          (("g", None), ("g/run.json", json.dumps({"settings": {"seed": 0}})))),
 ]
 
-CASES = (GENERATE + PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES + ONLINE
+_BENCH = "bench --out {w}/b.json --workload math --variants none,window"
+BENCH = [
+    Case("bench-new-tokens-zero", _BENCH + " --new-tokens 0", "--new-tokens 0"),
+    Case("bench-bin-size-zero", _BENCH + " --bin-size 0", "--bin-size 0"),
+    Case("bench-bin-size-past-new-tokens", _BENCH + " --new-tokens 64 --bin-size 65", "--bin-size 65"),
+    Case("bench-prompts-zero", _BENCH + " --prompts 0", "--prompts 0"),
+    Case("bench-prompts-more-than-the-split", _BENCH + " --prompts 5", "--prompts 5"),
+    Case("bench-num-draft-zero", _BENCH + " --num-draft 0", "--num-draft 0"),
+    Case("bench-temperature-nan", _BENCH + " --temperature nan", "--temperature nan"),
+    Case("bench-seed-negative", _BENCH + " --seed -1", "--seed -1"),
+    Case("bench-threads-zero", _BENCH + " --threads 0", "--threads 0"),
+    Case("bench-variant-unknown", "bench --out {w}/b.json --variants none,magic", "magic"),
+    Case("bench-spec-arm-without-spec", "bench --out {w}/b.json --variants none,spec", "--variants spec"),
+    Case("bench-spec-missing", "bench --out {w}/b.json --spec {w}/none.json", "none.json"),
+    Case("bench-drafter-unknown", "bench --out {w}/b.json --drafter gpt --variants none", "gpt"),
+    Case("bench-workload-unknown", "bench --out {w}/b.json --workload poetry --variants none", "poetry"),
+    Case("bench-workload-bad-line", "bench --out {w}/b.json --workload {w}/p.jsonl:all --variants none",
+         "missing field 'id'", (("p.jsonl", '{"prompt": "x"}\n'),)),
+    Case("bench-out-is-a-folder", "bench --out {w}/d --variants none", "a folder is there", (("d", None),)),
+    Case("bench-interrupted-run-there", "bench --out {w}/b.json --variants none", "pass --resume",
+         (("b.json.partial", None),)),
+    Case("bench-plot-not-png", _BENCH + " --plot {w}/p.pdf", "--plot"),
+]
+
+CASES = (GENERATE + BENCH + PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES + ONLINE
          + ONLINE_AFTER_LOADING)
 
 
@@ -913,7 +937,7 @@ BEFORE_LOADING = ["calibrate-top-k-huge", "calibrate-top-k-above-half-n-ref", "c
                   "calibrate-top-k-huge-built-in", "calibrate-corpus-empty", "calibrate-corpus-blank",
                   "calibrate-corpus-jsonl-blank", "calibrate-n-ref-small", "calibrate-alpha-max-nan",
                   "eval-corpus-empty", "eval-threads-text", "eval-extra-spec-no-name", "eval-extra-spec-twice",
-                  "eval-extra-spec-missing", "eval-extra-spec-is-out"] + [c.id for c in ONLINE] + [c.id for c in GENERATE]
+                  "eval-extra-spec-missing", "eval-extra-spec-is-out"] + [c.id for c in ONLINE] + [c.id for c in GENERATE + BENCH]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in BEFORE_LOADING], ids=BEFORE_LOADING)

@@ -1,0 +1,322 @@
+"""``sharpdraft bench``: real speculative decoding through a long generation, watched by output position.
+
+For each prompt of a workload (chat template applied), the target prefills once; then target-only
+decoding and every arm (``none``, ``spec``, ``window``, a distance fix, ``lookup``, ...; the
+variants of ``sharpdraft eval``) decode up to ``new_tokens`` tokens from copies of that prefill,
+stopping early where the target writes its end-of-sequence token. Each run keeps its list of
+accepted drafts per verification, its decode time and its text, so the report gives per arm
+(:mod:`calibrate.measure.longgen`): acceptance length per bin of output position with a 95% interval
+over prompts, the fade (last bin over first), tokens/s, the speedup over target-only per prompt and
+its geometric mean over prompts (the paper's headline figure), how many outputs ended in a loop, and
+what the text does per bin (3-gram lookup share, distinct 4-grams), so a fade can be told from a loop.
+
+Greedy (the default): every arm's output must equal target-only decoding; the result says so per
+arm. Sampled (``temperature`` > 0): speculative sampling keeps the target's law, not its sample, so
+each arm writes its own text; runs from one prompt share a random stream (paired seeds), and arms
+are compared on a fixed text by ``sharpdraft eval`` on a generated corpus instead.
+
+Progress is saved per prompt (``OUT.partial/``, atomic files); ``--resume`` continues a run with
+the same options.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory.atomic import atomic_path, atomic_write_text
+
+from .errors import UserError
+from .measure.longgen import acceptance_by_bin, fade, geometric_mean, looped, text_by_bin
+from .workloads import Workload, chat_ids, check_fits, load_workload
+
+__all__ = ["BenchOptions", "run_bench", "report_tables"]
+
+MAX_NEW_TOKENS = 1 << 17
+DEFAULT_VARIANTS = ("none", "spec", "window")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Every option of a bench run; :meth:`check` validates them once, before any model loads."""
+
+    out: Path
+    drafter: str = "eagle3"
+    drafter_path: str | None = None
+    target_path: str | None = None
+    spec: Path | None = None
+    workload: str = "diary"
+    prompts: int = 2
+    new_tokens: int = 2048
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
+    window: int | None = None
+    num_draft: int | None = None
+    bin_size: int = 512
+    temperature: float = 0.0
+    seed: int = 0
+    resume: bool = False
+    extra: dict = field(default_factory=dict, compare=False)  # what check() found: the workload
+
+    def check(self) -> Workload:
+        """The prompts to decode; ``UserError`` naming the first bad option."""
+        from .drafters import drafter_kind
+        from .evaluate import check_variants
+
+        drafter_kind(self.drafter, evaluates=True)
+        if not 1 <= self.new_tokens <= MAX_NEW_TOKENS:
+            raise UserError(f"--new-tokens {self.new_tokens}: expected 1 to {MAX_NEW_TOKENS}")
+        if not 1 <= self.bin_size <= self.new_tokens:
+            raise UserError(f"--bin-size {self.bin_size}: expected 1 to --new-tokens ({self.new_tokens})")
+        if not 1 <= self.prompts <= 10_000:
+            raise UserError(f"--prompts {self.prompts}: expected at least 1")
+        if self.num_draft is not None and not 1 <= self.num_draft <= 64:
+            raise UserError(f"--num-draft {self.num_draft}: expected 1 to 64 drafts a verification")
+        if not (math.isfinite(self.temperature) and (self.temperature == 0 or 0.01 <= self.temperature <= 100)):
+            raise UserError(f"--temperature {self.temperature}: expected 0 (greedy) or 0.01 to 100")
+        if not 0 <= self.seed < 2**63:
+            raise UserError(f"--seed {self.seed}: expected 0 to 2^63 - 1")
+        check_variants(list(self.variants), window=self.window, sinks=4, has_reference=False)
+        if "spec" in self.variants and self.spec is None:
+            raise UserError("--variants spec: pass --spec with the spec to check (sharpdraft calibrate --out), or "
+                            "leave spec out of --variants")
+        if self.spec is not None and not self.spec.is_file():
+            raise UserError(f"--spec {self.spec}: no such file; write one with `sharpdraft calibrate --out`")
+        if self.out.exists() and self.out.is_dir():
+            raise UserError(f"--out {self.out}: a folder is there; name a .json file")
+        partial = partial_dir(self.out)
+        if partial.exists() and not self.resume:
+            raise UserError(f"--out {self.out}: an interrupted run is at {partial}; pass --resume to continue it, "
+                            "or delete that folder")
+        workload = load_workload(self.workload, default_split="heldout")
+        if self.prompts > len(workload.prompts):
+            raise UserError(f"--prompts {self.prompts}: {workload.name}:{workload.split} has {len(workload.prompts)}")
+        return Workload(workload.name, workload.path, workload.split, workload.prompts[:self.prompts])
+
+    def to_dict(self) -> dict:
+        """The options a resumed run must match (the resume key)."""
+        d = asdict(self)
+        for name in ("out", "resume", "extra"):
+            d.pop(name)
+        d["spec"] = None if self.spec is None else str(self.spec)
+        d["variants"] = list(self.variants)
+        return d
+
+
+def partial_dir(out: Path) -> Path:
+    """Where a run keeps each finished prompt until the result is written."""
+    return out.with_name(out.name + ".partial")
+
+
+def _resume_folder(opts: BenchOptions) -> Path:
+    folder = partial_dir(opts.out)
+    key = folder / "options.json"
+    if key.exists():
+        before = json.loads(key.read_text())
+        now = json.loads(json.dumps(opts.to_dict()))
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        if changed:
+            raise UserError(f"--resume: {changed[0]} differs from the interrupted run ({before.get(changed[0])!r} "
+                            f"there, {now.get(changed[0])!r} now); rerun with its options or delete {folder}")
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(key, json.dumps(opts.to_dict()))
+    return folder
+
+
+def run_bench(opts: BenchOptions, *, drafter=None, progress=None) -> dict:
+    """Decode every prompt target-only and by every arm; the JSON-ready result (see the module docstring).
+
+    ``drafter``: an adapter already loaded (tests); default: ``opts``' kind and paths on the CPU.
+    ``progress(message)`` is called before each prompt.
+    """
+    import torch
+
+    from .drafters import load_drafter
+    from .evaluate import default_spec, draft_length, variant_specs
+
+    workload = opts.check()
+    spec = None if opts.spec is None else ScaleSpec.load(opts.spec)
+    if drafter is None:
+        drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, torch.device("cpu"), torch.float32)
+    tokenizer = drafter.tokenizer
+    context = int(getattr(drafter.target.config, "max_position_embeddings", 0) or 0)
+    if context:
+        check_fits(workload, tokenizer, context, opts.new_tokens)
+    n_ref = drafter.default_n_ref
+    specs = variant_specs(spec or default_spec(n_ref, 4), n_ref, opts.variants, window=opts.window)
+    arms = {name: specs[name] for name in opts.variants}
+    num_draft = draft_length(drafter, opts.num_draft)
+    folder = _resume_folder(opts)
+    units = []
+    for i, prompt in enumerate(workload.prompts):
+        path = folder / f"{i:05d}-{prompt.id}.json"
+        if path.exists():
+            units.append(json.loads(path.read_text()))
+            continue
+        if progress:
+            progress(f"{prompt.id} ({i + 1}/{len(workload.prompts)})")
+        unit = _one_prompt(drafter, arms, chat_ids(tokenizer, prompt), opts, num_draft)
+        atomic_write_text(path, json.dumps(unit))
+        units.append(unit)
+    result = _result(opts, workload, units, num_draft, drafter)
+    atomic_write_text(opts.out, json.dumps(result, indent=1))
+    for f in sorted(folder.iterdir()):
+        f.unlink()
+    folder.rmdir()
+    return result
+
+
+def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, num_draft: int) -> dict:
+    """Target-only and every arm from one shared prefill: accepted lists, times, texts' statistics."""
+    import torch
+
+    from .evaluate import prompt_seed
+    from .speculative import GREEDY, Sampling, prefill
+
+    prompt = torch.tensor([prompt_ids], device=drafter.device)
+
+    def rule():
+        return GREEDY if opts.temperature == 0 else Sampling(opts.temperature, prompt_seed(opts.seed, prompt))
+
+    eos = drafter.eos_token_id
+    shared = prefill(drafter.target, prompt, drafter.chain_drafter(None).feature_ids)
+    base = decode(drafter, None, "none", prompt, opts.new_tokens, num_draft, shared, rule(), eos)
+    unit = {"prompt_tokens": len(prompt_ids), "target": _run(base, opts), "arms": {}}
+    for name, spec in arms.items():
+        out = decode(drafter, spec, name, prompt, opts.new_tokens, num_draft, shared, rule(), eos)
+        unit["arms"][name] = _run(out, opts) | {"identical": out.tokens == base.tokens}
+    return unit
+
+
+def decode(drafter, spec, arm: str | None, prompt, new_tokens: int, num_draft: int, shared, rule, eos):
+    """One decode through the loop: target-only when ``arm`` is None, else the arm's proposer."""
+    from .evaluate import LOOKUP_VARIANTS, _decode
+    from .lookup import LookupSettings
+    from .speculative import CHAIN_LOOP
+
+    if arm is None:
+        return _decode(CHAIN_LOOP, drafter.target, None, None, prompt, new_tokens, num_draft, shared, rule)
+    drafts = arm if arm in LOOKUP_VARIANTS else "head"
+    return _decode(CHAIN_LOOP, drafter.target, drafter, spec, prompt, new_tokens, num_draft, shared, rule, drafts,
+                   LookupSettings(eos_token_id=eos))
+
+
+def _run(out, opts: BenchOptions) -> dict:
+    """What a prompt's run keeps: accepted drafts per verification, decode time, the text's own statistics."""
+    bins = -(-opts.new_tokens // opts.bin_size)
+    text = text_by_bin(out.tokens, opts.bin_size, bins)
+    return {"accepted": list(out.accepted), "tokens": len(out.tokens), "decode_seconds": out.decode_seconds,
+            "decode_tokens": out.decode_tokens, "draft_seconds": out.draft_seconds, "looped": looped(out.tokens),
+            "text": {k: [None if math.isnan(x) else round(float(x), 4) for x in v] for k, v in text.items()}}
+
+
+def _r(x, digits: int = 4):
+    return None if x is None else round(float(x), digits)
+
+
+def _triple(t):
+    return None if t is None else [_r(v) for v in t]
+
+
+def _result(opts: BenchOptions, workload: Workload, units: list[dict], num_draft: int, drafter) -> dict:
+    bins = -(-opts.new_tokens // opts.bin_size)
+    full = [i for i, u in enumerate(units) if u["target"]["tokens"] >= opts.new_tokens]
+    arms = {}
+    for name in opts.variants:
+        runs = [u["arms"][name] for u in units]
+        accepted = [r["accepted"] for r in runs]
+        speedups = [(u["target"]["decode_seconds"] / max(u["target"]["decode_tokens"], 1))
+                    / (r["decode_seconds"] / max(r["decode_tokens"], 1)) for u, r in zip(units, runs)]
+        text = {k: [_r(np.nanmean([np.nan if r["text"][k][b] is None else r["text"][k][b] for r in runs]))
+                    if any(r["text"][k][b] is not None for r in runs) else None for b in range(bins)]
+                for k in runs[0]["text"]}
+        seconds = sum(r["decode_seconds"] for r in runs)
+        arms[name] = {
+            "acceptance_by_bin": [_triple(t) for t in acceptance_by_bin(accepted, opts.bin_size, bins)],
+            "acceptance_length": _r(sum(len(a) + sum(a) for a in accepted) / max(sum(len(a) for a in accepted), 1)),
+            "fade": _triple(fade([accepted[i] for i in full], opts.bin_size)) if full else None,
+            "fade_prompts": len(full),
+            "tokens_per_second": _r(sum(r["decode_tokens"] for r in runs) / seconds if seconds else None, 2),
+            "speedup_per_prompt": [_r(s) for s in speedups],
+            "speedup_geomean": _triple(geometric_mean(speedups)),
+            "looped": sum(r["looped"] is not None for r in runs),
+            "identical": None if opts.temperature else all(r["identical"] for r in runs),
+            "text_by_bin": text,
+        }
+    target_seconds = sum(u["target"]["decode_seconds"] for u in units)
+    return {
+        "schema": "sharpdraft.bench/v1",
+        "options": opts.to_dict(),
+        "workload": workload.to_dict(),
+        "drafter": {"kind": opts.drafter, "path": opts.drafter_path, "n_ref": drafter.default_n_ref},
+        "num_draft": num_draft,
+        "bins": [[b * opts.bin_size, min((b + 1) * opts.bin_size, opts.new_tokens)] for b in range(bins)],
+        "prompts": [{"id": p.id, "prompt_tokens": u["prompt_tokens"], "output_tokens": u["target"]["tokens"],
+                     "target_looped": u["target"]["looped"]} for p, u in zip(workload.prompts, units)],
+        "target": {"tokens_per_second": _r(sum(u["target"]["decode_tokens"] for u in units) / target_seconds
+                                           if target_seconds else None, 2)},
+        "arms": arms,
+        "units": units,
+    }
+
+
+def report_tables(result: dict):
+    """Rich tables of a bench result: acceptance length per output bin per arm, then speed and the fade."""
+    from rich.table import Table
+
+    def cell(t):
+        if t is None:
+            return "-"
+        return f"{t[0]:.2f}" + ("" if t[1] is None else f" [{t[1]:.2f}, {t[2]:.2f}]")
+
+    by_bin = Table(title=f"acceptance length by output position ({len(result['prompts'])} prompts, "
+                         f"95% interval over prompts)")
+    by_bin.add_column("arm")
+    for lo, hi in result["bins"]:
+        by_bin.add_column(f"{lo}-{hi}", justify="right")
+    for name, arm in result["arms"].items():
+        by_bin.add_row(name, *[cell(t) for t in arm["acceptance_by_bin"]])
+    speed = Table(title=f"speed (target only: {result['target']['tokens_per_second']} tokens/s)")
+    speed.caption = "fade: last bin over first; speedup: geometric mean over prompts; = target: greedy output equal"
+    for col in ("arm", "accept. length", "fade", "tokens/s", "speedup", "looped", "= target"):
+        speed.add_column(col, justify="right")
+    for name, arm in result["arms"].items():
+        fade_cell = "-" if arm["fade"] is None else f"{cell(arm['fade'])} (n={arm['fade_prompts']})"
+        speed.add_row(name, f"{arm['acceptance_length']:.2f}", fade_cell, str(arm["tokens_per_second"]),
+                      cell(arm["speedup_geomean"]), f"{arm['looped']}/{len(result['prompts'])}",
+                      "-" if arm["identical"] is None else "yes" if arm["identical"] else "NO")
+    return by_bin, speed
+
+
+def plot_result(result: dict, path: Path) -> None:
+    """Acceptance length against output position per arm (bin centres; bars: 95% interval over prompts)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    centres = [(lo + hi) / 2 for lo, hi in result["bins"]]
+    for name, arm in result["arms"].items():
+        pts = [(x, t) for x, t in zip(centres, arm["acceptance_by_bin"]) if t is not None]
+        if not pts:
+            continue
+        xs, ts = zip(*pts)
+        ys = [t[0] for t in ts]
+        err = [[y - (t[1] if t[1] is not None else y) for y, t in zip(ys, ts)],
+               [(t[2] if t[2] is not None else y) - y for y, t in zip(ys, ts)]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
+    ax.set_xlabel("output position (tokens generated)")
+    ax.set_ylabel("acceptance length (tokens per target forward)")
+    ax.set_title(f"{result['workload']['name']}: {result['drafter']['kind']}, {len(result['prompts'])} prompts")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)

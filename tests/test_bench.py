@@ -1,0 +1,124 @@
+"""``sharpdraft bench`` on tiny checkpoints: every arm decodes the whole workload, greedy outputs equal
+target-only, the by-position report adds up, and a resumed run keeps its finished prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from calibrate.bench import BenchOptions, partial_dir, plot_result, report_tables, run_bench
+from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
+from calibrate.errors import UserError
+
+from tiny_checkpoints import tiny_target, write_tiny_eagle3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _Bytes:
+    """Byte-level ids below 255; 255 is end-of-sequence; no chat template (a base model's tokenizer)."""
+
+    eos_token_id = 255
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [b % 255 for b in text.encode()]}
+
+    def encode(self, text, add_special_tokens=False):
+        return self(text)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    target = tiny_target(0)
+    head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target)
+    return Eagle3Drafter(head, target, tokenizer=_Bytes())
+
+
+@pytest.fixture()
+def workload(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": text, "split": "heldout"}) + "\n"
+                            for i, text in enumerate(["abcabcabcabc", "the quick brown fox", "0101010101"])))
+    return str(path)
+
+
+def _opts(tmp_path, workload, **over):
+    base = dict(out=tmp_path / "b.json", workload=workload, prompts=3, new_tokens=40, bin_size=10,
+                variants=("none", "window", "lookup"), window=8)
+    return BenchOptions(**(base | over))
+
+
+def test_greedy_bench_reports_every_arm_by_output_position(tmp_path, workload, drafter):
+    opts = _opts(tmp_path, workload)
+    result = run_bench(opts, drafter=drafter)
+    assert json.loads(opts.out.read_text())["arms"].keys() == {"none", "window", "lookup"}
+    assert not partial_dir(opts.out).exists()
+    assert result["bins"] == [[0, 10], [10, 20], [20, 30], [30, 40]]
+    for name, arm in result["arms"].items():
+        assert arm["identical"] is True, name  # greedy: every arm writes the target's own text
+        runs = [u["arms"][name]["accepted"] for u in result["units"]]
+        assert arm["acceptance_length"] == pytest.approx(sum(len(a) + sum(a) for a in runs) / sum(map(len, runs)),
+                                                         abs=1e-4)
+        assert len(arm["speedup_per_prompt"]) == 3 and arm["speedup_geomean"][0] > 0
+        assert arm["fade_prompts"] == 3 and arm["fade"] is not None
+        assert all(1 <= t[0] <= 1 + 4 for t in arm["acceptance_by_bin"])  # K = 4 drafts at most
+    by_bin, speed = report_tables(result)
+    assert by_bin.row_count == 3 and speed.row_count == 3
+    plot_result(result, tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 0
+
+
+def test_a_resumed_bench_keeps_the_finished_prompts(tmp_path, workload, drafter, monkeypatch):
+    import calibrate.bench as bench
+
+    opts = _opts(tmp_path, workload, variants=("none",), window=None)
+    calls = []
+    real = bench._one_prompt
+
+    def flaky(*args):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(bench, "_one_prompt", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(opts, drafter=drafter)
+    assert len(list(partial_dir(opts.out).glob("0000*-p*.json"))) == 2 and not opts.out.exists()
+    with pytest.raises(UserError, match="pass --resume"):
+        run_bench(opts, drafter=drafter)
+    with pytest.raises(UserError, match="new_tokens differs"):
+        run_bench(BenchOptions(**(vars(opts) | {"resume": True, "new_tokens": 30})), drafter=drafter)
+    monkeypatch.setattr(bench, "_one_prompt", real)
+    calls.clear()
+    result = run_bench(BenchOptions(**(vars(opts) | {"resume": True})), drafter=drafter)
+    assert len(result["units"]) == 3
+
+
+def test_sampled_bench_runs_each_arm_from_a_paired_stream(tmp_path, workload, drafter):
+    result = run_bench(_opts(tmp_path, workload, temperature=0.8, variants=("none", "lookup"), window=None,
+                             prompts=2), drafter=drafter)
+    assert all(arm["identical"] is None for arm in result["arms"].values())  # sampling: no equality to claim
+
+
+@pytest.mark.parametrize("over,fragment", [
+    ({"new_tokens": 0}, "--new-tokens 0"),
+    ({"bin_size": 0}, "--bin-size 0"),
+    ({"bin_size": 41}, "--bin-size 41"),
+    ({"prompts": 0}, "--prompts 0"),
+    ({"prompts": 4}, "--prompts 4: w:heldout has 3"),
+    ({"num_draft": 0}, "--num-draft 0"),
+    ({"temperature": float("nan")}, "--temperature nan"),
+    ({"temperature": 0.001}, "--temperature 0.001"),
+    ({"seed": -1}, "--seed -1"),
+    ({"variants": ("none", "nonsense")}, "unknown variant 'nonsense'"),
+    ({"variants": ("none", "spec"), "window": None}, "--variants spec: pass --spec"),
+    ({"variants": ("none", "spec"), "window": 0}, "--window 0"),
+    ({"drafter": "gpt"}, "gpt"),
+])
+def test_bad_options_are_refused_before_any_model_loads(tmp_path, workload, over, fragment):
+    with pytest.raises(UserError, match=fragment.replace("+", r"\+")):
+        _opts(tmp_path, workload, **over).check()
