@@ -67,6 +67,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_theory.py
 	$(PY) benchmarks/bench_runtime.py
 	$(PY) benchmarks/bench_dflash_block.py
+	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/bench_calibrate.py --max-length 2048 --sequences 3
 
 # Re-run both notebooks at full size and store their outputs (what is committed).
