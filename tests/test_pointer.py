@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from calibrate.drafters.eagle3 import Eagle3Drafter, load, load_eagle3_head
 from calibrate.drafters.pointer import FILE, CopyPointer, keeping_slope, matches, read, write
 from calibrate.errors import UserError
-from calibrate.speculative import Sampling, greedy_generate, prefill, speculative_generate
+from calibrate.speculative import GREEDY, Sampling, greedy_generate, prefill, speculative_generate
 from sharpdraft_theory import ScaleSpec
 
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
@@ -212,11 +212,11 @@ def test_the_chain_drafts_what_teacher_forcing_measures(drafters, spec):
     _, drafter = drafters
     ids = repeating_prompt(40, 0)
     forced = drafter.teacher_forced(ids, [(spec, None)])
-    shared = prefill(drafter.target, ids[:, :-1], drafter.chain_drafter(None).feature_ids)
-    chain = drafter.chain_drafter(spec)
+    shared = prefill(drafter.target, ids[:, :-1], drafter.feature_ids)
+    chain = drafter.proposer(spec)
     with torch.no_grad():
         chain.start(ids[:, :-1], shared.features, int(ids[0, -1]))
-    assert int(chain.logits.argmax()) == int(forced.drafted[0, -1])
+        assert chain.propose(1, GREEDY)[0] == [int(forced.drafted[0, -1])]
 
 
 def test_the_pointer_copies_what_the_head_alone_does_not(drafters):
@@ -237,7 +237,7 @@ def test_greedy_decoding_with_a_pointer_equals_the_target(drafters, spec):
     for n, seed in ((2, 0), (9, 1), (30, 2)):
         prompt = repeating_prompt(n, seed) if n > 2 else torch.tensor([[3, 4]])
         reference = greedy_generate(drafter.target, prompt, 17).tokens
-        out = speculative_generate(drafter.target, drafter.chain_drafter(spec), prompt, 17, 4)
+        out = speculative_generate(drafter.target, drafter.proposer(spec), prompt, 17, 4)
         assert out.tokens == reference
 
 
@@ -246,15 +246,15 @@ def test_sampled_drafts_come_from_the_mixed_law(drafters):
     the head's draft vocabulary is drafted in the test above."""
     _, drafter = drafters
     prompt = repeating_prompt(30, 3)
-    shared = prefill(drafter.target, prompt, drafter.chain_drafter(None).feature_ids)
-    chain = drafter.chain_drafter(None)
+    shared = prefill(drafter.target, prompt, drafter.feature_ids)
+    chain = drafter.proposer(None)
     with torch.no_grad():
         chain.start(prompt, shared.features, int(prompt[0, 15]))
-        drafts, q = chain.draft(3, Sampling(0.8, 0))
+        drafts, q = chain.propose(3, Sampling(0.8, 0))
     assert q.shape == (3, drafter.head.config.vocab_size)
     np.testing.assert_allclose(q.sum(-1), 1.0, rtol=0, atol=1e-9)
     assert all(q[j, x] > 0 for j, x in enumerate(drafts))
-    out = speculative_generate(drafter.target, drafter.chain_drafter(None), prompt, 12, 3, rule=Sampling(1e-4, 0))
+    out = speculative_generate(drafter.target, drafter.proposer(None), prompt, 12, 3, rule=Sampling(1e-4, 0))
     assert out.tokens == greedy_generate(drafter.target, prompt, 12).tokens
 
 
@@ -336,14 +336,14 @@ def test_dflash_with_a_pointer_decodes_as_the_target_and_forces_as_it_drafts(dfl
 
     plain, pointed = dflash
     prompt = repeating_prompt(24, 4)
-    out = speculative_generate(pointed.target, pointed.chain_drafter(spec), prompt, 16, 3)
+    out = speculative_generate(pointed.target, pointed.proposer(spec), prompt, 16, 3)
     assert out.tokens == greedy_generate(pointed.target, prompt, 16).tokens
     forced = pointed.teacher_forced(prompt, [(spec, None)])
     feats = hidden_state_features(pointed.target, prompt, pointed.model.config.hidden_state_ids)
     for p in (0, 5, 17):
-        chain = pointed.chain_drafter(spec)
+        chain = pointed.proposer(spec)
         chain.start(prompt[:, :p], feats[:, :p], int(prompt[0, p]))
-        assert int(chain.block_logits(1)[0].argmax()) == int(forced.drafted[0, p])
+        assert int(chain.draft_logits(1)[0].argmax()) == int(forced.drafted[0, p])
     copies = float((forced.drafted[0, 12:23] == prompt[0, 13:24]).float().mean())  # the repeat: copy the next
     if spec is not None and spec.window is not None:
         assert copies < 0.5  # a window of 8 hides the source 12 tokens back
@@ -357,12 +357,13 @@ def test_pard_with_a_pointer_decodes_as_the_target_and_forces_as_it_drafts(spec)
     """PARD's K drafts from one forward, each row with its copies: greedy output equal to the target's;
     the teacher-forced guess of x_{t+1} is the drafter's row 0 after x_t; on a repeat it copies."""
     from calibrate.drafters.hf import CausalLMDrafter
-    from calibrate.drafters.parallel import PardParallelDrafter
+    from calibrate.drafters.parallel import PardParallelProposer
+    from calibrate.drafters.pointer import with_pointer
 
     target, model = tiny_target(0), tiny_target(5, num_layers=2)
     prompt = repeating_prompt(24, 5)
-    drafter = PardParallelDrafter(model, 250, spec, POINTER)
-    out = speculative_generate(target, drafter, prompt, 16, 4)
+    drafter = PardParallelProposer(model, 250, spec)
+    out = speculative_generate(target, with_pointer(drafter, POINTER, spec), prompt, 16, 4)
     assert out.tokens == greedy_generate(target, prompt, 16).tokens and drafter.forwards == out.steps
     from test_eval import ByteTokenizer
 
@@ -370,7 +371,7 @@ def test_pard_with_a_pointer_decodes_as_the_target_and_forces_as_it_drafts(spec)
                               pointer=POINTER)
     forced = adapter.teacher_forced(prompt, [(spec, None)])
     for p in (3, 13, 20):
-        chain = PardParallelDrafter(model, 250, spec, POINTER)
+        chain = with_pointer(PardParallelProposer(model, 250, spec), POINTER, spec)
         chain.start(prompt[:, :p], None, int(prompt[0, p]))
         assert int(chain.draft_logits(1)[0].argmax()) == int(forced.drafted[0, p])
     assert float((forced.drafted[0, 12:23] == prompt[0, 13:24]).float().mean()) > 0.9

@@ -3,8 +3,8 @@
 A block drafter proposes a whole draft in **one** forward: the pending token ``x_N`` at position
 ``N`` followed by ``B - 1`` mask tokens at ``N + 1 .. N + B - 1``, attending (non-causally inside
 the block) to the fused target features of the committed context ``x_0 .. x_{N-1}``; row ``j`` of
-the block drafts token ``N + j``. :class:`DFlashBlockDrafter` is that proposer behind the
-``ChainDrafter`` protocol (``calibrate.drafters.base``), so ``calibrate.speculative.speculative_generate``
+the block drafts token ``N + j``. :class:`DFlashBlockProposer` is that proposer behind the
+``BlockProposer`` protocol (``calibrate.drafters.base``), so ``calibrate.speculative.speculative_generate``
 verifies and commits its drafts exactly as it does a chain's (greedy, or speculative sampling: each
 row's draft is drawn from its own law, and those laws do not depend on the other rows' draws, so the
 per-position rejection rule keeps the target's law). The context features' keys and values are
@@ -42,9 +42,9 @@ import torch
 
 from sharpdraft_theory import ScaleSpec
 
-from .base import AttentionTap, TeacherForced
+from .base import AttentionTap, TeacherForced, pick_rows
 
-__all__ = ["DFlashBlockDrafter", "anchored_masks", "block_ids", "block_tap", "block_teacher_forced", "context_columns"]
+__all__ = ["DFlashBlockProposer", "anchored_masks", "block_ids", "block_tap", "block_teacher_forced", "context_columns"]
 
 ANCHORS_PER_CALL = 32  # blocks batched into one drafter forward by the teacher-forced pass
 
@@ -166,27 +166,26 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
                          proposed_accept=law.point_accept)
 
 
-class DFlashBlockDrafter:
-    """Block drafting with a DFlash model (module docstring): one forward drafts ``B - 1`` tokens.
+class DFlashBlockProposer:
+    """Block drafting with a DFlash model (module docstring): one forward drafts ``B - 1`` tokens (a
+    ``BlockProposer``, ``calibrate.drafters.base``).
 
     State after :meth:`start`: the context keys and values of ``x_0 .. x_{N-1}`` per layer (true target
-    features) and the pending ``x_N``. :meth:`draft` runs the block at ``N``; :meth:`commit` adds the
+    features) and the pending ``x_N``. :meth:`propose` runs the block at ``N``; :meth:`commit` adds the
     features of the pending token and the accepted drafts to the context. ``forwards`` counts the
     drafter's forwards (one per draft).
     """
 
     name = "dflash"
 
-    def __init__(self, model, target, spec: ScaleSpec | None = None, pointer=None):
+    def __init__(self, model, target, spec: ScaleSpec | None = None):
         self.model, self.target, self.spec = model, target, spec
-        self.pointer = pointer  # a copy pointer (calibrate.drafters.pointer) mixed into every row, or None
-        self.tokens: list[int] = []  # x_0 .. x_N, read by the pointer
         self.feature_ids = tuple(model.config.hidden_state_ids)
         self.block_size = model.config.block_size
         self.forwards = 0
 
     def close(self) -> None:
-        """Nothing to undo: the spec lives in this drafter's tap."""
+        """Nothing to undo: the spec lives in this proposer's tap."""
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor, pending: int) -> None:
         """Context ``x_0 .. x_{N-1}`` from its target ``features`` (1, N, ·); ``x_N = pending``."""
@@ -194,7 +193,6 @@ class DFlashBlockDrafter:
         self.length = 0
         self._extend(features)
         self.pending = pending
-        self.tokens = prompt[0].tolist() + [int(pending)]
 
     def _extend(self, features: torch.Tensor) -> None:
         model = self.model
@@ -221,32 +219,19 @@ class DFlashBlockDrafter:
             hidden = model.forward_block(_embed(model, self.target, ids), pos, context, context_positions=keep)
         self.forwards += 1
         last = self.block_size if rows is None else 1 + min(rows, self.block_size - 1)
-        logits = self.model.compute_logits(hidden[0, 1:last], self.target)
-        if self.pointer is None:
-            return logits
-        from .pointer import spec_block_mix
-
-        return spec_block_mix(self.pointer, logits, torch.tensor(self.tokens, device=device), self.spec)
+        return self.model.compute_logits(hidden[0, 1:last], self.target)
 
     def draft_logits(self, k: int) -> torch.Tensor:
         """Rows 1 .. min(k, B - 1) of the block at ``N`` (:meth:`block_logits`): (min(k, B - 1), vocab)."""
         return self.block_logits(k)
 
-    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+    def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
         """``min(k, B - 1)`` drafts from one forward, row ``j`` picked by ``rule`` from its own logits,
         with their laws over the target vocabulary (None: greedy)."""
-        logits = self.block_logits(k)
-        drafts, laws = [], []
-        for j in range(min(k, self.block_size - 1)):
-            token, law = rule.pick(logits[j])
-            drafts.append(int(token))
-            if law is not None:
-                laws.append(law)
-        return drafts, (np.stack(laws) if laws else None)
+        return pick_rows(self.block_logits(k), rule)
 
     def commit(self, new: list[int], features: torch.Tensor) -> None:
         """The pending token and the accepted drafts join the context (their ``features`` (1, len(new), ·));
         the target's own choice, ``new[-1]``, is pending."""
         self._extend(features)
         self.pending = new[-1]
-        self.tokens.extend(int(x) for x in new)

@@ -15,13 +15,12 @@ drafter cut from SmolLM2, SmolLM2's; with none, a ``UserError`` says so. The tar
 the ``--target-path`` model, else SmolLM2, loaded when first needed.
 
 Evaluation: teacher-forced runs are one causal pass each, its queries scaled through the
-attention tap (``calibrate.taps.ScalingTap``, the runtime's own scaling). Speculative decoding of an
-``hf`` drafter is transformers' own assisted generation with the drafter as ``assistant_model``
-(``calibrate.speculative.transformers_generate``), the spec enabled on it by
-``sharpdraft_runtime.enable`` for the call (:meth:`CausalLMDrafter.assistant`): greedy chains, one
-token per drafter forward. A ``pard`` drafter drafts as PARD does, in this toolkit's chain loop:
-``K`` drafts from one forward over the pending token and ``K - 1`` copies of its ``pard_token``
-(``calibrate.drafters.parallel``, :meth:`CausalLMDrafter.chain_drafter`).
+attention tap (``calibrate.taps.ScalingTap``, the runtime's own scaling). In speculative decoding
+(:meth:`CausalLMDrafter.proposer`, the one loop of ``calibrate.speculative``) an ``hf`` drafter drafts
+chains, one token per drafter forward (``calibrate.drafters.causal.CausalLMProposer``); a ``pard``
+drafter drafts as PARD does: ``K`` drafts from one forward over the pending token and ``K - 1``
+copies of its ``pard_token`` (``calibrate.drafters.parallel``). Both apply the spec through the same
+tap as the teacher-forced pass.
 
 Default ``n_ref`` (the reference length; ``--n-ref`` overrides it):
 
@@ -34,14 +33,12 @@ Default ``n_ref`` (the reference length; ``--n-ref`` overrides it):
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from sharpdraft_runtime import disable, enable
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import DrafterInfo
 
@@ -124,14 +121,23 @@ class CausalLMDrafter:
         return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
                              accept=torch.stack(accept), proposed_accept=law.point_accept)
 
-    def chain_drafter(self, spec: ScaleSpec | None):
-        """A PARD drafter's parallel drafting (``calibrate.drafters.parallel``) with ``spec`` applied."""
-        from .parallel import PardParallelDrafter
+    feature_ids = None  # its proposers read no target features
+
+    def proposer(self, spec: ScaleSpec | None):
+        """Drafting with ``spec`` applied: a PARD drafter's parallel drafts (``calibrate.drafters.parallel``,
+        its copy pointer around them when it has one), any other causal LM's chain
+        (``calibrate.drafters.causal``)."""
+        from .causal import CausalLMProposer
+        from .parallel import PardParallelProposer
+        from .pointer import with_pointer
 
         if self.model is self.target:
             raise UserError("--speculative needs a drafter different from the target: pass --drafter-path "
                             "(and --target-path for the target)")
-        return PardParallelDrafter(self.model, self.pard_token, spec, self.pointer)
+        if self.kind != "pard":
+            return CausalLMProposer(self.model, spec)
+        parallel = PardParallelProposer(self.model, self.pard_token, spec)
+        return parallel if self.pointer is None else with_pointer(parallel, self.pointer, spec)
 
     @property
     def parallel(self) -> bool:
@@ -155,21 +161,6 @@ class CausalLMDrafter:
                             f"below the embedding's {vocab} rows; a PARD drafter names its mask token there (or run it "
                             "as --drafter hf, one draft per forward)")
         return token
-
-    @contextlib.contextmanager
-    def assistant(self, spec: ScaleSpec | None):
-        """The drafter model, ``spec`` enabled on it inside the block (None: unscaled), to pass to
-        ``target.generate(..., assistant_model=...)``; the spec is disabled again on leaving."""
-        if self.model is self.target:
-            raise UserError("--speculative needs a drafter different from the target: pass --drafter-path "
-                            "(and --target-path for the target)")
-        if spec is not None:
-            enable(self.model, spec)
-        try:
-            yield self.model
-        finally:
-            if spec is not None:
-                disable(self.model)
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device: torch.device,
