@@ -137,16 +137,13 @@ def test_block_teacher_forced_matches_the_adapter(model, target, text):
     assert drafter.predicts == 1 and out.drafted.shape == (1, T)
 
 
-@pytest.mark.parametrize("name", ["none", "scale", "window", "clamp", "pi", "clamp+spec"])
-def test_block_drafting_equals_greedy(name, model, target):
-    spec = SPECS[name]
+def test_one_block_forward_per_verification(model, target):
+    """B - 1 drafts from each forward, fewer only at the end (the output is held to the target's in
+    tests/test_conformance.py)."""
     prompt = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(7))
-    base = greedy_generate(target, prompt, 20)
-    drafter = DFlashBlockProposer(model, target, spec)
+    drafter = DFlashBlockProposer(model, target)
     out = speculative_generate(target, drafter, prompt, 20, num_draft=BS - 1)
-    assert out.tokens == base.tokens and out.drafter == "dflash"
-    # one drafter forward per verification: B - 1 drafts each (fewer only at the end)
-    assert drafter.forwards == out.steps
+    assert drafter.forwards == out.steps and out.drafter == "dflash"
 
 
 def test_a_draft_of_k_rows_is_the_blocks_first_k(model, target, text):

@@ -21,7 +21,6 @@ import torch
 from calibrate.drafters.parallel import PardParallelProposer
 from calibrate.errors import UserError
 from calibrate.speculative import Sampling, greedy_generate, speculative_generate
-from sharpdraft_theory import ScaleSpec
 
 from tiny_checkpoints import tiny_target
 
@@ -40,19 +39,13 @@ def drafter_model():
     return tiny_target(5, num_layers=2)
 
 
-SPECS = [None, ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=4),
-         ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=4, window=8)]
-
-
-@pytest.mark.parametrize("spec", SPECS, ids=["none", "scale", "window"])
 @pytest.mark.parametrize("k", [1, 4])
-def test_parallel_drafting_equals_greedy(target, drafter_model, spec, k):
+def test_one_drafter_forward_per_verification(target, drafter_model, k):
+    """K drafts from one forward (the output is held to the target's in tests/test_conformance.py)."""
     prompt = torch.randint(0, 250, (1, 11), generator=torch.Generator().manual_seed(k))
-    base = greedy_generate(target, prompt, 18)
-    drafter = PardParallelProposer(drafter_model, MASK, spec)
+    drafter = PardParallelProposer(drafter_model, MASK)
     out = speculative_generate(target, drafter, prompt, 18, num_draft=k)
-    assert out.tokens == base.tokens and out.drafter == "pard"
-    assert drafter.forwards == out.steps  # one drafter forward per verification
+    assert drafter.forwards == out.steps and out.drafter == "pard"
 
 
 class Recording(PardParallelProposer):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
 from calibrate.drafters.causal import CausalLMProposer
-from calibrate.speculative import greedy_generate, speculative_generate
+from calibrate.speculative import NoProposer, greedy_generate, speculative_generate
 from sharpdraft_theory import ScaleSpec
 
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
@@ -39,31 +38,6 @@ def prompts(vocab: int):
     return [torch.randint(0, vocab, (1, n), generator=g) for n in (2, 7, 30)]
 
 
-@pytest.mark.parametrize("num_draft", [1, 4])
-@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "spec"])
-def test_eagle3_equals_greedy(target, eagle3, num_draft, spec):
-    for prompt in prompts(target.config.vocab_size):
-        reference = greedy_generate(target, prompt, 17).tokens
-        drafter = eagle3.proposer(spec)
-        out = speculative_generate(target, drafter, prompt, 17, num_draft)
-        assert out.tokens == reference
-        assert all(0 <= a <= num_draft for a in out.accepted)
-
-
-@pytest.mark.parametrize("num_draft", [3])
-@pytest.mark.parametrize("spec", [None, SPEC], ids=["plain", "spec"])
-def test_causal_lm_equals_greedy(target, num_draft, spec):
-    draft_model = tiny_target(3)
-    for prompt in prompts(target.config.vocab_size):
-        reference = greedy_generate(target, prompt, 13).tokens
-        drafter = CausalLMProposer(draft_model, spec)
-        try:
-            out = speculative_generate(target, drafter, prompt, 13, num_draft)
-        finally:
-            drafter.close()
-        assert out.tokens == reference
-
-
 def test_self_drafting_accepts_everything(target):
     """The target drafting for itself: every draft is accepted, K + 1 tokens per target forward."""
     prompt = prompts(target.config.vocab_size)[1]
@@ -77,7 +51,7 @@ def test_draft_seconds_count_the_drafters_calls_and_nothing_else(target):
     """``draft_seconds``: the time in the drafter's draft and commit, a part of the decode time."""
     import time
 
-    class Slow:  # the target drafting for itself, 20 ms slower in each draft and each commit
+    class Slow:  # a proposer of nothing, 20 ms slower in each draft and each commit
         def __init__(self, inner):
             self.inner = inner
             self.name, self.feature_ids = inner.name, inner.feature_ids
@@ -95,10 +69,10 @@ def test_draft_seconds_count_the_drafters_calls_and_nothing_else(target):
             return self.inner.commit(tokens, features)
 
     prompt = prompts(target.config.vocab_size)[1]
-    out = speculative_generate(target, Slow(CausalLMProposer(target)), prompt, 16, 4)
-    assert out.steps == 3
+    out = speculative_generate(target, Slow(NoProposer()), prompt, 16, 4)
+    assert out.steps == 15
     assert 0.04 * out.steps <= out.draft_seconds < out.decode_seconds  # two sleeps a round
-    # the start's 0.3 s is not drafting time (the tiny drafter's own calls take milliseconds, far below 0.25 s)
+    # the start's 0.3 s is not drafting time (the empty proposer's own calls take microseconds)
     assert out.draft_seconds < 0.04 * out.steps + 0.25
 
 
