@@ -21,7 +21,7 @@ adapter's ``eos_token_id``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -31,7 +31,8 @@ import torch
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import DrafterInfo
 
-__all__ = ["AttentionTap", "Drafter", "Proposer", "BlockProposer", "ChainProposer", "TeacherForced", "pick_rows"]
+__all__ = ["AttentionTap", "Drafter", "Proposer", "BlockProposer", "ChainProposer", "TeacherForced", "ForcedRows",
+           "ForcedArm", "forced_runs", "pick_rows"]
 
 
 class AttentionTap(Protocol):
@@ -73,6 +74,53 @@ class TeacherForced:
     drafted: torch.Tensor  # (runs, rows) the drafter's greedy token (target vocabulary), one row per run
     accept: torch.Tensor  # (runs, rows) sum_x min(p_T, q_T): the row's acceptance probability under sampling at T
     proposed_accept: torch.Tensor | None = None  # (rows,) p_T(x) of the proposals' tokens (0 where none), if asked
+
+
+@dataclass(frozen=True)
+class ForcedRows:
+    """Some rows of one teacher-forced arm: the drafter's guesses of the token after ``x_t`` of a text."""
+
+    rows: torch.Tensor  # (r,) the rows' indices in TeacherForced (and in the target's law), increasing by one
+    logits: torch.Tensor  # (r, columns) the guesses' logits (log laws over the target vocabulary after a pointer)
+    positions: torch.Tensor  # (r,) t: the row knows x_0 .. x_t and guesses x_{t+1}
+    counts: torch.Tensor  # (r,) the count of keys a spec's factor takes for the row (a copy pointer's)
+    n_visible: torch.Tensor  # (r,) keys the row's query sees in the drafter's attention
+    columns: torch.Tensor | None = None  # (columns,) target id of each logits column; None: column i is id i
+
+    def drafted(self) -> torch.Tensor:
+        """The greedy guesses (r,), target ids."""
+        best = self.logits.argmax(-1)
+        return best if self.columns is None else self.columns[best]
+
+
+class ForcedArm(Protocol):
+    """How an adapter's teacher-forced pass runs the drafter once per arm over one text (the target already
+    run): called with the arm's ``(spec, tap)``, it yields the arm's rows, all of them, in chunks. A copy
+    pointer wraps an arm (``calibrate.drafters.pointer.PointerArm``)."""
+
+    columns: torch.Tensor | None  # the columns its rows' logits have (the target's law is formed over them)
+
+    def __call__(self, spec: ScaleSpec | None, tap: AttentionTap | None) -> Iterator[ForcedRows]:
+        """The arm's rows under ``spec`` (None: unscaled), its queries shown to ``tap``."""
+
+
+def forced_runs(arm: ForcedArm, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]], law,
+                size: int) -> TeacherForced:
+    """Run ``arm`` once per ``(spec, tap)`` of ``runs`` and gather its ``size`` rows against ``law`` (a
+    ``calibrate.measure.metrics.NextTokenLaw`` with one row per teacher-forced row): the drafted tokens and
+    the acceptance, one row per run, and the visible keys of the last run."""
+    drafted = torch.empty(len(runs), size, dtype=torch.long, device=law.greedy.device)
+    accept = torch.empty(len(runs), size, dtype=torch.float32, device=law.greedy.device)
+    n_visible = None
+    for r, (spec, tap) in enumerate(runs):
+        for part in arm(spec, tap):
+            if n_visible is None:
+                n_visible = torch.empty(size, dtype=part.n_visible.dtype, device=part.n_visible.device)
+            drafted[r, part.rows] = part.drafted().to(drafted.device)
+            accept[r, part.rows] = law.acceptance(part.logits, start=int(part.rows[0])).to(accept.device)
+            n_visible[part.rows] = part.n_visible
+    return TeacherForced(n_visible=n_visible, target_next=law.greedy, drafted=drafted, accept=accept,
+                         proposed_accept=law.point_accept)
 
 
 @runtime_checkable

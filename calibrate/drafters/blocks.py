@@ -42,7 +42,7 @@ import torch
 
 from sharpdraft_theory import ScaleSpec
 
-from .base import AttentionTap, TeacherForced, pick_rows
+from .base import AttentionTap, ForcedRows, TeacherForced, forced_runs, pick_rows
 
 __all__ = ["DFlashBlockProposer", "anchored_masks", "block_ids", "block_tap", "block_teacher_forced", "context_columns"]
 
@@ -130,9 +130,10 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     features and its law. The taps are not called: the keys of a batched call are laid out as in
     :func:`anchored_masks`, not as the first ``n_visible`` keys a tap (the attention-mass meter) reads,
     so eval reports no mass for blocks (``sharpdraft calibrate`` measures it, one block at a time).
-    With a copy ``pointer`` (``calibrate.drafters.pointer``) row 1's law has the copies mixed in."""
+    With a copy ``pointer`` (``calibrate.drafters.pointer``) row 1's law has the copies mixed in: it wraps the
+    blocks' arm."""
     from ..measure.metrics import NextTokenLaw
-    from .pointer import next_token_mix
+    from .pointer import PointerArm
     from .target import hidden_state_features
 
     device = model.fc.weight.device
@@ -144,26 +145,35 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     features, final = states[:, :, :-width], states[0, :, -width:]
     law = NextTokenLaw(target.get_output_embeddings()(final), temperature, points=proposals)  # row t: token t + 1
     context = model.encode_context(features.to(model.fc.weight.dtype), torch.arange(T, device=device)[None])
-    B = model.config.block_size
-    drafted = torch.empty(len(runs), T, dtype=torch.long, device=device)
-    accept = torch.empty(len(runs), T, dtype=torch.float32, device=device)
-    for r, (spec, _tap) in enumerate(runs):
+    arm = _BlockArm(model, target, input_ids, context)
+    if pointer is not None:
+        arm = PointerArm(arm, pointer, input_ids[0], model.config.vocab_size)
+    return forced_runs(arm, runs, law, T)
+
+
+class _BlockArm:
+    """The teacher-forced arm of a DFlash model (``calibrate.drafters.base.ForcedArm``): the blocks anchored at
+    every position of ``input_ids`` (1, T), :data:`ANCHORS_PER_CALL` a call, over the target's ``context``
+    keys and values; row ``t`` is the block at ``t``'s row 1. Its ``tap`` is not called (the docstring above)."""
+
+    columns = None
+
+    def __init__(self, model, target, input_ids: torch.Tensor, context):
+        self.model, self.target, self.input_ids, self.context = model, target, input_ids, context
+
+    def __call__(self, spec, tap):
+        model, T = self.model, self.input_ids.shape[1]
+        device, B = self.input_ids.device, model.config.block_size
         for a0 in range(0, T, ANCHORS_PER_CALL):
             anchors = torch.arange(a0, min(a0 + ANCHORS_PER_CALL, T), device=device)
-            ids, pos = block_ids(model, anchors, input_ids[0, anchors])
+            ids, pos = block_ids(model, anchors, self.input_ids[0, anchors])
             width_c = int(anchors[-1])  # the last anchor's context: every other block's is a prefix of it
             masks = anchored_masks(model, anchors, width_c, spec)
             with block_tap(model, spec):
-                hidden = model.forward_block(_embed(model, target, ids), pos,
-                                             [(k[:, :, :width_c], v[:, :, :width_c]) for k, v in context], masks)
-            logits = model.compute_logits(hidden.view(len(anchors), B, -1)[:, 1], target)  # (a, vocab): row 1
-            if pointer is not None:
-                logits = next_token_mix(pointer, logits, input_ids[0], anchors, spec)
-            drafted[r, anchors] = logits.argmax(-1)
-            accept[r, anchors] = law.acceptance(logits, start=a0)
-    n_visible = torch.arange(T, device=device) + 1  # the bucket's count, as for every adapter: t + 1
-    return TeacherForced(n_visible=n_visible, target_next=law.greedy, drafted=drafted, accept=accept,
-                         proposed_accept=law.point_accept)
+                hidden = model.forward_block(_embed(model, self.target, ids), pos,
+                                             [(k[:, :, :width_c], v[:, :, :width_c]) for k, v in self.context], masks)
+            logits = model.compute_logits(hidden.view(len(anchors), B, -1)[:, 1], self.target)  # (a, vocab): row 1
+            yield ForcedRows(anchors, logits, anchors, anchors, anchors + 1)  # n_visible: the bucket's count, t + 1
 
 
 class DFlashBlockProposer:

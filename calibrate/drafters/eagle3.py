@@ -56,12 +56,11 @@ from sharpdraft_theory.spec import DrafterInfo
 from ..errors import UserError
 from . import AUX_READINGS, aux_offset
 from ..taps import ScalingTap
-from .base import AttentionTap, TeacherForced
+from .base import AttentionTap, ForcedRows, TeacherForced, forced_runs
 from .checkpoint import (TrainingLength, build, config_field, read_config, read_weights, rename_prefixes,
                          training_length)
 from .fields import check_fields
-from .pointer import (CopyPointer, alpha as pointer_alpha, describe, limits as pointer_limits, locate as locate_pointer,
-                      with_pointer)
+from .pointer import CopyPointer, PointerArm, describe, locate as locate_pointer, with_pointer
 from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_partial_rotary, read_rope,
                      rope_cos_sin, rope_inv_freq, rotary_dim)
 from .target import eos_token_id, hidden_state_features, load_target
@@ -652,37 +651,43 @@ class Eagle3Drafter:
     def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
                        temperature: float = 1.0, proposals: torch.Tensor | None = None) -> TeacherForced:
         """Head row ``t`` (the collect layout) guesses token ``t + 2`` (``predicts``); the target's law for
-        it is its next-token law after position ``t + 1``. The target runs once, for features and its law."""
+        it is its next-token law after position ``t + 1``. The target runs once, for features and its law.
+        The copy pointer, when the head has one, wraps the head's arm (``calibrate.drafters.pointer``)."""
         from ..measure.metrics import NextTokenLaw
 
         input_ids = self._input(input_ids)
         features, final = self.target_states(input_ids)
         columns = self.head.draft_to_target(torch.arange(self.head.config.draft_vocab_size, device=final.device))
-        law = NextTokenLaw(self.target.get_output_embeddings()(final), temperature,
-                           None if self.pointer is not None else columns, points=proposals)  # rows t + 1 >= 1
-        drafted, accept = [], []
-        for spec, tap in runs:
-            scaled = ScalingTap(spec, tap)
-            logits = self.head(input_ids[:, 1:], features[:, :-1], attention_hook=scaled,
-                               **_restriction(spec)).logits[0]  # (T-1, draft)
-            if self.pointer is None:
-                drafted.append(self.head.draft_to_target(logits.argmax(-1)))
-                accept.append(law.acceptance(logits))
-                continue
-            rows = torch.arange(logits.shape[0], device=logits.device)
-            alpha = pointer_alpha(spec, scaled.n_visible[0])
-            mixed = self.pointer.mix(logits, columns, input_ids[0], rows, alpha, self.head.config.vocab_size,
-                                     **pointer_limits(spec, self.head.config.sliding_window))  # (T-1, vocab)
-            drafted.append(mixed.argmax(-1))
-            accept.append(law.acceptance(mixed))
-        return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
-                             accept=torch.stack(accept), proposed_accept=law.point_accept)
+        arm = _Eagle3Arm(self.head, input_ids, features, columns)
+        if self.pointer is not None:
+            c = self.head.config
+            arm = PointerArm(arm, self.pointer, input_ids[0], c.vocab_size, c.sliding_window)
+        law = NextTokenLaw(self.target.get_output_embeddings()(final), temperature, arm.columns,
+                           points=proposals)  # rows t + 1 >= 1
+        return forced_runs(arm, runs, law, input_ids.shape[1] - 1)
 
     def proposer(self, spec: ScaleSpec | None):
         """Chain drafting with the head under ``spec`` (:class:`Eagle3Proposer`), its copy pointer around it
         (``calibrate.drafters.pointer.with_pointer``) when the adapter has one."""
         chain = Eagle3Proposer(self.head, self.feature_ids, spec)
         return chain if self.pointer is None else with_pointer(chain, self.pointer, spec)
+
+
+class _Eagle3Arm:
+    """The teacher-forced arm of an EAGLE-3 head (``calibrate.drafters.base.ForcedArm``): the head once over
+    ``input_ids`` (1, T) with the target's ``features``; row ``t`` knows ``x_0 .. x_{t+1}`` and guesses
+    ``x_{t+2}`` over the draft vocabulary, whose target ids are ``columns``."""
+
+    def __init__(self, head: Eagle3Head, input_ids: torch.Tensor, features: torch.Tensor, columns: torch.Tensor):
+        self.head, self.input_ids, self.features, self.columns = head, input_ids, features, columns
+
+    def __call__(self, spec, tap):
+        scaled = ScalingTap(spec, tap)
+        logits = self.head(self.input_ids[:, 1:], self.features[:, :-1], attention_hook=scaled,
+                           **_restriction(spec)).logits[0]  # (T-1, draft)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        n_visible = scaled.n_visible[0]
+        yield ForcedRows(rows, logits, rows + 1, n_visible, n_visible, self.columns)
 
 
 class Eagle3Proposer:

@@ -45,7 +45,7 @@ from sharpdraft_theory.spec import DrafterInfo
 from ..errors import UserError
 from ..smollm2 import SMOLLM2_N_REF, load_smollm2
 from ..taps import ScalingTap, attention_tap
-from .base import AttentionTap, TeacherForced
+from .base import AttentionTap, ForcedRows, TeacherForced, forced_runs
 from .checkpoint import read_config
 from .fields import check_fields
 from .pard_smollm2 import EMBEDDING_FROM, SMOLLM2, build_pard_drafter
@@ -101,25 +101,17 @@ class CausalLMDrafter:
     @torch.no_grad()
     def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
                        temperature: float = 1.0, proposals: torch.Tensor | None = None) -> TeacherForced:
-        """Row ``t`` of (1, T): the drafter's and the target's next-token laws after token ``t`` (``predicts``)."""
+        """Row ``t`` of (1, T): the drafter's and the target's next-token laws after token ``t`` (``predicts``);
+        the copy pointer, when the drafter has one, wraps the drafter's arm (``calibrate.drafters.pointer``)."""
         from ..measure.metrics import NextTokenLaw
+        from .pointer import PointerArm
 
         input_ids = input_ids.to(self.device)
         law = NextTokenLaw(self.target(input_ids=input_ids).logits[0], temperature, points=proposals)  # (T, vocab)
-        drafted, accept = [], []
-        for spec, tap in runs:
-            scaled = ScalingTap(spec, tap)
-            with attention_tap(self.model, scaled, restrict=spec):
-                logits = self.model(input_ids=input_ids, use_cache=False).logits[0]  # (T, vocab)
-            if self.pointer is not None:
-                from .pointer import next_token_mix
-
-                positions = torch.arange(logits.shape[0], device=logits.device)
-                logits = next_token_mix(self.pointer, logits, input_ids[0], positions, spec)
-            drafted.append(logits.argmax(-1))
-            accept.append(law.acceptance(logits))
-        return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
-                             accept=torch.stack(accept), proposed_accept=law.point_accept)
+        arm = _CausalArm(self.model, input_ids)
+        if self.pointer is not None:
+            arm = PointerArm(arm, self.pointer, input_ids[0], self.model.get_output_embeddings().weight.shape[0])
+        return forced_runs(arm, runs, law, input_ids.shape[1])
 
     feature_ids = None  # its proposers read no target features
 
@@ -161,6 +153,23 @@ class CausalLMDrafter:
                             f"below the embedding's {vocab} rows; a PARD drafter names its mask token there (or run it "
                             "as --drafter hf, one draft per forward)")
         return token
+
+
+class _CausalArm:
+    """The teacher-forced arm of a causal LM (``calibrate.drafters.base.ForcedArm``): one causal pass over
+    ``input_ids`` (1, T), its queries scaled through the attention tap; row ``t`` guesses token ``t + 1``."""
+
+    columns = None
+
+    def __init__(self, model, input_ids: torch.Tensor):
+        self.model, self.input_ids = model, input_ids
+
+    def __call__(self, spec, tap):
+        scaled = ScalingTap(spec, tap)
+        with attention_tap(self.model, scaled, restrict=spec):
+            logits = self.model(input_ids=self.input_ids, use_cache=False).logits[0]  # (T, vocab)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        yield ForcedRows(rows, logits, rows, rows, scaled.n_visible[0])
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device: torch.device,

@@ -23,7 +23,8 @@ the mass on a real match and on the sink dilutes, as the module's theory describ
 
 In decoding the pointer is a proposer that wraps the drafter's own (:func:`with_pointer`): it mixes
 the copies into each law the inner proposer drafts from, a chain's row by row (each row knows the drafts
-before it), a block's rows at once (row ``j`` copies the token ``j`` places after a match).
+before it), a block's rows at once (row ``j`` copies the token ``j`` places after a match). In an
+adapter's teacher-forced pass it wraps the pass's arm the same way (:class:`PointerArm`).
 
 The pointer has no weights: four numbers, fitted by ``scripts/fit_copy_pointer.py``, stored in a head
 directory's ``copy_pointer.json`` (:func:`read`), which may name the directory of the head it joins
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,8 +46,9 @@ from sharpdraft_runtime import causal_mask
 from ..errors import UserError
 from .base import BlockProposer, ChainProposer, pick_rows
 
-__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "PointerBlockProposer", "PointerChainProposer", "with_pointer", "alpha", "block_mix", "describe", "keeping_slope", "limits",
-           "locate", "matches", "next_token_mix", "read", "spec_block_mix", "write"]
+__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "PointerArm", "PointerBlockProposer", "PointerChainProposer",
+           "alpha", "block_mix", "describe", "keeping_slope", "limits", "locate", "matches", "read", "spec_block_mix",
+           "with_pointer", "write"]
 
 FILE = "copy_pointer.json"
 FORMAT = "sharpdraft-copy-pointer"
@@ -223,18 +225,38 @@ def spec_block_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Ten
     return block_mix(pointer, logits, tokens, alpha(spec, max(tokens.numel() - 1, 1)), **limits(spec))
 
 
-def next_token_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                   spec) -> torch.Tensor:
-    """Teacher-forced next-token laws with ``pointer``'s copies: ``logits`` (a, vocab) the drafter's guesses of
-    ``x_{t+1}`` at consecutive ``positions`` t (knowing ``x_0 .. x_t`` of ``tokens``, as the EAGLE-3 row ``t - 1``
-    does), the log laws (a, vocab); at ``t = 0`` there is nothing to copy from, the drafter's law alone."""
-    out = torch.log_softmax(logits.float(), dim=-1)
-    later = positions >= 1
-    if later.any():
-        columns = torch.arange(logits.shape[-1], device=logits.device)
-        out[later] = pointer.mix(logits[later], columns, tokens, positions[later] - 1, alpha(spec, positions[later]),
-                                 logits.shape[-1], **limits(spec))
-    return out
+class PointerArm:
+    """A teacher-forced arm (``calibrate.drafters.base.ForcedArm``) with ``pointer``'s copies mixed into its rows:
+    the row at position ``t`` (knowing ``x_0 .. x_t`` of ``tokens``, as the EAGLE-3 row ``t - 1`` does) gets
+    :meth:`CopyPointer.mix`'s law over the target's ``vocab_size`` tokens, with the spec's factor for the row's
+    count and, besides causality, the keys of :func:`limits` (with the drafter's ``sliding_window``); at ``t = 0``
+    there is nothing to copy from, the drafter's law alone."""
+
+    columns = None  # the mixed laws are over the target's whole vocabulary
+
+    def __init__(self, arm, pointer: CopyPointer, tokens: torch.Tensor, vocab_size: int,
+                 sliding_window: int | None = None):
+        self.arm, self.pointer, self.tokens = arm, pointer, tokens.reshape(-1)
+        self.vocab_size, self.sliding_window = int(vocab_size), sliding_window
+
+    def __call__(self, spec, tap):
+        keys = limits(spec, self.sliding_window)
+        for part in self.arm(spec, tap):
+            yield replace(part, logits=self._mix(part, spec, keys), columns=None)
+
+    def _mix(self, part, spec, keys: dict) -> torch.Tensor:
+        """The log laws (r, vocab) of ``part``'s rows."""
+        logits = part.logits
+        if part.columns is None:
+            columns, out = torch.arange(logits.shape[-1], device=logits.device), torch.log_softmax(logits.float(), -1)
+        else:
+            columns = part.columns
+            out = torch.full((len(logits), self.vocab_size), float("-inf"), device=logits.device)
+        later = part.positions >= 1
+        if later.any():
+            out[later] = self.pointer.mix(logits[later], columns, self.tokens, part.positions[later] - 1,
+                                          alpha(spec, part.counts[later]), out.shape[-1], **keys)
+        return out
 
 
 def describe(pointer: CopyPointer) -> str:
