@@ -96,7 +96,7 @@ def test_output_is_target_greedy(target, drafters, name, spec):
     for prompt in prompts():
         reference = target.generate(prompt, do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None)
         reference = reference[0, prompt.shape[1]:].tolist()
-        assert greedy_generate(target, prompt, NEW_TOKENS).tokens == reference  # the chain loop's reference too
+        assert greedy_generate(target, prompt, NEW_TOKENS).tokens == reference  # the one loop's reference too
         alone = transformers_generate(target, prompt, NEW_TOKENS)
         assert alone.tokens == reference and alone.steps == NEW_TOKENS and set(alone.accepted) == {0}
         assert assisted(target, drafters[name], spec, prompt).tokens == reference
