@@ -13,7 +13,7 @@ over it can be estimated) and is checked against target-only decoding, the same 
   Monte Carlo with a rule that accepts every draft lands outside it (the check can fail).
 
 Proposers: the EAGLE-3 chain, DFlash blocks, PARD's parallel drafts, a causal LM's chain (``hf``), each
-model kind that takes one with a copy pointer around it, prompt lookup alone and before a model, and the
+model kind with a copy pointer around it (``hf`` takes one here, though its loader refuses one yet), prompt lookup alone and before a model, and the
 proposer that proposes nothing. Spec kinds: none, the scale laws (log-linear, Qwen's logn), a window,
 sinks, and the three distance fixes; lookup and the empty proposer run no model, so they take none.
 """
@@ -48,8 +48,8 @@ NUM_DRAFT = 2  # a DFlash block of 3 drafts 2 a forward
 SPECS = variant_specs(ScaleSpec(law="log-linear", n_ref=N_REF, slope=0.5, top_k=2), N_REF,
                       ("none", "spec", "qwen-logn", "window", "sinks", *FIXES), longest=32)
 POINTER = CopyPointer(2, 6.0, 3.0, 0.9)
-MODELS = ("eagle3", "eagle3+pointer", "dflash", "dflash+pointer", "pard", "pard+pointer", "hf", "lookup+eagle3",
-          "lookup+hf")
+MODELS = ("eagle3", "eagle3+pointer", "dflash", "dflash+pointer", "pard", "pard+pointer", "hf", "hf+pointer",
+          "lookup+eagle3", "lookup+hf")
 CELLS = [(name, spec) for name in MODELS for spec in SPECS] + [("lookup", "none"), ("none", "none")]
 IDS = [f"{name}-{spec}" for name, spec in CELLS]
 
@@ -67,6 +67,7 @@ def adapters(target, tmp_path_factory):
     block = load_dflash(write_tiny_dflash(tmp_path_factory.mktemp("dflash"), target, seed=2, block_size=3), target)
     pard = tiny_target(5, num_layers=2, vocab_size=V)
     pard.config.pard_token = V - 1
+    hf = tiny_target(3, num_layers=2, vocab_size=V)
 
     def causal(model, kind, pointer=None):
         return CausalLMDrafter(model, ByteTokenizer(), kind=kind, path=None, default_n_ref=N_REF, target=target,
@@ -77,7 +78,7 @@ def adapters(target, tmp_path_factory):
             "dflash": DFlashDrafter(block, target, None), "dflash+pointer": DFlashDrafter(block, target, None,
                                                                                          pointer=POINTER),
             "pard": causal(pard, "pard"), "pard+pointer": causal(pard, "pard", POINTER),
-            "hf": causal(tiny_target(3, num_layers=2, vocab_size=V), "hf")}
+            "hf": causal(hf, "hf"), "hf+pointer": causal(hf, "hf", POINTER)}
 
 
 def make(adapters, name: str, spec):

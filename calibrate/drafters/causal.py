@@ -66,22 +66,43 @@ class CachedCausalLM:
 
 class CausalLMProposer(CachedCausalLM):
     """Chain drafting with a causal LM of the target's vocabulary (module docstring): ``k`` forwards
-    of one new token each."""
+    of one new token each. A ``ChainProposer`` (``calibrate.drafters.base``), so a copy pointer can wrap it."""
 
     name = "hf"
+    sliding_window = None  # the spec's window is applied through the tap
+
+    def __init__(self, model, spec: ScaleSpec | None = None):
+        super().__init__(model, spec)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.columns = torch.arange(self.vocab_size, device=model.get_input_embeddings().weight.device)
+        self.kept = None  # committed tokens in the cache while a step's drafts follow them
+
+    def row_logits(self, drafted: list[int]) -> torch.Tensor:
+        """The logits (vocab,) after the pending token and ``drafted``: a step's first call feeds the committed
+        tokens the cache lacks, each later one the draft before it."""
+        if not drafted:
+            self.kept = self.cache.get_seq_length() + len(self.unfed)
+            ids, self.unfed = self.unfed, []
+        else:
+            ids = [drafted[-1]]
+        self.forwards += 1
+        return self._forward(ids, 1)[0]
 
     def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
         """``k`` drafts, each picked by ``rule`` after the ones before it, and their laws (None: greedy)."""
-        from ..speculative import crop_cache
-
-        kept = self.cache.get_seq_length() + len(self.unfed)  # committed tokens once these are fed
         drafts, laws = [], []
         for _ in range(k):
-            token, law = rule.pick(self._forward([drafts[-1]] if drafts else self.unfed, 1)[0])
-            self.forwards += 1
+            token, law = rule.pick(self.row_logits(drafts))
             drafts.append(int(token))
             if law is not None:
                 laws.append(law)
-        crop_cache(self.cache, kept)  # the drafts' rows go; accepted ones are fed again
-        self.unfed = []
         return drafts, (np.stack(laws) if laws else None)
+
+    def commit(self, new: list[int], features) -> None:
+        """The drafts' rows go from the cache (the accepted ones are fed again, as themselves, with ``new``)."""
+        from ..speculative import crop_cache
+
+        if self.kept is not None:
+            crop_cache(self.cache, self.kept)
+            self.kept = None
+        super().commit(new, features)

@@ -116,9 +116,9 @@ class CausalLMDrafter:
     feature_ids = None  # its proposers read no target features
 
     def proposer(self, spec: ScaleSpec | None):
-        """Drafting with ``spec`` applied: a PARD drafter's parallel drafts (``calibrate.drafters.parallel``,
-        its copy pointer around them when it has one), any other causal LM's chain
-        (``calibrate.drafters.causal``)."""
+        """Drafting with ``spec`` applied: a PARD drafter's parallel drafts (``calibrate.drafters.parallel``),
+        any other causal LM's chain (``calibrate.drafters.causal``); the copy pointer around them when the
+        drafter has one."""
         from .causal import CausalLMProposer
         from .parallel import PardParallelProposer
         from .pointer import with_pointer
@@ -126,10 +126,11 @@ class CausalLMDrafter:
         if self.model is self.target:
             raise UserError("--speculative needs a drafter different from the target: pass --drafter-path "
                             "(and --target-path for the target)")
-        if self.kind != "pard":
-            return CausalLMProposer(self.model, spec)
-        parallel = PardParallelProposer(self.model, self.pard_token, spec)
-        return parallel if self.pointer is None else with_pointer(parallel, self.pointer, spec)
+        if self.kind == "pard":
+            proposer = PardParallelProposer(self.model, self.pard_token, spec)
+        else:
+            proposer = CausalLMProposer(self.model, spec)
+        return proposer if self.pointer is None else with_pointer(proposer, self.pointer, spec)
 
     @property
     def parallel(self) -> bool:
