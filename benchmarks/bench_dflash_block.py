@@ -2,7 +2,7 @@
 
 Run ``python benchmarks/bench_dflash_block.py`` (``--help`` for options). It prints one table and
 writes nothing. The built-in DFlash head (``calibrate/assets/dflash-smollm2``) drafts its block
-(``DFlashBlockDrafter.block_logits``, the drafts a verification reads) after a context of ``--n``
+(``DFlashBlockProposer.block_logits``, the drafts a verification reads) after a context of ``--n``
 tokens (random ids; the target's features computed once), under eval's variants at its n_ref: the
 scale (``spec``, slope 0.2), the window (the last n_ref keys), ``clamp`` (neighbour window n_ref)
 and ``clamp+spec``. Each kind is paired with the plain block by ``bench_runtime.compare`` (the two arms
@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
 
     from calibrate.drafters import load_drafter
-    from calibrate.drafters.blocks import DFlashBlockDrafter
+    from calibrate.drafters.blocks import DFlashBlockProposer
     from calibrate.drafters.target import hidden_state_features
     from calibrate.evaluate import default_spec, variant_specs
 
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
         feats = hidden_state_features(d.target, ids[:, :args.n], tuple(d.model.config.hidden_state_ids))
 
         def drafter(spec):
-            dr = DFlashBlockDrafter(d.model, d.target, spec)
+            dr = DFlashBlockProposer(d.model, d.target, spec)
             dr.start(ids[:, :args.n], feats, int(ids[0, args.n]))
             return lambda: dr.block_logits(4)
 

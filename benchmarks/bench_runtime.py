@@ -2,7 +2,7 @@
 
 Run ``python benchmarks/bench_runtime.py`` (``--help`` for options). It prints one table and writes
 nothing. Two drafters, as deployed: the demo EAGLE-3 head's drafting step (``calibrate/assets/
-eagle3-smollm2``: the head's forward with the arguments ``Eagle3ChainDrafter`` gives it, target
+eagle3-smollm2``: the head's forward with the arguments ``Eagle3Proposer`` gives it, target
 features from SmolLM2) and SmolLM2-135M itself as a drafter through :func:`sharpdraft_runtime.enable`.
 Each case runs both arms over the same input: a prefill of 1,024 rows, a decoding step (one row over
 a 1,024-row cache: the drafting step) and a block of 16 rows over that cache (the head's commit of
@@ -54,7 +54,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import sharpdraft_runtime as sr
 from sharpdraft_runtime.positions import decode_attention
-from calibrate.drafters.eagle3 import Eagle3ChainDrafter, load
+from calibrate.drafters.eagle3 import Eagle3Proposer, load
 from calibrate.drafters.layers import attention, rope_inv_freq
 from calibrate.drafters.target import hidden_state_features
 from calibrate.evaluate import variant_specs
@@ -138,7 +138,7 @@ def compare(plain, runtime, reps: int, device: torch.device, prepare=lambda: Non
 
 def eagle3_cases(drafter, ids: torch.Tensor, law: str, granularity: str, reps: int, device: torch.device,
                  cases=CASES):
-    """(kind, case, result) for the demo head: prefill (``Eagle3ChainDrafter.start``), a drafting step
+    """(kind, case, result) for the demo head: prefill (``Eagle3Proposer.start``), a drafting step
     (one row, the head's own hidden state, over the cache), a block (a commit of 16 verified rows)."""
     head = drafter.head
     c = head.config
@@ -156,9 +156,9 @@ def eagle3_cases(drafter, ids: torch.Tensor, law: str, granularity: str, reps: i
                 "block": lambda: head(ids[:, CONTEXT + 1:CONTEXT + BLOCK + 1], features[:, CONTEXT:CONTEXT + BLOCK],
                                       position_ids=after, past_key_values=past, **arguments)}
 
-    plain = run(Eagle3ChainDrafter(head, drafter.feature_ids, None))
+    plain = run(Eagle3Proposer(head, drafter.feature_ids, None))
     for kind, spec in specs.items():
-        fixed = run(Eagle3ChainDrafter(head, drafter.feature_ids, spec))
+        fixed = run(Eagle3Proposer(head, drafter.feature_ids, spec))
         for case in cases:
             yield kind, case, compare(plain[case], fixed[case], max(3, reps // 4) if case == "prefill" else reps,
                                       device)

@@ -13,7 +13,6 @@ from rich.table import Table
 
 from .drafters import drafter_kind, kind_names
 from .errors import UserError
-from .speculative import ASSISTED_LOOP
 
 __all__ = ["eval_command", "plot_result", "summary_tables", "cost_table"]
 
@@ -170,8 +169,8 @@ def eval_command(
     from sharpdraft_theory.atomic import atomic_write_text
 
     from .drafters import load_drafter, resolve_device, resolve_dtype
-    from .evaluate import (LOOKUP_VARIANTS, bucket_edges, check_lookup_loop, check_variants,
-                           default_spec, evaluate, parse_extra_specs, with_lookup)
+    from .evaluate import (LOOKUP_VARIANTS, bucket_edges, check_variants, default_spec, evaluate,
+                           parse_extra_specs, with_lookup)
     from .measure import SavedUnits, parse_grid, partial_dir
     from .online import online_options
     from .preflight import check_corpus, check_outputs, load_spec, local_inputs
@@ -216,7 +215,6 @@ def eval_command(
                    **{f"--extra-spec {name.removeprefix('spec:')}": path for name, file in extra_files.items()
                       for path in local_inputs(file=file).values()}})
     lookup = check_lookup(lookup_max_ngram, lookup_min_ngram)
-    check_lookup_loop(drafter, with_lookup(chosen, corpus), speculative)
     check_corpus(corpus, max(edges))
     loaded_spec = load_spec(spec) if spec is not None else None
     k = top_k or (loaded_spec.top_k if loaded_spec else 4)
@@ -355,8 +353,8 @@ def _table(result: dict) -> None:
                       f"{s['drafting'].split(':')[0]} of {s['num_draft']}; {check}. Speedup is target-only decoding time over "
                       "speculative time on this machine: it falls below 1 where a target forward is too cheap "
                       "to save (a small target on CPU, a Python loop), even when acceptance length is near 2"
-                      + ("; draft ms per round: the drafter's time per target forward, draft share: its part of "
-                         "the decode time" if s["loop"] != ASSISTED_LOOP else ""))
+                      + "; draft ms per round: the drafter's time per target forward, draft share: its part of "
+                        "the decode time")
 
 
 def spec_label(d: dict) -> str:

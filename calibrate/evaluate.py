@@ -59,16 +59,14 @@ Per bucket and variant:
     greedy speculative decoding with chains of ``num_draft`` after a prompt of ``n - new_tokens``
     tokens, one prompt per sequence: tokens committed per target forward that verifies drafts,
     and target-only decode time per token over speculative decode time per token (prefill
-    excluded from both; ``calibrate.speculative``). The loop (``speculative.loop``) is the
-    kind's: ``transformers-assisted`` for ``hf`` causal LMs (transformers'
-    ``generate(assistant_model=...)``, the variant's spec enabled on the assistant),
-    ``sharpdraft-chain`` for the others (``calibrate.speculative.speculative_generate``: EAGLE-3
-    chains, DFlash blocks, PARD's parallel drafts, lookup).
+    excluded from both; ``calibrate.speculative``). The loop (``speculative.loop``) is
+    ``sharpdraft-chain`` for every kind (``calibrate.speculative.speculative_generate``: EAGLE-3
+    chains, DFlash blocks, PARD's parallel drafts, causal-LM chains, lookup).
     ``speculative.outputs_identical``: every run's output equals target-only greedy decoding by
-    the same loop's target (``generate`` without an assistant; ``greedy_generate``), token for token.
+    the same loop (``greedy_generate``), token for token.
 
     With ``sample=True`` the decoding is speculative sampling at ``temperature`` instead
-    (``calibrate.speculative.Sampling``; transformers' ``do_sample=True`` in the assisted loop),
+    (``calibrate.speculative.Sampling``),
     and the baseline samples from the target alone. Every run from one prompt (the baseline and
     each variant) draws from its own copy of one random stream, seeded by ``seed`` and the prompt's
     tokens (:func:`prompt_seed`), so the variants are compared on the same draws where they agree
@@ -119,8 +117,7 @@ at ``n <= n_ref`` every variant but ``reference`` is the plain drafter (alpha = 
 yet reached): the table must show no change in those buckets.
 
 Every kind whose registry entry ``evaluates`` (``calibrate.drafters.KINDS``) runs the same way:
-the drafter adapter provides the teacher-forced runs and the chain drafter (or, ``assisted``, the
-assistant model).
+the drafter adapter provides the teacher-forced runs and the proposer.
 """
 
 from __future__ import annotations
@@ -145,16 +142,16 @@ from sharpdraft_theory.stats import DEFAULT_SINKS
 from .corpus import is_recall, pack, recall_corpus
 from .drafters import drafter_kind
 from .errors import UserError
-from .lookup import LookupDrafter, LookupSettings, LookupThenHead
+from .lookup import LookupProposer, LookupSettings
 from .measure import METRICS, Arm, MassMeter, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
 from .measure.blocks import block_anchors, block_rows, block_sums, check_block_unit, summarize_blocks
 from .measure.forced import row_masks
 from .online import (ONLINE_KINDS, ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes,
                      online_arms, online_pass, tally_online)
-from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
-                          speculative_generate, target_generate, transformers_generate)
+from .speculative import (CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill, speculative_generate,
+                          target_generate)
 
-__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "POSITION_VARIANTS", "LOOKUP_VARIANTS", "with_lookup", "check_lookup_loop",
+__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "POSITION_VARIANTS", "LOOKUP_VARIANTS", "with_lookup",
            "position_fix", "DEFAULT_SINKS", "default_spec",
            "variant_specs", "check_variants", "bucket_edges", "paired_bootstrap", "describe_spec", "evaluate",
            "prompt_seed", "parse_extra_specs", "EXTRA_PREFIX"]
@@ -256,16 +253,6 @@ def with_lookup(variants, corpus: str) -> tuple[str, ...]:
     part of that report."""
     variants = tuple(variants)
     return (*variants, "lookup") if is_recall(corpus) and "lookup" not in variants else variants
-
-
-def check_lookup_loop(kind: str, variants, speculative: bool) -> None:
-    """Lookup decodes in the chain loop: a ``UserError`` for the lookup variants with ``--speculative``
-    for a kind that decodes in transformers' assisted loop (``hf``)."""
-    looked = [v for v in variants if v in LOOKUP_VARIANTS]
-    if speculative and looked and drafter_kind(kind).assisted:
-        raise UserError(f"--variants {','.join(looked)} with --speculative (lookup runs on every recall corpus): "
-                        f"{kind} drafters decode in transformers' assisted loop, lookup in the chain loop; drop "
-                        "--speculative or use a drafter of the chain loop (eagle3, dflash, pard)")
 
 
 def position_fix(fix: str, n_ref: int, longest: int, *, neighbour_window: int | None = None,
@@ -392,7 +379,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         More specs measured as variants on the same passes, ``{"spec:NAME": spec}`` (``--extra-spec``),
         each at ``spec``'s top-k: a per-layer or per-head spec paired with the global one.
     """
-    kind = drafter_kind(drafter.kind, evaluates=True)
+    drafter_kind(drafter.kind, evaluates=True)  # a kind that does not evaluate is refused
     num_draft = draft_length(drafter, num_draft)
     block = getattr(drafter, "block_size", None)
     if block is not None and num_draft > block - 1:
@@ -404,7 +391,6 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     edges = bucket_edges(lengths)
     recall = is_recall(corpus)
     variants = with_lookup(variants, corpus)
-    check_lookup_loop(drafter.kind, variants, speculative)
     if speculative and drafter.kind == "pard":
         drafter.pard_token  # noqa: B018 (read now: a PARD drafter without its mask token is refused before any pass)
     lookup = replace(lookup or LookupSettings(), eos_token_id=drafter.eos_token_id)
@@ -473,7 +459,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         blocks = _blocks(drafter, texts, {v: s for v, s in specs.items() if v not in LOOKUP_VARIANTS}, edges,
                          num_draft, temperature, saved, progress)
     names = [a.name for a in arms if a not in grid]
-    loop = ASSISTED_LOOP if kind.assisted else CHAIN_LOOP
+    loop = CHAIN_LOOP
     all_identical = None
     if speculative:
         def rule(prompt):  # a fresh rule per run: every run from one prompt draws the same stream
@@ -659,8 +645,8 @@ def _speculative(drafter, reference, loop, texts, edges, specs, buckets, new_tok
             if unit is None:
                 if progress:
                     progress(f"speculative decoding ({loop}): n = {n}, prompt {i + 1}/{len(texts)}")
-                unit = _prompt(loop, drafter, runs, text[:max(int(n) - new_tokens, 2)], new_tokens, num_draft,
-                               rule, lookup)
+                unit = _prompt(drafter, runs, text[:max(int(n) - new_tokens, 2)], new_tokens, num_draft, rule,
+                               lookup)
                 saved.put(f"speculative-{int(n)}-{i:05d}", unit)
             identical &= unit["identical"]
             drafters.update(unit["drafters"])
@@ -711,21 +697,21 @@ def _prompt_unit(unit, variants: list[str]) -> dict:
     return unit
 
 
-def _prompt(loop: str, drafter, runs, prompt: list[int], new_tokens: int, num_draft: int, rule,
+def _prompt(drafter, runs, prompt: list[int], new_tokens: int, num_draft: int, rule,
             lookup: LookupSettings) -> dict:
     """One prompt decoded target-only and by every run, each verified by a fresh ``rule(prompt)``:
     ``{"identical", "base": [seconds, tokens], "runs": {variant: [acceptance length, decode seconds,
     decoded tokens, drafting seconds, target forwards]}, "drafters": {variant: what drafted}}`` (what a resumed
-    run keeps; transformers' loop cannot tell drafting from verifying and keeps the first three)."""
+    run keeps; one saved by transformers' assisted loop, before every kind ran in the one loop, keeps the first
+    three)."""
     target = drafter.target
     prompt = torch.tensor([prompt], device=drafter.device)
-    # chain loop: one target prefill per prompt, shared by the baseline and every variant (each decodes
-    # from a copy); transformers' generate prefills in each run
-    shared = None if loop == ASSISTED_LOOP else prefill(target, prompt, drafter.chain_drafter(None).feature_ids)
-    baseline = _decode(loop, target, None, None, prompt, new_tokens, num_draft, shared, rule(prompt))
+    # one target prefill per prompt, shared by the baseline and every variant (each decodes from a copy)
+    shared = prefill(target, prompt, drafter.feature_ids)
+    baseline = _decode(target, None, None, prompt, new_tokens, num_draft, shared, rule(prompt))
     unit = {"identical": True, "base": [baseline.decode_seconds, baseline.decode_tokens], "runs": {}, "drafters": {}}
     for variant, source, s in runs:
-        out = _decode(loop, target, source, s, prompt, new_tokens, num_draft, shared, rule(prompt),
+        out = _decode(target, source, s, prompt, new_tokens, num_draft, shared, rule(prompt),
                       variant if variant in LOOKUP_VARIANTS else "head", lookup)
         unit["identical"] &= out.tokens == baseline.tokens
         unit["runs"][variant] = [out.acceptance_length, out.decode_seconds, out.decode_tokens] + (
@@ -734,28 +720,23 @@ def _prompt(loop: str, drafter, runs, prompt: list[int], new_tokens: int, num_dr
     return unit
 
 
-def _decode(loop: str, target, source, spec: ScaleSpec | None, prompt: torch.Tensor, new_tokens: int,
-            num_draft: int, shared: Prefill | None, rule=GREEDY, drafts: str = "head",
+def _decode(target, source, spec: ScaleSpec | None, prompt: torch.Tensor, new_tokens: int, num_draft: int,
+            shared: Prefill | None, rule=GREEDY, drafts: str = "head",
             lookup: LookupSettings | None = None) -> SpeculativeResult:
-    """One decode by ``loop`` verified by ``rule``: target-only when ``source`` is None, else
-    speculative with the drafter adapter ``source`` under ``spec`` (its assistant model, or its
-    chain drafter, from the ``shared`` prefill); ``drafts`` ``lookup`` or ``lookup+head``: prompt
-    lookup with ``lookup``'s settings, alone or before the chain drafter, in the same chain loop."""
-    if loop == ASSISTED_LOOP:
-        if source is None:
-            return transformers_generate(target, prompt, new_tokens, rule=rule)
-        with source.assistant(spec) as assistant:
-            return transformers_generate(target, prompt, new_tokens, assistant, num_draft, rule)
+    """One decode in the one loop verified by ``rule``, from the ``shared`` prefill: target-only when
+    ``source`` is None, else speculative with the drafter adapter ``source``'s proposer under ``spec``;
+    ``drafts`` ``lookup`` or ``lookup+head``: prompt lookup with ``lookup``'s settings, alone or before
+    that proposer."""
     if source is None:
         return target_generate(target, prompt, new_tokens, shared, rule)
-    proposer = LookupDrafter(target.get_output_embeddings().weight.shape[0], lookup) if drafts != "head" else None
-    chain = proposer if drafts == "lookup" else source.chain_drafter(spec)
-    if drafts == "lookup+head":
-        chain = LookupThenHead(proposer, chain)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    proposer = source.proposer(spec) if drafts != "lookup" else None
+    if drafts != "head":
+        proposer = LookupProposer(vocab, lookup, proposer)
     try:
-        return speculative_generate(target, chain, prompt, new_tokens, num_draft, shared, rule)
+        return speculative_generate(target, proposer, prompt, new_tokens, num_draft, shared, rule)
     finally:
-        chain.close()
+        proposer.close()
 
 
 def _pointer(drafter) -> dict:

@@ -14,8 +14,8 @@ the generation config leaves it unset) and ``min_ngram = 1``; these are the defa
 
 One definition serves every use: :class:`PromptLookup` indexes a growing token sequence (the
 first place of every ``m``-gram, so a proposal costs ``max_ngram`` dictionary look-ups); the
-teacher-forced rows of ``sharpdraft eval`` (:func:`next_token_drafts`) and the drafters of the
-speculative loop (:class:`LookupDrafter`, :class:`LookupThenHead`) all ask it.
+teacher-forced rows of ``sharpdraft eval`` (:func:`next_token_drafts`) and the proposer of the
+speculative loop (:class:`LookupProposer`: lookup alone, or before any other proposer) all ask it.
 
 >>> index = PromptLookup(LookupSettings(max_ngram=2))
 >>> index.extend([5, 6, 7, 8, 5, 6])
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .speculative import Greedy
+from .speculative import Greedy, NoProposer
 
 __all__ = ["DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "MAX_NGRAM", "LookupSettings", "PromptLookup",
-           "next_token_drafts", "LookupDrafter", "LookupThenHead"]
+           "next_token_drafts", "LookupProposer"]
 
 DEFAULT_MAX_NGRAM = 2  # transformers: max_matching_ngram_size, 2 when the generation config leaves it unset
 DEFAULT_MIN_NGRAM = 1  # transformers searches down to 1-grams
@@ -119,54 +119,33 @@ def _point_laws(drafts: list[int], vocab_size: int, rule) -> np.ndarray | None:
     return laws
 
 
-class LookupDrafter:
-    """Prompt lookup as a ``ChainDrafter`` (``calibrate.drafters.base``) for the speculative loop.
+class LookupProposer:
+    """Prompt lookup as a proposer (``calibrate.drafters.base.Proposer``) that wraps another: lookup's draft
+    where it finds one, else ``inner``'s (any proposer; None: none, plain lookup), which sees every committed
+    token either way (its ``commit`` follows each step). Named ``lookup``, or ``lookup+`` the inner's name.
 
-    It drafts up to ``k`` tokens (fewer, or none, where the context says so), the same whatever the
+    Lookup drafts up to ``k`` tokens (fewer, or none, where the context says so), the same whatever the
     rule: a draft is a point mass. ``vocab_size`` is the target's (the laws handed to sampling).
     """
 
-    name = "lookup"
-    feature_ids = None
-
-    def __init__(self, vocab_size: int, settings: LookupSettings):
+    def __init__(self, vocab_size: int, settings: LookupSettings, inner=None):
         self.vocab_size, self.settings = int(vocab_size), settings
+        self.inner = NoProposer() if inner is None else inner
+        self.name = "lookup" if inner is None else f"lookup+{inner.name}"
+        self.feature_ids = self.inner.feature_ids
 
     def start(self, prompt, features, pending: int) -> None:
         self.index = PromptLookup(self.settings)
         self.index.extend(prompt[0].tolist() + [pending])
+        self.inner.start(prompt, features, pending)
 
-    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+    def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
         drafts = self.index.propose(k)
-        return drafts, _point_laws(drafts, self.vocab_size, rule)
+        return (drafts, _point_laws(drafts, self.vocab_size, rule)) if drafts else self.inner.propose(k, rule)
 
     def commit(self, new: list[int], features) -> None:
         self.index.extend(new)
+        self.inner.commit(new, features)
 
     def close(self) -> None:
-        """Nothing to undo."""
-
-
-class LookupThenHead:
-    """``lookup+head``: prompt lookup's draft where it finds one, else the ``head``'s chain (any
-    ``ChainDrafter``), which sees every committed token either way (its ``commit`` follows each step)."""
-
-    def __init__(self, lookup: LookupDrafter, head):
-        self.lookup, self.head = lookup, head
-        self.name = f"lookup+{head.name}"
-        self.feature_ids = head.feature_ids
-
-    def start(self, prompt, features, pending: int) -> None:
-        self.lookup.start(prompt, features, pending)
-        self.head.start(prompt, features, pending)
-
-    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
-        drafts, laws = self.lookup.draft(k, rule)
-        return (drafts, laws) if drafts else self.head.draft(k, rule)
-
-    def commit(self, new: list[int], features) -> None:
-        self.lookup.commit(new, features)
-        self.head.commit(new, features)
-
-    def close(self) -> None:
-        self.head.close()
+        self.inner.close()

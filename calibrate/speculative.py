@@ -18,62 +18,42 @@ bonus token when all ``K`` are accepted). A verification rule decides which:
     token from ``p_T``. Every output token follows the target's ``p_T`` exactly
     (``sharpdraft_theory.sampling``, whose float64 functions the rule calls).
 
-Two loops run it (``sharpdraft eval --speculative`` records which one ran):
+One loop runs every drafter, :func:`speculative_generate`: the drafter is a ``Proposer``
+(``calibrate.drafters.base``) made by a drafter adapter's ``proposer(spec)``, e.g. the EAGLE-3 head's
+chain (``calibrate.drafters.eagle3.Eagle3Proposer``), a DFlash block, PARD's parallel drafts, a causal
+LM's chain, prompt lookup, or one of them wrapped by lookup or a copy pointer. Target-only decoding
+(:func:`target_generate`, the reference output and the speed baseline) is the same loop with
+:class:`NoProposer`, which proposes nothing, so every step verifies the pending token alone.
 
-``sharpdraft-chain``
-    :func:`speculative_generate`, this module's own loop, checked against :func:`greedy_generate`.
-    State at the start of a step: committed tokens ``x_0 .. x_N``; the target's cache holds
-    ``x_0 .. x_{N-1}``; ``x_N`` (the last correction) is pending. The drafter is any
-    ``ChainDrafter`` (``calibrate.drafters.base``) made by a drafter adapter's
-    ``chain_drafter(spec)``, e.g. the EAGLE-3 head (``calibrate.drafters.eagle3.Eagle3ChainDrafter``),
-    which reads the target's features and so cannot be a transformers assistant.
-``transformers-assisted``
-    :func:`transformers_generate`: transformers' own assisted generation,
-    ``target.generate(prompt, assistant_model=drafter, do_sample=False)``, for drafters that are
-    whole causal LMs (``hf``, ``pard``), checked against the same call without an assistant. This
-    is the loop users already run; the scale spec rides along on the assistant
-    (``sharpdraft_runtime.enable``), and nothing of transformers' loop is copied here: acceptance
-    is read from the outside (a forward hook counts the target's forwards, a streamer receives
-    what each of them committed).
+The path of one token (state at the start of a step: committed tokens ``x_0 .. x_N``; the target's
+cache holds ``x_0 .. x_{N-1}``; ``x_N``, the last correction, is pending):
 
-    Drafts are a fixed chain of ``K``: for the call the assistant's ``generation_config`` says
-    ``num_assistant_tokens=K``, ``num_assistant_tokens_schedule="constant"`` (the ``heuristic``
-    schedules, which a model's generation config may name, move K between rounds) and
-    ``assistant_confidence_threshold=0`` (transformers' default, 0.4, stops a chain as soon as the
-    assistant's probability for its token falls below it); its own config is restored after.
-    transformers drafts ``min(K, max_new_tokens - generated - 1)`` tokens a round, so the last
-    round may verify fewer. Its first target forward prefills the prompt and verifies the first
-    chain at once: every run prefills inside ``generate``, none starts from a shared
-    :func:`prefill` (handed a pre-filled cache, assisted generation in transformers 5.24 returned
-    other tokens than greedy decoding). Generation stops at ``max_new_tokens`` only (no end-of-sequence stop), as the
-    chain loop does.
+1. **prefill** (once per prompt, :func:`prefill`, shareable by every run from that prompt): the
+   target over the prompt; its last logits give the first token by the rule, which is pending; the
+   proposer's ``start`` reads the prompt (and the target's features, for a drafter that reads them);
+2. **propose**: the proposer's ``propose(k, rule)`` drafts up to ``k`` tokens after ``x_N`` and the
+   laws they were drawn from;
+3. **verify**: one cached target forward over ``x_N`` and the drafts; the rule accepts a prefix of
+   the drafts and picks the target's own next token;
+4. **commit**: the accepted drafts and that token are committed (the token is now pending), and the
+   proposer's ``commit`` receives them with the target's features of the verified positions;
+5. **crop**: the target's cache drops the rows of the rejected drafts.
 
-    With :class:`Sampling` the call samples (``do_sample=True``, ``top_k=0``, ``top_p=1.0``:
-    transformers' default ``top_k=50`` would truncate both distributions) with the temperature as a
-    logits processor (``_decoding`` says why not ``temperature=T``). transformers 5.24 then runs
-    Algorithm 1 itself (``generation.utils._speculative_sampling``): the assistant samples its chain
-    under the target's logits processors and hands back those processed scores as ``q``; the target
-    accepts with ``min(1, p / q)``, resamples from ``norm(max(0, p - q))`` at a rejection and draws
-    the bonus token from ``p``; a last round with room for one token drafts nothing and samples the
-    target alone (tests/test_sampling.py checks ``q`` and ``p`` at every verification). Its random
-    draws come from torch's global generator, seeded from the rule for the call (and restored
-    after), so a run repeats; its draws are not the chain loop's.
+Measures (:class:`SpeculativeResult`):
 
-Measures, the same in both loops (:class:`SpeculativeResult`):
+* acceptance length: tokens committed per target forward that verifies drafts. The prefill forward
+  verifies nothing (it commits the first token), so it is ``(N - 1) / steps``, ``N`` the tokens
+  generated;
+* decode time: wall-clock time after the prompt's prefill in the target and the proposer's start,
+  with ``decode_tokens``, the tokens committed in that time (``sharpdraft eval``'s speedup), and
+  ``draft_seconds``, its part in the proposer's ``propose`` and ``commit`` (None target-only).
 
-* acceptance length: tokens committed per target forward that verifies drafts. The chain loop's
-  prefill forward verifies nothing (it commits the first token), so it is ``(N - 1) / steps``
-  there and ``N / forwards`` in transformers' loop, ``N`` the tokens generated;
-* decode time: wall-clock time after the prompt's prefill in the target and the drafter (chain
-  loop: after both; transformers: after the target's first forward, which comes after the
-  assistant's prefill and first chain), with ``decode_tokens``, the tokens committed in that
-  time, so that loops whose first forward commits different numbers of tokens compare per token
-  (``sharpdraft eval``'s speedup).
+transformers' own assisted generation (``generate(assistant_model=...)``) is kept as a cross-check
+of this loop in the tests (tests/assisted_generation.py), not as a second loop.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import math
@@ -85,12 +65,11 @@ import torch
 
 from sharpdraft_theory.sampling import accept_probability, inverse_cdf, residual, softmax
 
-__all__ = ["CHAIN_LOOP", "ASSISTED_LOOP", "GREEDY", "Greedy", "Sampling", "SpeculativeResult", "Prefill", "prefill",
-           "target_generate", "greedy_generate", "speculative_generate", "transformers_generate", "target_step",
-           "new_cache", "crop_cache", "cached_forward"]
+__all__ = ["CHAIN_LOOP", "GREEDY", "Greedy", "Sampling", "SpeculativeResult", "Prefill", "prefill", "NoProposer",
+           "target_generate", "greedy_generate", "speculative_generate", "target_step", "new_cache", "crop_cache",
+           "cached_forward"]
 
-CHAIN_LOOP = "sharpdraft-chain"  # speculative_generate with a ChainDrafter
-ASSISTED_LOOP = "transformers-assisted"  # transformers' generate(assistant_model=...), transformers_generate
+CHAIN_LOOP = "sharpdraft-chain"  # speculative_generate with a Proposer: the loop sharpdraft eval records
 
 
 class Greedy:
@@ -138,7 +117,7 @@ class Sampling:
         self.temperature = float(temperature)
         sequence = np.random.SeedSequence(seed)
         self.rng = np.random.default_rng(sequence)
-        self.torch_seed = int(sequence.generate_state(1, np.uint64)[0])  # for transformers' draws (torch's generator)
+        self.torch_seed = int(sequence.generate_state(1, np.uint64)[0])  # torch's generator, for a cross-check's draws
 
     def probs(self, logits: torch.Tensor) -> np.ndarray:
         """``softmax(logits / T)`` of ``logits`` (..., V), float64."""
@@ -163,13 +142,13 @@ class Sampling:
 @dataclass(frozen=True)
 class SpeculativeResult:
     tokens: list[int]  # generated token ids (prompt excluded)
-    steps: int  # target forwards that verify drafts (chain loop: after its prefill; transformers: all of them)
+    steps: int  # target forwards that verify drafts (after the prefill)
     accepted: list[int]  # drafts accepted per step (0 .. K); acceptance length = accepted + 1
     seconds: float  # wall-clock time, prefill included
-    decode_seconds: float  # wall-clock time after the target's first forward, its prefill (what drafting speeds up)
-    decode_tokens: int  # tokens committed in decode_seconds (after the target's first forward)
-    drafter: str = "none"  # what drafted (the ChainDrafter's name; transformers' loop: assistant; none: target only)
-    draft_seconds: float | None = None  # of decode_seconds, in the drafter's draft and commit (chain loop; else None)
+    decode_seconds: float  # wall-clock time after the prefill (what drafting speeds up)
+    decode_tokens: int  # tokens committed in decode_seconds (after the prefill)
+    drafter: str = "none"  # what drafted (the Proposer's name; none: target only)
+    draft_seconds: float | None = None  # of decode_seconds, in the proposer's propose and commit (None: target only)
 
     @property
     def acceptance_length(self) -> float:
@@ -242,23 +221,34 @@ def target_step(target, input_ids: torch.Tensor, cache, feature_ids=None):
     return out.logits[0].float(), feats
 
 
-@torch.no_grad()
+class NoProposer:
+    """The proposer that proposes nothing: the loop with it is target-only decoding, one token per
+    target forward (the reference output and the speed baseline)."""
+
+    name = "none"
+    feature_ids = None
+
+    def start(self, prompt, features, pending: int) -> None:
+        """Nothing to read."""
+
+    def propose(self, k: int, rule) -> tuple[list[int], None]:
+        return [], None
+
+    def commit(self, new: list[int], features) -> None:
+        """Nothing to keep."""
+
+    def close(self) -> None:
+        """Nothing to undo."""
+
+
 def target_generate(target, prompt: torch.Tensor, max_new_tokens: int, shared: Prefill | None = None,
                     rule=GREEDY) -> SpeculativeResult:
     """Target-only decoding with a KV cache, each token picked by ``rule`` (:data:`GREEDY`: argmax;
-    :class:`Sampling`: a draw from ``p_T``): the reference output and the speed baseline.
+    :class:`Sampling`: a draw from ``p_T``): :func:`speculative_generate` with :class:`NoProposer`.
 
     ``shared``: start from this prefill of ``prompt`` (a copy of its cache) instead of running one.
     """
-    cache, first, _, prefill_seconds = _start(target, prompt, None, shared, rule)
-    tokens = [first]
-    t1 = time.perf_counter()
-    t0 = t1 - prefill_seconds
-    while len(tokens) < max_new_tokens:
-        logits, _ = target_step(target, torch.tensor([[tokens[-1]]], device=prompt.device), cache)
-        tokens.append(rule.pick(logits[-1])[0])
-    t2 = time.perf_counter()
-    return SpeculativeResult(tokens, len(tokens) - 1, [0] * (len(tokens) - 1), t2 - t0, t2 - t1, len(tokens) - 1)
+    return speculative_generate(target, NoProposer(), prompt, max_new_tokens, 1, shared, rule)
 
 
 def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, shared: Prefill | None = None) -> SpeculativeResult:
@@ -267,164 +257,42 @@ def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, shared: P
 
 
 @torch.no_grad()
-def speculative_generate(target, drafter, prompt: torch.Tensor, max_new_tokens: int,
+def speculative_generate(target, proposer, prompt: torch.Tensor, max_new_tokens: int,
                          num_draft: int = 4, shared: Prefill | None = None, rule=GREEDY) -> SpeculativeResult:
-    """Speculative decoding of ``max_new_tokens`` after ``prompt`` (1, T), chain of ``num_draft``,
-    verified by ``rule`` (:data:`GREEDY` or a :class:`Sampling`).
+    """Speculative decoding of ``max_new_tokens`` after ``prompt`` (1, T), up to ``num_draft`` drafts a
+    step, verified by ``rule`` (:data:`GREEDY` or a :class:`Sampling`): the module docstring's path.
 
-    ``drafter`` is a ``ChainDrafter`` (``calibrate.drafters.base``: ``name``, ``feature_ids``,
-    ``start(prompt, features, pending)``, ``draft(k, rule)``, ``commit(tokens, features)``). Greedy:
-    the output equals :func:`greedy_generate`'s up to floating-point ties (the verify forward
-    scores several tokens at once, decoding scores one). Sampling: every token follows the target's
-    ``p_T``, as :func:`target_generate` with a :class:`Sampling` draws it. ``shared``: start from
-    this prefill of ``prompt``.
+    ``proposer`` is a ``Proposer`` (``calibrate.drafters.base``: ``name``, ``feature_ids``,
+    ``start(prompt, features, pending)``, ``propose(k, rule)``, ``commit(tokens, features)``). Greedy:
+    the output equals target-only decoding's (:class:`NoProposer`) up to floating-point ties (the
+    verify forward scores several tokens at once, decoding scores one). Sampling: every token follows
+    the target's ``p_T``. ``shared``: start from this prefill of ``prompt``.
     """
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     device = prompt.device
-    cache, first, feats, prefill_seconds = _start(target, prompt, drafter.feature_ids, shared, rule)
+    cache, first, feats, prefill_seconds = _start(target, prompt, proposer.feature_ids, shared, rule)
     t0 = time.perf_counter() - prefill_seconds
     tokens = [first]
-    drafter.start(prompt, feats, tokens[0])
+    proposer.start(prompt, feats, tokens[0])
     t1 = time.perf_counter()
     accepted_counts, drafting = [], 0.0
     while len(tokens) < max_new_tokens:
         k = min(num_draft, max_new_tokens - len(tokens))  # never draft past the requested length
         t = time.perf_counter()
-        drafts, q = drafter.draft(k, rule)  # up to k drafts; q: (len, vocab) their laws (None: greedy)
+        drafts, q = proposer.propose(k, rule)  # up to k drafts; q: (len, vocab) their laws (None: greedy)
         drafting += time.perf_counter() - t
         block = torch.tensor([[tokens[-1], *drafts]], device=device)  # pending token + its drafts
-        logits, feats = target_step(target, block, cache, drafter.feature_ids)  # (len + 1, vocab)
+        logits, feats = target_step(target, block, cache, proposer.feature_ids)  # (len + 1, vocab)
         accepted, token = rule.verify(drafts, q, logits)
         new = drafts[:accepted] + [token]
         crop_cache(cache, cache.get_seq_length() - (len(drafts) - accepted))  # keep pending + accepted drafts
         t = time.perf_counter()
-        drafter.commit(new, None if feats is None else feats[:, :accepted + 1])
+        proposer.commit(new, None if feats is None else feats[:, :accepted + 1])
         drafting += time.perf_counter() - t
         tokens.extend(new)
         accepted_counts.append(accepted)
     t2 = time.perf_counter()
     tokens = tokens[:max_new_tokens]  # the last step may commit one past the end
     return SpeculativeResult(tokens, len(accepted_counts), accepted_counts, t2 - t0, t2 - t1, len(tokens) - 1,
-                             drafter.name, drafting)
-
-
-@torch.no_grad()
-def transformers_generate(target, prompt: torch.Tensor, max_new_tokens: int, assistant=None,
-                          num_draft: int = 4, rule=GREEDY) -> SpeculativeResult:
-    """Decoding of ``max_new_tokens`` after ``prompt`` (1, T) by transformers' own ``generate``.
-
-    Without ``assistant``: ``target.generate(prompt, do_sample=False)``, target-only greedy decoding
-    (the reference output and the speed baseline). With one: assisted generation,
-    ``target.generate(prompt, assistant_model=assistant, do_sample=False)``, drafting fixed chains
-    of ``num_draft`` (see the module docstring). ``assistant`` is a causal LM of the target's
-    vocabulary, a different module from ``target`` (its forwards would be counted as the target's);
-    any scale spec is enabled on it by the caller. With a :class:`Sampling` ``rule``: the same
-    calls with ``do_sample=True`` at its temperature, torch's generator seeded from it.
-
-    Returns
-    -------
-    SpeculativeResult
-        ``steps``: the target's forward calls during ``generate`` (a forward hook), each committing
-        ``accepted + 1`` tokens (what ``generate`` hands its streamer once per forward, after the
-        prompt); decode time after the end of the first forward.
-    """
-    if num_draft < 1:
-        raise ValueError(f"num_draft must be >= 1, got {num_draft}")
-    if assistant is target:
-        raise ValueError("the assistant must be a module other than the target (its forwards would be counted "
-                         "as the target's)")
-    forwards, streamer = _ForwardClock(), _Committed()
-    handle = target.register_forward_hook(forwards)
-    try:
-        with _fixed_chain(assistant, num_draft), _seeded(rule, prompt.device):
-            t0 = time.perf_counter()
-            out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=assistant,
-                                  max_new_tokens=max_new_tokens, eos_token_id=None, streamer=streamer,
-                                  **_decoding(rule))
-            tokens = out[0, prompt.shape[1]:].tolist()
-            t2 = time.perf_counter()
-    finally:
-        handle.remove()
-    committed = streamer.sizes[1:]  # generate's first put is the prompt
-    if len(committed) != forwards.count or sum(committed) != len(tokens):
-        raise RuntimeError(f"transformers' generate ran {forwards.count} target forwards and committed {committed} "
-                           f"tokens, {len(tokens)} in all: not one commit per forward as assisted generation does")
-    return SpeculativeResult(tokens, forwards.count, [c - 1 for c in committed], t2 - t0, t2 - forwards.first_end,
-                             len(tokens) - committed[0], "none" if assistant is None else "assistant")
-
-
-class _ForwardClock:
-    """A forward hook: counts the module's forward calls and notes when the first one ended."""
-
-    def __init__(self):
-        self.count = 0
-        self.first_end = None
-
-    def __call__(self, module, args, output) -> None:
-        self.count += 1
-        if self.count == 1:
-            if output.logits.is_cuda:
-                torch.cuda.synchronize(output.logits.device)  # kernels run ahead of the host: wait for them
-            self.first_end = time.perf_counter()
-
-
-class _Committed:
-    """A transformers streamer (``put`` / ``end``) that keeps the number of tokens of each ``put``."""
-
-    def __init__(self):
-        self.sizes = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.sizes.append(value.numel())  # batch 1: (T,) or (1, T)
-
-    def end(self) -> None:
-        pass
-
-
-def _decoding(rule) -> dict:
-    """``generate``'s decoding arguments for ``rule``: greedy, or plain sampling at its temperature
-    (no top-k, top-p or other truncation, which would change the target's law).
-
-    The temperature goes in as a logits processor with ``temperature=1.0`` in the config: given as
-    ``temperature=T``, transformers 5.24 divides the assistant's logits by T twice (the target's
-    processors, handed to the assistant's ``generate``, and the assistant's own from the copied
-    config), so it drafts from ``softmax(logits / T^2)``; the output keeps the target's law (``q``
-    is what it drew from) but acceptance would be that of another temperature."""
-    if isinstance(rule, Sampling):
-        from transformers import LogitsProcessorList, TemperatureLogitsWarper
-
-        return {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-                "logits_processor": LogitsProcessorList([TemperatureLogitsWarper(rule.temperature)])}
-    return {"do_sample": False}
-
-
-@contextlib.contextmanager
-def _seeded(rule, device: torch.device):
-    """Inside the block torch's generators (CPU, and ``device`` if CUDA) start from ``rule``'s seed
-    (a :class:`Sampling`; greedy draws nothing); their states are restored after."""
-    if not isinstance(rule, Sampling):
-        yield
-        return
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(rule.torch_seed)
-        yield
-
-
-@contextlib.contextmanager
-def _fixed_chain(assistant, num_draft: int):
-    """Inside the block, ``assistant`` (None: nothing to do) drafts fixed chains of ``num_draft``
-    tokens in transformers' assisted generation; its own generation config is restored after."""
-    if assistant is None:
-        yield
-        return
-    own = assistant.generation_config
-    fixed = copy.deepcopy(own)
-    fixed.num_assistant_tokens = num_draft
-    fixed.num_assistant_tokens_schedule = "constant"
-    fixed.assistant_confidence_threshold = 0.0
-    assistant.generation_config = fixed
-    try:
-        yield
-    finally:
-        assistant.generation_config = own
+                             proposer.name, None if isinstance(proposer, NoProposer) else drafting)

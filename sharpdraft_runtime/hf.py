@@ -336,7 +336,7 @@ def enable(model, spec: ScaleSpec):
     if getattr(model, "block_drafter", False) and (spec.restricts() or spec.positions is not None):
         raise ValueError(f"{type(model).__name__} drafts non-causal blocks, whose window and positions this runtime "
                          "applies through the mask a causal model builds: enable a scale-only spec on it, or run "
-                         "calibrate.drafters.blocks.DFlashBlockDrafter, which cuts the block's context itself")
+                         "calibrate.drafters.blocks.DFlashBlockProposer, which cuts the block's context itself")
     previous = _BINDINGS[id(config)].wrapped if is_enabled(model) else config._attn_implementation
     if previous not in WRAPPABLE:
         raise ValueError(f"{NAME} wraps {' or '.join(WRAPPABLE)} attention, the model uses {previous!r}: "

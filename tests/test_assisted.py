@@ -1,9 +1,11 @@
-"""``hf`` / ``pard`` drafters in transformers' own assisted generation, with the spec on the assistant.
+"""``hf`` drafters: transformers' own assisted generation as a cross-check of the one loop, and the
+``eval`` command decoding them in that loop.
 
-``calibrate.speculative.transformers_generate`` runs ``target.generate(..., assistant_model=...)``
-and reads acceptance from the outside; these tests hold it to target-only greedy decoding and to
-an independent count of what each target forward must commit, worked out from the drafter's own
-greedy choices by plain full forwards.
+``assisted_generation.transformers_generate`` runs ``target.generate(..., assistant_model=...)`` and
+reads acceptance from the outside; these tests hold it to target-only greedy decoding and to an
+independent count of what each target forward must commit, worked out from the drafter's own greedy
+choices by plain full forwards, and hold the toolkit's causal-LM proposer in the one loop to the same
+output.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from typer.testing import CliRunner
 from calibrate.cli import app
 from calibrate.drafters.hf import CausalLMDrafter
 from calibrate.errors import UserError
-from calibrate.speculative import greedy_generate, transformers_generate
+from calibrate.speculative import greedy_generate, speculative_generate
 from sharpdraft_runtime import disable, enable, is_enabled
 from sharpdraft_theory import ScaleSpec
 
+from assisted_generation import assistant, transformers_generate
 from test_calibrate import VOCAB, _write_tokenizer
 from test_eval import ByteTokenizer
 from tiny_checkpoints import tiny_target
@@ -55,8 +58,8 @@ def prompts():
 
 
 def assisted(target, drafter, spec, prompt, num_draft=NUM_DRAFT):
-    with drafter.assistant(spec) as assistant:
-        return transformers_generate(target, prompt, NEW_TOKENS, assistant, num_draft)
+    with assistant(drafter, spec) as model:
+        return transformers_generate(target, prompt, NEW_TOKENS, model, num_draft)
 
 
 def expected_commits(model, spec, prompt, tokens, num_draft) -> list[int]:
@@ -93,10 +96,12 @@ def test_output_is_target_greedy(target, drafters, name, spec):
     for prompt in prompts():
         reference = target.generate(prompt, do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None)
         reference = reference[0, prompt.shape[1]:].tolist()
-        assert greedy_generate(target, prompt, NEW_TOKENS).tokens == reference  # the chain loop's reference too
+        assert greedy_generate(target, prompt, NEW_TOKENS).tokens == reference  # the one loop's reference too
         alone = transformers_generate(target, prompt, NEW_TOKENS)
         assert alone.tokens == reference and alone.steps == NEW_TOKENS and set(alone.accepted) == {0}
         assert assisted(target, drafters[name], spec, prompt).tokens == reference
+        proposer = drafters[name].proposer(spec)  # the toolkit's own loop: the same output
+        assert speculative_generate(target, proposer, prompt, NEW_TOKENS, NUM_DRAFT).tokens == reference
 
 
 def test_self_drafting_accepts_every_draft(target, drafters):
@@ -174,17 +179,17 @@ def test_chain_length_is_fixed(target, drafters):
 def test_assistant_must_differ_from_the_target(target):
     same = CausalLMDrafter(target, ByteTokenizer(), kind="hf", path=None, default_n_ref=N_REF, target=target)
     with pytest.raises(UserError, match="a drafter different from the target"):
-        with same.assistant(None):
-            pass
+        same.proposer(None)
     with pytest.raises(ValueError, match="a module other than the target"):
         transformers_generate(target, prompts()[0], 4, target)
     with pytest.raises(ValueError, match="num_draft"):
         transformers_generate(target, prompts()[0], 4, tiny_target(0), 0)
 
 
-def test_eval_cli_runs_assisted_generation(tmp_path):
-    """``sharpdraft eval --drafter hf --speculative`` on tiny checkpoints: the drafter is the target's copy
-    with n_ref 64, so the unscaled variant accepts every draft (8 tokens in two forwards of 4)."""
+def test_eval_cli_decodes_hf_in_the_one_loop(tmp_path):
+    """``sharpdraft eval --drafter hf --speculative`` on tiny checkpoints, lookup included: the drafter is the
+    target's copy with n_ref 64, so the unscaled variant accepts every draft (the prefill's token, then 7 in
+    forwards of at most 4)."""
     target = tiny_target(0, vocab_size=VOCAB)
     target.save_pretrained(tmp_path / "target")
     _write_tokenizer(tmp_path / "target")
@@ -198,22 +203,23 @@ def test_eval_cli_runs_assisted_generation(tmp_path):
         "eval", "--drafter", "hf", "--drafter-path", str(tmp_path / "drafter"), "--target-path",
         str(tmp_path / "target"), "--corpus", str(tmp_path / "corpus.txt"), "--lengths", "32,64,128",
         "--sequences", "2", "--speculative", "--new-tokens", "8", "--num-draft", "3", "--device", "cpu",
-        "--threads", "1", "--json", "--out", str(tmp_path / "eval.json")])
+        "--threads", "1", "--variants", "none,spec,qwen-logn,window,sinks,lookup,lookup+head", "--json",
+        "--out", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output
     r = json.loads((tmp_path / "eval.json").read_text())
-    assert r["speculative"] == {"loop": "transformers-assisted", "new_tokens": 8, "num_draft": 3,
-                                "drafting": "chain: one draft per drafter forward", "verification": "greedy", "temperature": None, "seed": None,
-                                "outputs_identical": True,
-                                "drafters": {v: "assistant" for v in ("none", "spec", "qwen-logn", "window", "sinks")}}
-    assert r["drafter"]["n_ref"] == 64 and list(r["variants"]) == ["none", "spec", "qwen-logn", "window", "sinks"]
+    heads = ("none", "spec", "qwen-logn", "window", "sinks")
+    assert r["speculative"] == {"loop": "sharpdraft-chain", "new_tokens": 8, "num_draft": 3,
+                                "drafting": "chain: one draft per drafter forward", "verification": "greedy",
+                                "temperature": None, "seed": None, "outputs_identical": True,
+                                "drafters": {**{v: "hf" for v in heads}, "lookup": "lookup", "lookup+head": "lookup+hf"}}
+    assert r["drafter"]["n_ref"] == 64 and list(r["variants"]) == [*heads, "lookup", "lookup+head"]
     for row in r["buckets"]:
         assert row["none"]["acceptance_length"] == 4.0  # K + 1: this test can fail
         for variant in r["variants"]:
             assert 1.0 <= row[variant]["acceptance_length"] <= 4.0 and row[variant]["speedup"] > 0
-            # transformers' generate drafts and verifies inside one call: no drafter time to report
-            assert row[variant]["draft_ms_per_round"] is None and row[variant]["draft_share"] is None
+            assert row[variant]["draft_ms_per_round"] > 0 and 0 < row[variant]["draft_share"] < 1
             if variant != "none":
                 assert len(row[variant]["delta_vs_none"]["acceptance_length"]) == 3
-        if row["n"] <= 64:  # alpha = 1 and no window binds: every variant is the plain copy
-            assert all(row[v]["acceptance_length"] == 4.0 for v in r["variants"])
+        if row["n"] <= 64:  # alpha = 1 and no window binds: every variant of the head is the plain copy
+            assert all(row[v]["acceptance_length"] == 4.0 for v in heads)
     assert r["buckets"][-1]["window"]["acceptance_length"] < 4.0  # 64 of ~120 keys: other drafts

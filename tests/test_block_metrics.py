@@ -81,7 +81,7 @@ def test_dflash_rows_equal_each_block_run_alone(target, text, tmp_path):
     rows = block_rows(drafter, text, SPECS, anchors, K, TEMP)
 
     def direct(name, p):
-        proposer = drafter.chain_drafter(SPECS[name])
+        proposer = drafter.proposer(SPECS[name])
         from calibrate.drafters.target import hidden_state_features
         feats = hidden_state_features(target, text, model.config.hidden_state_ids)
         proposer.start(text[:, :p], feats[:, :p], int(text[0, p]))  # a fresh drafter, this context only

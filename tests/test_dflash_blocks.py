@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 
-from calibrate.drafters.blocks import (DFlashBlockDrafter, _embed, anchored_masks, block_ids, block_tap,
+from calibrate.drafters.blocks import (DFlashBlockProposer, _embed, anchored_masks, block_ids, block_tap,
                                        block_teacher_forced, context_columns)
 from calibrate.drafters.dflash import DFlashDrafter, load_dflash
 from calibrate.errors import UserError
@@ -137,16 +137,13 @@ def test_block_teacher_forced_matches_the_adapter(model, target, text):
     assert drafter.predicts == 1 and out.drafted.shape == (1, T)
 
 
-@pytest.mark.parametrize("name", ["none", "scale", "window", "clamp", "pi", "clamp+spec"])
-def test_block_drafting_equals_greedy(name, model, target):
-    spec = SPECS[name]
+def test_one_block_forward_per_verification(model, target):
+    """B - 1 drafts from each forward, fewer only at the end (the output is held to the target's in
+    tests/test_conformance.py)."""
     prompt = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(7))
-    base = greedy_generate(target, prompt, 20)
-    drafter = DFlashBlockDrafter(model, target, spec)
+    drafter = DFlashBlockProposer(model, target)
     out = speculative_generate(target, drafter, prompt, 20, num_draft=BS - 1)
-    assert out.tokens == base.tokens and out.drafter == "dflash"
-    # one drafter forward per verification: B - 1 drafts each (fewer only at the end)
-    assert drafter.forwards == out.steps
+    assert drafter.forwards == out.steps and out.drafter == "dflash"
 
 
 def test_a_draft_of_k_rows_is_the_blocks_first_k(model, target, text):
@@ -154,7 +151,7 @@ def test_a_draft_of_k_rows_is_the_blocks_first_k(model, target, text):
     from calibrate.drafters.target import hidden_state_features
 
     feats = hidden_state_features(target, text, model.config.hidden_state_ids)
-    drafter = DFlashBlockDrafter(model, target)
+    drafter = DFlashBlockProposer(model, target)
     drafter.start(text[:, :30], feats[:, :30], int(text[0, 30]))
     whole = drafter.block_logits()
     assert whole.shape[0] == BS - 1
@@ -171,7 +168,7 @@ def test_self_consistent_blocks_accept(model, target):
     prompt = torch.randint(0, 255, (1, 10), generator=torch.Generator().manual_seed(8))
     base = greedy_generate(target, prompt, 13)
 
-    class Oracle(DFlashBlockDrafter):
+    class Oracle(DFlashBlockProposer):
         def block_logits(self, rows=None):
             self.forwards += 1
             done = self.length + 1 - prompt.shape[1]  # tokens generated so far (the pending one included)
@@ -185,7 +182,7 @@ def test_self_consistent_blocks_accept(model, target):
 
 def test_block_sampling_repeats_with_its_seed(model, target):
     prompt = torch.randint(0, 255, (1, 8), generator=torch.Generator().manual_seed(9))
-    runs = [speculative_generate(target, DFlashBlockDrafter(model, target), prompt, 12, BS - 1,
+    runs = [speculative_generate(target, DFlashBlockProposer(model, target), prompt, 12, BS - 1,
                                  rule=Sampling(0.8, (1, 2))).tokens for _ in range(2)]
     assert runs[0] == runs[1]
 
@@ -321,7 +318,7 @@ def test_the_runtime_enabled_on_a_dflash_model_drafts_what_eval_measures(model, 
 
     spec = SPECS["scale"]
     feats = hidden_state_features(target, text, model.config.hidden_state_ids)
-    drafter = DFlashBlockDrafter(model, target, spec)
+    drafter = DFlashBlockProposer(model, target, spec)
     drafter.start(text[:, :30], feats[:, :30], int(text[0, 30]))
     want = drafter.block_logits()
     ids, pos = block_ids(model, torch.tensor([30]), text[0, 30:31])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from calibrate.drafters.blocks import DFlashBlockDrafter, block_teacher_forced
+from calibrate.drafters.blocks import DFlashBlockProposer, block_teacher_forced
 from calibrate.drafters.dflash import DFlashDrafter, load_dflash
 from calibrate.drafters.target import hidden_state_features
 from calibrate.drafters.vocab import d2t_of
@@ -86,12 +86,12 @@ def test_greedy_block_drafting_stays_exact_and_drafts_in_the_vocabulary(models, 
     _, restricted = models
     prompt = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(7))
     base = greedy_generate(target, prompt, 20)
-    drafter = DFlashBlockDrafter(restricted, target)
+    drafter = DFlashBlockProposer(restricted, target)
     out = speculative_generate(target, drafter, prompt, 20, num_draft=BS - 1)
     assert out.tokens == base.tokens and drafter.forwards == out.steps
     feats = hidden_state_features(target, prompt, restricted.config.hidden_state_ids)
     drafter.start(prompt, feats, 5)
-    drafts, q = drafter.draft(BS - 1, Sampling(0.7, 3))
+    drafts, q = drafter.propose(BS - 1, Sampling(0.7, 3))
     assert all(int(x) in VOCAB.tolist() for x in drafts)
     # each row's law is softmax over the vocabulary's logits, zero elsewhere: what sampling's rule needs
     logits = drafter.block_logits(BS - 1)

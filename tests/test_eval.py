@@ -237,7 +237,7 @@ def test_causal_lm_drafter(corpus):
                               target=target)
     r = evaluate(drafter, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
                  speculative=True, new_tokens=6, num_draft=2)
-    assert r["speculative"]["outputs_identical"] is True and r["speculative"]["loop"] == "transformers-assisted"
+    assert r["speculative"]["outputs_identical"] is True and r["speculative"]["loop"] == "sharpdraft-chain"
     first, last = r["buckets"][0], r["buckets"][-1]
     for variant in ("spec", "qwen-logn", "window", "sinks"):
         for key in ("mass", "agreement", "acceptance_length"):  # speedup is a timing

@@ -298,9 +298,6 @@ EVAL_CASES = [
     Case("eval-lookup-min-ngram-float", EVAL + " --variants lookup --lookup-min-ngram 1.5", "--lookup-min-ngram"),
     Case("eval-lookup-min-above-max", EVAL + " --variants lookup --lookup-max-ngram 2 --lookup-min-ngram 3",
          "--lookup-min-ngram 3"),
-    Case("eval-lookup-speculative-assisted", EVAL + " --variants none,lookup --speculative", "--variants lookup"),
-    Case("eval-recall-speculative-assisted", EVAL.replace("{fx}/corpus.txt", "recall:{fx}/corpus.txt")
-         + " --speculative", "--variants lookup"),
     Case("eval-recall-empty", EVAL.replace("{fx}/corpus.txt", "recall:"), "--corpus recall:"),
     Case("eval-recall-nested", EVAL.replace("{fx}/corpus.txt", "recall:recall:pydoc"), "recall:recall:pydoc"),
     Case("eval-recall-missing", EVAL.replace("{fx}/corpus.txt", "recall:{w}/none.txt"), "none.txt"),

@@ -457,9 +457,9 @@ def test_eagle3_chain_drafter_drafts_what_eval_measured(eagle3, variant):
         forced = eagle3.teacher_forced(ids, [(spec, None), (None, None)])
         features = hidden_state_features(eagle3.target, ids, eagle3.feature_ids)
         for rows in (4, 8, 20, 46):  # within the identity limit, at it, past it
-            chain = eagle3.chain_drafter(spec)
+            chain = eagle3.proposer(spec)
             chain.start(ids[:, :rows], features[:, :rows], int(ids[0, rows]))
-            assert chain.draft(1, GREEDY)[0] == [int(forced.drafted[0, rows - 1])]
+            assert chain.propose(1, GREEDY)[0] == [int(forced.drafted[0, rows - 1])]
     assert not torch.equal(forced.drafted[0], forced.drafted[1])  # the fix changes drafts (this test can fail)
 
 

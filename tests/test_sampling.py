@@ -27,12 +27,12 @@ from typer.testing import CliRunner
 from calibrate.cli import app
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
 from calibrate.evaluate import evaluate
-from calibrate.speculative import (GREEDY, Sampling, greedy_generate, prefill, speculative_generate,
-                                   transformers_generate)
+from calibrate.speculative import GREEDY, Sampling, prefill, speculative_generate
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.sampling import (acceptance_rate, accept_probability, emitted_law, inverse_cdf, residual,
                                         softmax)
 
+from assisted_generation import transformers_generate
 from test_calibrate import VOCAB, _write_tokenizer
 from test_eval import LENGTHS, ByteTokenizer
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
@@ -150,7 +150,7 @@ class MarkovTarget(torch.nn.Module):
 
 
 class TableDrafter:
-    """A ``ChainDrafter`` with another, sharper table: its law is far from the target's, so a wrong
+    """A ``Proposer`` with another, sharper table: its law is far from the target's, so a wrong
     rule shows."""
 
     name = "test"
@@ -162,7 +162,7 @@ class TableDrafter:
     def start(self, prompt, features, pending: int) -> None:
         self.last = pending
 
-    def draft(self, k: int, rule):
+    def propose(self, k: int, rule):
         drafts, laws, last = [], [], self.last
         for _ in range(k):
             last, law = rule.pick(self.table[last])
@@ -249,21 +249,6 @@ def test_a_wrong_rule_fails_the_monte_carlo(rule_class):
     assert tv > TV_BOUND, f"total variation {tv:.4f}"
 
 
-def test_lookup_in_the_chain_loop_keeps_the_target_law():
-    """Prompt lookup's drafts are point masses (accepted with probability p_T(x), the residual p_T
-    without x): the same Monte Carlo, K = 2. After the prompt 1 2 3 every 1-gram has been seen, so
-    lookup drafts at every step; accepting every draft (as if lookup's text were the target's) moves
-    the law past the bound."""
-    from calibrate.lookup import LookupDrafter, LookupSettings
-
-    p0, law = exact_law(MarkovTarget())
-    first, pair = monte_carlo(Sampling, 2, LookupDrafter(V, LookupSettings()))
-    assert _tv(first, p0) < TV_BOUND
-    assert _tv(pair, law) < TV_BOUND, f"total variation {_tv(pair, law):.4f} >= {TV_BOUND:.4f}"
-    tv = _tv(monte_carlo(AcceptAll, 2, LookupDrafter(V, LookupSettings()))[1], law)
-    assert tv > TV_BOUND, f"total variation {tv:.4f}"  # this test can fail
-
-
 class BlockTableDrafter(TableDrafter):
     """A block drafter (DFlash's way): all drafts from one call, row ``j`` drawn from its own law, which
     depends on the pending token and ``j`` only, never on the rows drawn before it in the block."""
@@ -274,7 +259,7 @@ class BlockTableDrafter(TableDrafter):
         super().__init__()
         self.rows = [_table(7 + j, 2.0) for j in range(2)]  # (V, V) per block row
 
-    def draft(self, k: int, rule):
+    def propose(self, k: int, rule):
         drafts, laws = [], []
         for j in range(k):
             token, law = rule.pick(self.rows[j][self.last])
@@ -309,12 +294,12 @@ def test_eagle3_drafts_from_its_law_over_the_draft_vocabulary(eagle3):
     ids (zero elsewhere); every draft lies in it."""
     head, target = eagle3.head, eagle3.target
     prompt = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
-    shared = prefill(target, prompt, eagle3.chain_drafter(None).feature_ids)
-    chain = eagle3.chain_drafter(None)
+    shared = prefill(target, prompt, eagle3.feature_ids)
+    chain = eagle3.proposer(None)
     with torch.no_grad():
         chain.start(prompt, shared.features, 7)
         first_logits = chain.logits.clone()  # the head's logits for the first draft (draft vocabulary)
-        drafts, q = chain.draft(3, Sampling(0.7, 5))
+        drafts, q = chain.propose(3, Sampling(0.7, 5))
     used = head.draft_to_target(torch.arange(head.config.draft_vocab_size)).numpy()
     assert q.shape == (3, head.config.vocab_size)
     np.testing.assert_allclose(q.sum(-1), 1.0, rtol=0, atol=1e-12)
@@ -324,20 +309,11 @@ def test_eagle3_drafts_from_its_law_over_the_draft_vocabulary(eagle3):
     np.testing.assert_allclose(q[0, used], softmax(first_logits.double().numpy(), 0.7), rtol=0, atol=1e-12)
 
 
-def test_eagle3_sampling_at_a_tiny_temperature_is_greedy(eagle3):
-    """At T = 1e-4 both laws are one-hot at the argmax (logit gaps of the random models are far above
-    T * 40): the sampled decode equals greedy decoding, token for token."""
-    prompt = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
-    reference = greedy_generate(eagle3.target, prompt, 12).tokens
-    out = speculative_generate(eagle3.target, eagle3.chain_drafter(None), prompt, 12, 3, rule=Sampling(1e-4, 0))
-    assert out.tokens == reference
-
-
 def test_eagle3_sampling_repeats_with_its_seed(eagle3):
     prompt = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(2))
 
     def run(seed):
-        out = speculative_generate(eagle3.target, eagle3.chain_drafter(None), prompt, 16, 3, rule=Sampling(1.0, seed))
+        out = speculative_generate(eagle3.target, eagle3.proposer(None), prompt, 16, 3, rule=Sampling(1.0, seed))
         return out.tokens, out.accepted
 
     assert run(3) == run(3)
@@ -416,7 +392,7 @@ def test_evaluate_samples_with_paired_streams(eagle3, corpus):
         row["none"]["acceptance_length"] for row in r["buckets"]]  # another seed, other draws: this test can fail
 
 
-def test_eval_cli_samples_with_assisted_generation(tmp_path):
+def test_eval_cli_samples_an_hf_drafter(tmp_path):
     """``sharpdraft eval --drafter hf --speculative --sample``: the drafter is a copy of the target, so
     q = p and every draft is kept (K + 1 per forward) where no variant changes it."""
     target = tiny_target(0, vocab_size=VOCAB)
@@ -438,7 +414,7 @@ def test_eval_cli_samples_with_assisted_generation(tmp_path):
     assert "sampling at temperature 0.7, seed 3" in result.output
     r = json.loads((tmp_path / "eval.json").read_text())
     s = r["speculative"]
-    assert (s["loop"], s["verification"], s["temperature"], s["seed"]) == ("transformers-assisted", "sampling", 0.7, 3)
+    assert (s["loop"], s["verification"], s["temperature"], s["seed"]) == ("sharpdraft-chain", "sampling", 0.7, 3)
     assert s["outputs_identical"] is None
     for row in r["buckets"]:
         assert row["none"]["acceptance_length_interval"] is not None

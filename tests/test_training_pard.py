@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from calibrate.drafters.pard_recipe import IGNORE, kept_anchors, pard_rows
 from calibrate.drafters.pard_smollm2 import build_pard_drafter, cut_drafter, layers_from
-from calibrate.drafters.parallel import PardParallelDrafter
+from calibrate.drafters.parallel import PardParallelProposer
 from calibrate.errors import UserError
 from calibrate.speculative import greedy_generate, speculative_generate
 
@@ -167,7 +167,7 @@ def test_a_short_run_writes_a_small_folder_that_loads_drafts_exactly_and_resumes
     assert torch.equal(drafter.model.layers[1].mlp.up_proj.weight, tensors["model.layers.1.mlp.up_proj.weight"])
     assert not torch.equal(drafter.model.layers[1].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
     prompt = torch.randint(1, 60, (1, 9), generator=torch.Generator().manual_seed(2))
-    parallel = PardParallelDrafter(drafter, drafter.config.pard_token)
+    parallel = PardParallelProposer(drafter, drafter.config.pard_token)
     out = speculative_generate(target, parallel, prompt, 12, num_draft=4)
     assert out.tokens == greedy_generate(target, prompt, 12).tokens and parallel.forwards == out.steps
 

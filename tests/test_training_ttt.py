@@ -2,7 +2,7 @@
 
 Drafting step ``s`` after a true context ending at base row ``r`` is computed for every row at once
 in training (one attention over the step-0 keys plus the chain's own keys). Here each (r, s) is
-recomputed the way ``Eagle3ChainDrafter`` runs it at inference: the head over rows ``0 .. r`` with
+recomputed the way ``Eagle3Proposer`` runs it at inference: the head over rows ``0 .. r`` with
 true features, then ``s`` single-row calls that feed the head's own output hidden state back with
 a cache. In float64 the two agree to rounding (tolerance 1e-10: sums of a few hundred products of
 O(1) numbers, far above float64 rounding, far below any real difference).

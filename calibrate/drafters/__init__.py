@@ -28,15 +28,13 @@ class DrafterKind:
 
     module: str  # adapter module in this package; it defines load(kind, drafter_path, target_path, device, dtype)
     runs: str  # what runs, in a few words (CLI help and docs)
-    evaluates: bool  # has teacher_forced and chain_drafter (assisted: assistant), so sharpdraft eval supports it
+    evaluates: bool  # has teacher_forced and proposer, so sharpdraft eval supports it
     reads_aux_layers: bool = False  # its load takes aux_layer_reading (--aux-layer-reading)
-    assisted: bool = False  # eval --speculative runs it as transformers' assistant_model
     causal_lm: bool = False  # a whole causal LM, with no target of its own: --select needs --target-path
 
 
 KINDS: dict[str, DrafterKind] = {
-    "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True, assisted=True,
-                      causal_lm=True),
+    "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True, causal_lm=True),
     "pard": DrafterKind("hf", "a PARD drafter: K drafts from one forward over its mask tokens", evaluates=True,
                         causal_lm=True),
     "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head)",

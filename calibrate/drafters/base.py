@@ -6,11 +6,14 @@ a token sequence in the ways the commands need:
 * ``collect`` (``sharpdraft calibrate``): hand each attention layer's post-RoPE queries and keys
   to a tap, which keeps the query rows it wants and reduces them to statistics at once
   (``calibrate.collect``), so no adapter ever holds an n x n attention matrix;
-* ``teacher_forced`` and ``chain_drafter`` (``sharpdraft eval``, for the kinds whose registry entry
+* ``teacher_forced`` and ``proposer`` (``sharpdraft eval``, for the kinds whose registry entry
   says ``evaluates``): the drafter's greedy guesses over a text the target wrote, with and without
-  query scaling, and chain drafting for greedy speculative decoding (``calibrate.speculative``);
-  kinds whose entry says ``assisted`` (whole causal LMs) provide ``assistant`` in place of
-  ``chain_drafter``: the model itself, run by transformers' assisted generation.
+  query scaling, and a :class:`Proposer` that drafts in the one speculative loop
+  (``calibrate.speculative.speculative_generate``), greedy or sampled.
+
+An adapter loads and teacher-forces; a proposer drafts. Proposers compose: prompt lookup, lookup
+before a model, and a copy pointer each wrap another proposer (``calibrate.lookup``,
+``calibrate.drafters.pointer``).
 
 Documents are packed for every command by one rule (``calibrate.corpus.pack``): joined with the
 adapter's ``eos_token_id``.
@@ -18,10 +21,9 @@ adapter's ``eos_token_id``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -29,7 +31,8 @@ import torch
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import DrafterInfo
 
-__all__ = ["AttentionTap", "Drafter", "ChainDrafter", "TeacherForced"]
+__all__ = ["AttentionTap", "Drafter", "Proposer", "BlockProposer", "ChainProposer", "TeacherForced", "ForcedRows",
+           "ForcedArm", "forced_runs", "pick_rows"]
 
 
 class AttentionTap(Protocol):
@@ -73,36 +76,125 @@ class TeacherForced:
     proposed_accept: torch.Tensor | None = None  # (rows,) p_T(x) of the proposals' tokens (0 where none), if asked
 
 
-class ChainDrafter(Protocol):
+@dataclass(frozen=True)
+class ForcedRows:
+    """Some rows of one teacher-forced arm: the drafter's guesses of the token after ``x_t`` of a text."""
+
+    rows: torch.Tensor  # (r,) the rows' indices in TeacherForced (and in the target's law), increasing by one
+    logits: torch.Tensor  # (r, columns) the guesses' logits (log laws over the target vocabulary after a pointer)
+    positions: torch.Tensor  # (r,) t: the row knows x_0 .. x_t and guesses x_{t+1}
+    counts: torch.Tensor  # (r,) the count of keys a spec's factor takes for the row (a copy pointer's)
+    n_visible: torch.Tensor  # (r,) keys the row's query sees in the drafter's attention
+    columns: torch.Tensor | None = None  # (columns,) target id of each logits column; None: column i is id i
+
+    def drafted(self) -> torch.Tensor:
+        """The greedy guesses (r,), target ids."""
+        best = self.logits.argmax(-1)
+        return best if self.columns is None else self.columns[best]
+
+
+class ForcedArm(Protocol):
+    """How an adapter's teacher-forced pass runs the drafter once per arm over one text (the target already
+    run): called with the arm's ``(spec, tap)``, it yields the arm's rows, all of them, in chunks. A copy
+    pointer wraps an arm (``calibrate.drafters.pointer.PointerArm``)."""
+
+    columns: torch.Tensor | None  # the columns its rows' logits have (the target's law is formed over them)
+
+    def __call__(self, spec: ScaleSpec | None, tap: AttentionTap | None) -> Iterator[ForcedRows]:
+        """The arm's rows under ``spec`` (None: unscaled), its queries shown to ``tap``."""
+
+
+def forced_runs(arm: ForcedArm, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]], law,
+                size: int) -> TeacherForced:
+    """Run ``arm`` once per ``(spec, tap)`` of ``runs`` and gather its ``size`` rows against ``law`` (a
+    ``calibrate.measure.metrics.NextTokenLaw`` with one row per teacher-forced row): the drafted tokens and
+    the acceptance, one row per run, and the visible keys of the last run."""
+    drafted = torch.empty(len(runs), size, dtype=torch.long, device=law.greedy.device)
+    accept = torch.empty(len(runs), size, dtype=torch.float32, device=law.greedy.device)
+    n_visible = None
+    for r, (spec, tap) in enumerate(runs):
+        for part in arm(spec, tap):
+            if n_visible is None:
+                n_visible = torch.empty(size, dtype=part.n_visible.dtype, device=part.n_visible.device)
+            drafted[r, part.rows] = part.drafted().to(drafted.device)
+            accept[r, part.rows] = law.acceptance(part.logits, start=int(part.rows[0])).to(accept.device)
+            n_visible[part.rows] = part.n_visible
+    return TeacherForced(n_visible=n_visible, target_next=law.greedy, drafted=drafted, accept=accept,
+                         proposed_accept=law.point_accept)
+
+
+@runtime_checkable
+class Proposer(Protocol):
     """What proposes drafts to the one speculative loop, greedy or sampled
-    (``calibrate.speculative.speculative_generate``): a model's chain (EAGLE-3), prompt lookup
-    (``calibrate.lookup``), or lookup with a model behind it. They differ in how they propose, not
-    in how a draft is verified and committed (transformers' ``CandidateGenerator``, vLLM's proposers).
+    (``calibrate.speculative.speculative_generate``): a model's chain (EAGLE-3), a block (DFlash),
+    parallel drafts (PARD), a causal LM's chain (``hf``), prompt lookup (``calibrate.lookup``), lookup
+    with a model behind it, a model with a copy pointer, or nothing at all (the target-only
+    baseline, ``calibrate.speculative.NoProposer``). They differ in how they propose, not in how a
+    draft is verified and committed (transformers' ``CandidateGenerator``, vLLM's proposers).
 
     State: committed tokens ``x_0 .. x_N``; ``x_N`` (the target's last choice) is pending.
     """
 
-    name: str  # what drafts, recorded by the loop (eagle3, lookup, lookup+eagle3, ...)
-    feature_ids: tuple[int, ...] | None  # target hidden_states the drafter reads; None: none
+    name: str  # what drafts, recorded by the loop (eagle3, lookup, lookup+eagle3, none, ...)
+    feature_ids: tuple[int, ...] | None  # target hidden_states the proposer reads; None: none
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor | None, pending: int) -> None:
         """Begin after ``prompt`` (1, N) with its target features (1, N, ·) and the pending token."""
 
-    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+    def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
         """Up to ``k`` drafts (target vocabulary) following the pending token (fewer, or none, when the
-        drafter has nothing to propose: the step then verifies the pending token alone), and the laws
+        proposer has nothing to propose: the step then verifies the pending token alone), and the laws
         they were drawn from over the target vocabulary (len, vocab) float64, None when ``rule`` reads
         none (greedy). A model drafts each by ``rule`` (``calibrate.speculative``: ``rule.pick(logits)``
         gives the token index in its logits and its law, None for greedy), each step conditioned on
-        the tokens picked before; a point-mass drafter (lookup) hands back one-hot laws."""
+        the tokens picked before; a point-mass proposer (lookup) hands back one-hot laws."""
 
     def commit(self, new: list[int], features: torch.Tensor | None) -> None:
         """The target accepted ``new`` (accepted drafts then its own choice, now pending);
         ``features`` (1, len(new), ·) of the pending token and the accepted drafts. A step whose
-        drafts came from elsewhere (``lookup+head``) commits without a ``draft`` call."""
+        drafts came from elsewhere (``lookup+head``) commits without a ``propose`` call."""
 
     def close(self) -> None:
         """Undo anything done to shared models (runtime bindings)."""
+
+
+@runtime_checkable
+class BlockProposer(Proposer, Protocol):
+    """A proposer whose drafts all come from one forward that does not read them (DFlash blocks, PARD's
+    parallel drafts): it declares the logits of that forward, which ``calibrate.measure.blocks`` measures
+    and a copy pointer mixes into. Its ``propose`` is :func:`pick_rows` of them."""
+
+    def draft_logits(self, k: int) -> torch.Tensor:
+        """The logits (r, vocab) of one forward after the pending token, ``r <= k``, row ``j`` guessing
+        ``x_{N+1+j}`` (target vocabulary); the forward leaves no trace in the proposer's state."""
+
+
+@runtime_checkable
+class ChainProposer(Proposer, Protocol):
+    """A proposer that drafts one token a step, each step reading the token drafted before (the
+    EAGLE-3 head): it declares the step, so a copy pointer can mix into each row's law before the
+    row's token is picked. Its ``propose`` picks ``k`` tokens, each from ``row_logits`` of the ones
+    before it."""
+
+    columns: torch.Tensor  # (columns,) the target id of each column of ``row_logits``
+    vocab_size: int  # the target's vocabulary
+    sliding_window: int | None  # the drafter's own attention window, if it has one
+
+    def row_logits(self, drafted: list[int]) -> torch.Tensor:
+        """The logits (columns,) of the row that guesses the token after the pending one and ``drafted``
+        (target ids: this step's drafts so far, none at a step's first call, then one more a call)."""
+
+
+def pick_rows(logits: torch.Tensor, rule) -> tuple[list[int], np.ndarray | None]:
+    """A token per row of ``logits`` (r, vocab) picked by ``rule`` from that row alone (a
+    :class:`BlockProposer`'s drafts), and their laws (r, vocab) float64 (None: greedy)."""
+    drafts, laws = [], []
+    for row in logits:
+        token, law = rule.pick(row)
+        drafts.append(int(token))
+        if law is not None:
+            laws.append(law)
+    return drafts, (np.stack(laws) if laws else None)
 
 
 class Drafter(Protocol):
@@ -140,11 +232,8 @@ class Drafter(Protocol):
         target id per row drafted as a point mass (prompt lookup; -1: none), whose ``p_T`` comes back
         as ``proposed_accept``."""
 
-    def chain_drafter(self, spec: ScaleSpec | None) -> ChainDrafter:
-        """A chain drafter with ``spec`` applied (None: unscaled); call its ``close`` when done."""
+    feature_ids: tuple[int, ...] | None  # target hidden_states its proposers read (None: none), for a shared prefill
 
-    # ... and those whose registry entry is ``assisted``, instead of chain_drafter:
-
-    def assistant(self, spec: ScaleSpec | None) -> AbstractContextManager[torch.nn.Module]:
-        """A context manager giving the drafter model with ``spec`` enabled (None: unscaled), for
-        ``target.generate(..., assistant_model=...)``; the spec is disabled on leaving."""
+    def proposer(self, spec: ScaleSpec | None) -> Proposer:
+        """A proposer with ``spec`` applied (None: unscaled), with the adapter's copy pointer if it has
+        one; call its ``close`` when done."""

@@ -3,8 +3,8 @@
 A block drafter proposes a whole draft in **one** forward: the pending token ``x_N`` at position
 ``N`` followed by ``B - 1`` mask tokens at ``N + 1 .. N + B - 1``, attending (non-causally inside
 the block) to the fused target features of the committed context ``x_0 .. x_{N-1}``; row ``j`` of
-the block drafts token ``N + j``. :class:`DFlashBlockDrafter` is that proposer behind the
-``ChainDrafter`` protocol (``calibrate.drafters.base``), so ``calibrate.speculative.speculative_generate``
+the block drafts token ``N + j``. :class:`DFlashBlockProposer` is that proposer behind the
+``BlockProposer`` protocol (``calibrate.drafters.base``), so ``calibrate.speculative.speculative_generate``
 verifies and commits its drafts exactly as it does a chain's (greedy, or speculative sampling: each
 row's draft is drawn from its own law, and those laws do not depend on the other rows' draws, so the
 per-position rejection rule keeps the target's law). The context features' keys and values are
@@ -42,9 +42,9 @@ import torch
 
 from sharpdraft_theory import ScaleSpec
 
-from .base import AttentionTap, TeacherForced
+from .base import AttentionTap, ForcedRows, TeacherForced, forced_runs, pick_rows
 
-__all__ = ["DFlashBlockDrafter", "anchored_masks", "block_ids", "block_tap", "block_teacher_forced", "context_columns"]
+__all__ = ["DFlashBlockProposer", "anchored_masks", "block_ids", "block_tap", "block_teacher_forced", "context_columns"]
 
 ANCHORS_PER_CALL = 32  # blocks batched into one drafter forward by the teacher-forced pass
 
@@ -130,9 +130,10 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     features and its law. The taps are not called: the keys of a batched call are laid out as in
     :func:`anchored_masks`, not as the first ``n_visible`` keys a tap (the attention-mass meter) reads,
     so eval reports no mass for blocks (``sharpdraft calibrate`` measures it, one block at a time).
-    With a copy ``pointer`` (``calibrate.drafters.pointer``) row 1's law has the copies mixed in."""
+    With a copy ``pointer`` (``calibrate.drafters.pointer``) row 1's law has the copies mixed in: it wraps the
+    blocks' arm."""
     from ..measure.metrics import NextTokenLaw
-    from .pointer import next_token_mix
+    from .pointer import PointerArm
     from .target import hidden_state_features
 
     device = model.fc.weight.device
@@ -144,49 +145,57 @@ def block_teacher_forced(model, target, input_ids: torch.Tensor, hidden_state_id
     features, final = states[:, :, :-width], states[0, :, -width:]
     law = NextTokenLaw(target.get_output_embeddings()(final), temperature, points=proposals)  # row t: token t + 1
     context = model.encode_context(features.to(model.fc.weight.dtype), torch.arange(T, device=device)[None])
-    B = model.config.block_size
-    drafted = torch.empty(len(runs), T, dtype=torch.long, device=device)
-    accept = torch.empty(len(runs), T, dtype=torch.float32, device=device)
-    for r, (spec, _tap) in enumerate(runs):
+    arm = _BlockArm(model, target, input_ids, context)
+    if pointer is not None:
+        arm = PointerArm(arm, pointer, input_ids[0], model.config.vocab_size)
+    return forced_runs(arm, runs, law, T)
+
+
+class _BlockArm:
+    """The teacher-forced arm of a DFlash model (``calibrate.drafters.base.ForcedArm``): the blocks anchored at
+    every position of ``input_ids`` (1, T), :data:`ANCHORS_PER_CALL` a call, over the target's ``context``
+    keys and values; row ``t`` is the block at ``t``'s row 1. Its ``tap`` is not called (the docstring above)."""
+
+    columns = None
+
+    def __init__(self, model, target, input_ids: torch.Tensor, context):
+        self.model, self.target, self.input_ids, self.context = model, target, input_ids, context
+
+    def __call__(self, spec, tap):
+        model, T = self.model, self.input_ids.shape[1]
+        device, B = self.input_ids.device, model.config.block_size
         for a0 in range(0, T, ANCHORS_PER_CALL):
             anchors = torch.arange(a0, min(a0 + ANCHORS_PER_CALL, T), device=device)
-            ids, pos = block_ids(model, anchors, input_ids[0, anchors])
+            ids, pos = block_ids(model, anchors, self.input_ids[0, anchors])
             width_c = int(anchors[-1])  # the last anchor's context: every other block's is a prefix of it
             masks = anchored_masks(model, anchors, width_c, spec)
             with block_tap(model, spec):
-                hidden = model.forward_block(_embed(model, target, ids), pos,
-                                             [(k[:, :, :width_c], v[:, :, :width_c]) for k, v in context], masks)
-            logits = model.compute_logits(hidden.view(len(anchors), B, -1)[:, 1], target)  # (a, vocab): row 1
-            if pointer is not None:
-                logits = next_token_mix(pointer, logits, input_ids[0], anchors, spec)
-            drafted[r, anchors] = logits.argmax(-1)
-            accept[r, anchors] = law.acceptance(logits, start=a0)
-    n_visible = torch.arange(T, device=device) + 1  # the bucket's count, as for every adapter: t + 1
-    return TeacherForced(n_visible=n_visible, target_next=law.greedy, drafted=drafted, accept=accept,
-                         proposed_accept=law.point_accept)
+                hidden = model.forward_block(_embed(model, self.target, ids), pos,
+                                             [(k[:, :, :width_c], v[:, :, :width_c]) for k, v in self.context], masks)
+            logits = model.compute_logits(hidden.view(len(anchors), B, -1)[:, 1], self.target)  # (a, vocab): row 1
+            yield ForcedRows(anchors, logits, anchors, anchors, anchors + 1)  # n_visible: the bucket's count, t + 1
 
 
-class DFlashBlockDrafter:
-    """Block drafting with a DFlash model (module docstring): one forward drafts ``B - 1`` tokens.
+class DFlashBlockProposer:
+    """Block drafting with a DFlash model (module docstring): one forward drafts ``B - 1`` tokens (a
+    ``BlockProposer``, ``calibrate.drafters.base``).
 
     State after :meth:`start`: the context keys and values of ``x_0 .. x_{N-1}`` per layer (true target
-    features) and the pending ``x_N``. :meth:`draft` runs the block at ``N``; :meth:`commit` adds the
+    features) and the pending ``x_N``. :meth:`propose` runs the block at ``N``; :meth:`commit` adds the
     features of the pending token and the accepted drafts to the context. ``forwards`` counts the
     drafter's forwards (one per draft).
     """
 
     name = "dflash"
 
-    def __init__(self, model, target, spec: ScaleSpec | None = None, pointer=None):
+    def __init__(self, model, target, spec: ScaleSpec | None = None):
         self.model, self.target, self.spec = model, target, spec
-        self.pointer = pointer  # a copy pointer (calibrate.drafters.pointer) mixed into every row, or None
-        self.tokens: list[int] = []  # x_0 .. x_N, read by the pointer
         self.feature_ids = tuple(model.config.hidden_state_ids)
         self.block_size = model.config.block_size
         self.forwards = 0
 
     def close(self) -> None:
-        """Nothing to undo: the spec lives in this drafter's tap."""
+        """Nothing to undo: the spec lives in this proposer's tap."""
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor, pending: int) -> None:
         """Context ``x_0 .. x_{N-1}`` from its target ``features`` (1, N, ·); ``x_N = pending``."""
@@ -194,7 +203,6 @@ class DFlashBlockDrafter:
         self.length = 0
         self._extend(features)
         self.pending = pending
-        self.tokens = prompt[0].tolist() + [int(pending)]
 
     def _extend(self, features: torch.Tensor) -> None:
         model = self.model
@@ -221,32 +229,19 @@ class DFlashBlockDrafter:
             hidden = model.forward_block(_embed(model, self.target, ids), pos, context, context_positions=keep)
         self.forwards += 1
         last = self.block_size if rows is None else 1 + min(rows, self.block_size - 1)
-        logits = self.model.compute_logits(hidden[0, 1:last], self.target)
-        if self.pointer is None:
-            return logits
-        from .pointer import spec_block_mix
-
-        return spec_block_mix(self.pointer, logits, torch.tensor(self.tokens, device=device), self.spec)
+        return self.model.compute_logits(hidden[0, 1:last], self.target)
 
     def draft_logits(self, k: int) -> torch.Tensor:
         """Rows 1 .. min(k, B - 1) of the block at ``N`` (:meth:`block_logits`): (min(k, B - 1), vocab)."""
         return self.block_logits(k)
 
-    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+    def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
         """``min(k, B - 1)`` drafts from one forward, row ``j`` picked by ``rule`` from its own logits,
         with their laws over the target vocabulary (None: greedy)."""
-        logits = self.block_logits(k)
-        drafts, laws = [], []
-        for j in range(min(k, self.block_size - 1)):
-            token, law = rule.pick(logits[j])
-            drafts.append(int(token))
-            if law is not None:
-                laws.append(law)
-        return drafts, (np.stack(laws) if laws else None)
+        return pick_rows(self.block_logits(k), rule)
 
     def commit(self, new: list[int], features: torch.Tensor) -> None:
         """The pending token and the accepted drafts join the context (their ``features`` (1, len(new), ·));
         the target's own choice, ``new[-1]``, is pending."""
         self._extend(features)
         self.pending = new[-1]
-        self.tokens.extend(int(x) for x in new)

@@ -633,12 +633,20 @@ class DFlashDrafter:
         return block_teacher_forced(self.model, self.target, input_ids, self.model.config.hidden_state_ids, runs,
                                     temperature, proposals, self.pointer)
 
-    def chain_drafter(self, spec):
-        """Block drafting in the one speculative loop: ``block_size - 1`` drafts per forward."""
-        from .blocks import DFlashBlockDrafter
+    @property
+    def feature_ids(self) -> tuple[int, ...]:
+        """The target ``hidden_states`` the model reads."""
+        return tuple(self.model.config.hidden_state_ids)
+
+    def proposer(self, spec):
+        """Block drafting in the one speculative loop: ``block_size - 1`` drafts per forward
+        (``calibrate.drafters.blocks.DFlashBlockProposer``), its copy pointer around it when it has one."""
+        from .blocks import DFlashBlockProposer
+        from .pointer import with_pointer
 
         self._check_draft_head()
-        return DFlashBlockDrafter(self.model, self.target, spec, self.pointer)
+        block = DFlashBlockProposer(self.model, self.target, spec)
+        return block if self.pointer is None else with_pointer(block, self.pointer, spec)
 
     def _check_draft_head(self) -> None:
         """Drafting reads the target's ``lm_head`` (z-lab's layout); a speculators checkpoint drafts with its own

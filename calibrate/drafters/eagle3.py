@@ -33,7 +33,7 @@ logits' compiled pass; elsewhere the head's kernel over re-rotated keys), more r
 ``sharpdraft_runtime.positions.remapped_attention``.
 
 The adapter (``Eagle3Drafter``) runs the head over a text for calibration and teacher-forced
-evaluation, and drafts chains for speculative decoding (``Eagle3ChainDrafter``).
+evaluation, and drafts chains for speculative decoding (``Eagle3Proposer``).
 """
 
 from __future__ import annotations
@@ -56,16 +56,16 @@ from sharpdraft_theory.spec import DrafterInfo
 from ..errors import UserError
 from . import AUX_READINGS, aux_offset
 from ..taps import ScalingTap
-from .base import AttentionTap, TeacherForced
+from .base import AttentionTap, ForcedRows, TeacherForced, forced_runs
 from .checkpoint import (TrainingLength, build, config_field, read_config, read_weights, rename_prefixes,
                          training_length)
 from .fields import check_fields
-from .pointer import CopyPointer, alpha as pointer_alpha, describe, limits as pointer_limits, locate as locate_pointer
+from .pointer import CopyPointer, PointerArm, describe, locate as locate_pointer, with_pointer
 from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read_partial_rotary, read_rope,
                      rope_cos_sin, rope_inv_freq, rotary_dim)
 from .target import eos_token_id, hidden_state_features, load_target
 
-__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Output", "Eagle3Drafter", "Eagle3ChainDrafter", "load",
+__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Output", "Eagle3Drafter", "Eagle3Proposer", "load",
            "load_eagle3_head", "target_features", "feature_layer_ids", "aux_hidden_states",
            "SOURCES", "DEMO_HEAD_DIR"]
 
@@ -651,38 +651,47 @@ class Eagle3Drafter:
     def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
                        temperature: float = 1.0, proposals: torch.Tensor | None = None) -> TeacherForced:
         """Head row ``t`` (the collect layout) guesses token ``t + 2`` (``predicts``); the target's law for
-        it is its next-token law after position ``t + 1``. The target runs once, for features and its law."""
+        it is its next-token law after position ``t + 1``. The target runs once, for features and its law.
+        The copy pointer, when the head has one, wraps the head's arm (``calibrate.drafters.pointer``)."""
         from ..measure.metrics import NextTokenLaw
 
         input_ids = self._input(input_ids)
         features, final = self.target_states(input_ids)
         columns = self.head.draft_to_target(torch.arange(self.head.config.draft_vocab_size, device=final.device))
-        law = NextTokenLaw(self.target.get_output_embeddings()(final), temperature,
-                           None if self.pointer is not None else columns, points=proposals)  # rows t + 1 >= 1
-        drafted, accept = [], []
-        for spec, tap in runs:
-            scaled = ScalingTap(spec, tap)
-            logits = self.head(input_ids[:, 1:], features[:, :-1], attention_hook=scaled,
-                               **_restriction(spec)).logits[0]  # (T-1, draft)
-            if self.pointer is None:
-                drafted.append(self.head.draft_to_target(logits.argmax(-1)))
-                accept.append(law.acceptance(logits))
-                continue
-            rows = torch.arange(logits.shape[0], device=logits.device)
-            alpha = pointer_alpha(spec, scaled.n_visible[0])
-            mixed = self.pointer.mix(logits, columns, input_ids[0], rows, alpha, self.head.config.vocab_size,
-                                     **pointer_limits(spec, self.head.config.sliding_window))  # (T-1, vocab)
-            drafted.append(mixed.argmax(-1))
-            accept.append(law.acceptance(mixed))
-        return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
-                             accept=torch.stack(accept), proposed_accept=law.point_accept)
+        arm = _Eagle3Arm(self.head, input_ids, features, columns)
+        if self.pointer is not None:
+            c = self.head.config
+            arm = PointerArm(arm, self.pointer, input_ids[0], c.vocab_size, c.sliding_window)
+        law = NextTokenLaw(self.target.get_output_embeddings()(final), temperature, arm.columns,
+                           points=proposals)  # rows t + 1 >= 1
+        return forced_runs(arm, runs, law, input_ids.shape[1] - 1)
 
-    def chain_drafter(self, spec: ScaleSpec | None) -> "Eagle3ChainDrafter":
-        return Eagle3ChainDrafter(self.head, self.feature_ids, spec, self.pointer)
+    def proposer(self, spec: ScaleSpec | None):
+        """Chain drafting with the head under ``spec`` (:class:`Eagle3Proposer`), its copy pointer around it
+        (``calibrate.drafters.pointer.with_pointer``) when the adapter has one."""
+        chain = Eagle3Proposer(self.head, self.feature_ids, spec)
+        return chain if self.pointer is None else with_pointer(chain, self.pointer, spec)
 
 
-class Eagle3ChainDrafter:
-    """Chain drafting with an EAGLE-3 head (the ``ChainDrafter`` protocol of ``calibrate.drafters.base``).
+class _Eagle3Arm:
+    """The teacher-forced arm of an EAGLE-3 head (``calibrate.drafters.base.ForcedArm``): the head once over
+    ``input_ids`` (1, T) with the target's ``features``; row ``t`` knows ``x_0 .. x_{t+1}`` and guesses
+    ``x_{t+2}`` over the draft vocabulary, whose target ids are ``columns``."""
+
+    def __init__(self, head: Eagle3Head, input_ids: torch.Tensor, features: torch.Tensor, columns: torch.Tensor):
+        self.head, self.input_ids, self.features, self.columns = head, input_ids, features, columns
+
+    def __call__(self, spec, tap):
+        scaled = ScalingTap(spec, tap)
+        logits = self.head(self.input_ids[:, 1:], self.features[:, :-1], attention_hook=scaled,
+                           **_restriction(spec)).logits[0]  # (T-1, draft)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        n_visible = scaled.n_visible[0]
+        yield ForcedRows(rows, logits, rows + 1, n_visible, n_visible, self.columns)
+
+
+class Eagle3Proposer:
+    """Chain drafting with an EAGLE-3 head (a ``ChainProposer``, ``calibrate.drafters.base``).
 
     Head row ``t`` pairs the target feature at ``t`` with token ``t + 1``; its KV cache holds rows
     ``0 .. N-1`` (all with true target features). Drafting step ``j > 1`` feeds the head's own
@@ -700,88 +709,76 @@ class Eagle3ChainDrafter:
 
     name = "eagle3"  # the drafter kind the loop records
 
-    def __init__(self, head: Eagle3Head, feature_ids: tuple[int, ...], spec: ScaleSpec | None = None,
-                 pointer: CopyPointer | None = None):
+    def __init__(self, head: Eagle3Head, feature_ids: tuple[int, ...], spec: ScaleSpec | None = None):
         self.head = head
         self.feature_ids = feature_ids
         self.hook = None if spec is None else query_hook(spec)
         self.restriction = _restriction(spec)
-        self._target_ids = None  # target id of each draft id, made when a law is first mapped
-        self.pointer, self.spec = pointer, spec
-        self.tokens: list[int] = []  # x_0 .. x_{R}: row i's input is tokens[i + 1] (read by the pointer)
+        self.vocab_size = head.config.vocab_size
+        self.sliding_window = head.config.sliding_window
+        self._columns = None  # target id of each draft id, made when first asked
 
     def close(self) -> None:
-        """Nothing to undo: the spec lives in this drafter's hook."""
+        """Nothing to undo: the spec lives in this proposer's hook."""
+
+    @property
+    def columns(self) -> torch.Tensor:
+        """Target id of each draft id (draft_vocab,), made once."""
+        if self._columns is None:
+            ids = torch.arange(self.head.config.draft_vocab_size, device=self.head.d2t.device)
+            self._columns = self.head.draft_to_target(ids)
+            self._target_ids = self._columns.cpu().numpy()
+        return self._columns
 
     def _run(self, input_ids, hidden, position):
-        """Append rows at ``position ..`` to the head's cache; return (draft logits, output hidden)."""
+        """Append rows at ``position ..`` to the head's cache; return (the last row's draft logits, output hidden)."""
         T = input_ids.shape[1]
         pos = torch.arange(position, position + T, device=input_ids.device)[None]
         out = self.head(input_ids, hidden, position_ids=pos, past_key_values=self.past,
                         attention_hook=self.hook, **self.restriction)
         self.past = out.past_key_values
-        logits = out.logits[0, -1]
-        if self.pointer is not None:  # the last row's law over the target vocabulary, copies mixed in
-            row = position + T - 1
-            c = self.head.config
-            limits = pointer_limits(self.spec, c.sliding_window)
-            n = int(causal_mask(1, row, sliding_window=limits["window"], sinks=limits["sinks"]).sum())
-            columns = self._columns()
-            tokens = torch.tensor(self.tokens[:row + 2], device=logits.device)
-            logits = self.pointer.mix(logits[None], columns, tokens, torch.tensor([row]), pointer_alpha(self.spec, n),
-                                      c.vocab_size, **limits)[0]
-        return logits, out.hidden_states[:, -1:]
-
-    def _columns(self) -> torch.Tensor:
-        """Target id of each draft id (made once): a tensor for the pointer, ``_target_ids`` for numpy laws."""
-        if self._target_ids is None:
-            ids = torch.arange(self.head.config.draft_vocab_size, device=self.head.d2t.device)
-            self._columns_t = self.head.draft_to_target(ids)
-            self._target_ids = self._columns_t.cpu().numpy()
-        return self._columns_t
+        return out.logits[0, -1], out.hidden_states[:, -1:]
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor, pending: int) -> None:
         """Rows 0 .. N-1 of the prompt ``x_0 .. x_{N-1}`` with target features, ``x_N = pending``."""
         self.past = None
         ids = torch.cat((prompt[:, 1:], torch.tensor([[pending]], device=prompt.device)), dim=1)
         self.rows = prompt.shape[1]  # rows with true features in the cache
-        self.tokens = prompt[0].tolist() + [int(pending)]
         self.logits, self.hidden = self._run(ids, features, 0)
 
-    def draft(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+    def row_logits(self, drafted: list[int]) -> torch.Tensor:
+        """The draft logits (draft_vocab,) of the row after the pending token and ``drafted`` (this step's
+        drafts so far, one more than at the previous call, or none): that last draft runs one row, the head's
+        own output standing in for the (unknown) target feature. The extra rows go again at :meth:`commit`."""
+        if not drafted:
+            self._step = self.logits, self.hidden
+        else:
+            hidden = self._step[1]
+            self._step = self._run(torch.tensor([[drafted[-1]]], device=hidden.device), hidden,
+                                   self.rows + len(drafted) - 1)
+        return self._step[0]
+
+    def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
         """``k`` drafts (target ids) picked by ``rule`` over the draft vocabulary, and their laws over
-        the target vocabulary (k, vocab), zero off the draft vocabulary (None: greedy); the extra
-        rows are removed again by :meth:`commit`."""
+        the target vocabulary (k, vocab), zero off the draft vocabulary (None: greedy)."""
         drafts, laws = [], []
-        logits, hidden = self.logits, self.hidden
-        for j in range(k):
-            index, law = rule.pick(logits)  # in the draft vocabulary (with a pointer: the target's)
-            if self.pointer is not None:
-                token = index
-            else:
-                token = int(self.head.draft_to_target(torch.tensor(index, device=logits.device)))
-                law = None if law is None else self._on_target_vocab(law)
-            drafts.append(token)
+        for _ in range(k):
+            index, law = rule.pick(self.row_logits(drafts))  # in the draft vocabulary
+            drafts.append(int(self.columns[index]))
             if law is not None:
-                laws.append(law)
-            if j + 1 < k:  # the head's own output stands in for the (unknown) target feature
-                del self.tokens[self.rows + 1 + j:]  # in place: no copy of the context per draft step
-                self.tokens.append(token)
-                logits, hidden = self._run(torch.tensor([[token]], device=hidden.device), hidden, self.rows + j)
+                laws.append(self._on_target_vocab(law))
         return drafts, (np.stack(laws) if laws else None)
 
     def _on_target_vocab(self, law: np.ndarray) -> np.ndarray:
         """A law over the draft vocabulary (draft_vocab,) placed at its target ids: (vocab,)."""
-        self._columns()
-        full = np.zeros(self.head.config.vocab_size)
+        self.columns  # noqa: B018 (makes _target_ids)
+        full = np.zeros(self.vocab_size)
         full[self._target_ids] = law
         return full
 
     def commit(self, new: list[int], features: torch.Tensor) -> None:
         """Keep the true rows, then add rows for the verified positions: features (1, a+1, 3H)."""
         self.past = tuple(x[:, :, :self.rows] for x in self.past)
-        del self.tokens[self.rows + 1:]
-        self.tokens.extend(int(x) for x in new)
         ids = torch.tensor([new], device=features.device)  # token after each verified position
         self.logits, self.hidden = self._run(ids, features, self.rows)
         self.rows += len(new)

@@ -15,13 +15,12 @@ drafter cut from SmolLM2, SmolLM2's; with none, a ``UserError`` says so. The tar
 the ``--target-path`` model, else SmolLM2, loaded when first needed.
 
 Evaluation: teacher-forced runs are one causal pass each, its queries scaled through the
-attention tap (``calibrate.taps.ScalingTap``, the runtime's own scaling). Speculative decoding of an
-``hf`` drafter is transformers' own assisted generation with the drafter as ``assistant_model``
-(``calibrate.speculative.transformers_generate``), the spec enabled on it by
-``sharpdraft_runtime.enable`` for the call (:meth:`CausalLMDrafter.assistant`): greedy chains, one
-token per drafter forward. A ``pard`` drafter drafts as PARD does, in this toolkit's chain loop:
-``K`` drafts from one forward over the pending token and ``K - 1`` copies of its ``pard_token``
-(``calibrate.drafters.parallel``, :meth:`CausalLMDrafter.chain_drafter`).
+attention tap (``calibrate.taps.ScalingTap``, the runtime's own scaling). In speculative decoding
+(:meth:`CausalLMDrafter.proposer`, the one loop of ``calibrate.speculative``) an ``hf`` drafter drafts
+chains, one token per drafter forward (``calibrate.drafters.causal.CausalLMProposer``); a ``pard``
+drafter drafts as PARD does: ``K`` drafts from one forward over the pending token and ``K - 1``
+copies of its ``pard_token`` (``calibrate.drafters.parallel``). Both apply the spec through the same
+tap as the teacher-forced pass.
 
 Default ``n_ref`` (the reference length; ``--n-ref`` overrides it):
 
@@ -34,21 +33,19 @@ Default ``n_ref`` (the reference length; ``--n-ref`` overrides it):
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from sharpdraft_runtime import disable, enable
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import DrafterInfo
 
 from ..errors import UserError
 from ..smollm2 import SMOLLM2_N_REF, load_smollm2
 from ..taps import ScalingTap, attention_tap
-from .base import AttentionTap, TeacherForced
+from .base import AttentionTap, ForcedRows, TeacherForced, forced_runs
 from .checkpoint import read_config
 from .fields import check_fields
 from .pard_smollm2 import EMBEDDING_FROM, SMOLLM2, build_pard_drafter
@@ -104,34 +101,36 @@ class CausalLMDrafter:
     @torch.no_grad()
     def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
                        temperature: float = 1.0, proposals: torch.Tensor | None = None) -> TeacherForced:
-        """Row ``t`` of (1, T): the drafter's and the target's next-token laws after token ``t`` (``predicts``)."""
+        """Row ``t`` of (1, T): the drafter's and the target's next-token laws after token ``t`` (``predicts``);
+        the copy pointer, when the drafter has one, wraps the drafter's arm (``calibrate.drafters.pointer``)."""
         from ..measure.metrics import NextTokenLaw
+        from .pointer import PointerArm
 
         input_ids = input_ids.to(self.device)
         law = NextTokenLaw(self.target(input_ids=input_ids).logits[0], temperature, points=proposals)  # (T, vocab)
-        drafted, accept = [], []
-        for spec, tap in runs:
-            scaled = ScalingTap(spec, tap)
-            with attention_tap(self.model, scaled, restrict=spec):
-                logits = self.model(input_ids=input_ids, use_cache=False).logits[0]  # (T, vocab)
-            if self.pointer is not None:
-                from .pointer import next_token_mix
+        arm = _CausalArm(self.model, input_ids)
+        if self.pointer is not None:
+            arm = PointerArm(arm, self.pointer, input_ids[0], self.model.get_output_embeddings().weight.shape[0])
+        return forced_runs(arm, runs, law, input_ids.shape[1])
 
-                positions = torch.arange(logits.shape[0], device=logits.device)
-                logits = next_token_mix(self.pointer, logits, input_ids[0], positions, spec)
-            drafted.append(logits.argmax(-1))
-            accept.append(law.acceptance(logits))
-        return TeacherForced(n_visible=scaled.n_visible[0], target_next=law.greedy, drafted=torch.stack(drafted),
-                             accept=torch.stack(accept), proposed_accept=law.point_accept)
+    feature_ids = None  # its proposers read no target features
 
-    def chain_drafter(self, spec: ScaleSpec | None):
-        """A PARD drafter's parallel drafting (``calibrate.drafters.parallel``) with ``spec`` applied."""
-        from .parallel import PardParallelDrafter
+    def proposer(self, spec: ScaleSpec | None):
+        """Drafting with ``spec`` applied: a PARD drafter's parallel drafts (``calibrate.drafters.parallel``),
+        any other causal LM's chain (``calibrate.drafters.causal``); the copy pointer around them when the
+        drafter has one."""
+        from .causal import CausalLMProposer
+        from .parallel import PardParallelProposer
+        from .pointer import with_pointer
 
         if self.model is self.target:
             raise UserError("--speculative needs a drafter different from the target: pass --drafter-path "
                             "(and --target-path for the target)")
-        return PardParallelDrafter(self.model, self.pard_token, spec, self.pointer)
+        if self.kind == "pard":
+            proposer = PardParallelProposer(self.model, self.pard_token, spec)
+        else:
+            proposer = CausalLMProposer(self.model, spec)
+        return proposer if self.pointer is None else with_pointer(proposer, self.pointer, spec)
 
     @property
     def parallel(self) -> bool:
@@ -156,20 +155,22 @@ class CausalLMDrafter:
                             "as --drafter hf, one draft per forward)")
         return token
 
-    @contextlib.contextmanager
-    def assistant(self, spec: ScaleSpec | None):
-        """The drafter model, ``spec`` enabled on it inside the block (None: unscaled), to pass to
-        ``target.generate(..., assistant_model=...)``; the spec is disabled again on leaving."""
-        if self.model is self.target:
-            raise UserError("--speculative needs a drafter different from the target: pass --drafter-path "
-                            "(and --target-path for the target)")
-        if spec is not None:
-            enable(self.model, spec)
-        try:
-            yield self.model
-        finally:
-            if spec is not None:
-                disable(self.model)
+
+class _CausalArm:
+    """The teacher-forced arm of a causal LM (``calibrate.drafters.base.ForcedArm``): one causal pass over
+    ``input_ids`` (1, T), its queries scaled through the attention tap; row ``t`` guesses token ``t + 1``."""
+
+    columns = None
+
+    def __init__(self, model, input_ids: torch.Tensor):
+        self.model, self.input_ids = model, input_ids
+
+    def __call__(self, spec, tap):
+        scaled = ScalingTap(spec, tap)
+        with attention_tap(self.model, scaled, restrict=spec):
+            logits = self.model(input_ids=self.input_ids, use_cache=False).logits[0]  # (T, vocab)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        yield ForcedRows(rows, logits, rows, rows, scaled.n_visible[0])
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device: torch.device,

@@ -21,6 +21,11 @@ spec's window and sinks hide the same keys from both. Distance fixes do not touc
 on content only. Every row that matches nothing adds ``exp(0)`` to the normaliser, so as ``n`` grows
 the mass on a real match and on the sink dilutes, as the module's theory describes for any attention.
 
+In decoding the pointer is a proposer that wraps the drafter's own (:func:`with_pointer`): it mixes
+the copies into each law the inner proposer drafts from, a chain's row by row (each row knows the drafts
+before it), a block's rows at once (row ``j`` copies the token ``j`` places after a match). In an
+adapter's teacher-forced pass it wraps the pass's arm the same way (:class:`PointerArm`).
+
 The pointer has no weights: four numbers, fitted by ``scripts/fit_copy_pointer.py``, stored in a head
 directory's ``copy_pointer.json`` (:func:`read`), which may name the directory of the head it joins
 (``"head"``), so that one head's weights serve with and without a pointer.
@@ -30,17 +35,20 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sharpdraft_runtime import causal_mask
 
 from ..errors import UserError
+from .base import BlockProposer, ChainProposer, pick_rows
 
-__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "alpha", "block_mix", "describe", "keeping_slope", "limits",
-           "locate", "matches", "next_token_mix", "read", "spec_block_mix", "write"]
+__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "PointerArm", "PointerBlockProposer", "PointerChainProposer",
+           "alpha", "block_mix", "describe", "keeping_slope", "limits", "locate", "matches", "read", "spec_block_mix",
+           "with_pointer", "write"]
 
 FILE = "copy_pointer.json"
 FORMAT = "sharpdraft-copy-pointer"
@@ -131,6 +139,77 @@ def block_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, 
                                   shift=j) for j in range(1, logits.shape[0] + 1)])
 
 
+def with_pointer(inner, pointer: CopyPointer, spec=None):
+    """``inner`` (a ``ChainProposer`` or a ``BlockProposer``, ``calibrate.drafters.base``) with ``pointer``'s
+    copies mixed into every law it drafts from, over the target's whole vocabulary (module docstring);
+    ``spec`` is the spec the inner proposer runs under (None: unscaled)."""
+    if isinstance(inner, BlockProposer):
+        return PointerBlockProposer(inner, pointer, spec)
+    if isinstance(inner, ChainProposer):
+        return PointerChainProposer(inner, pointer, spec)
+    raise TypeError(f"a copy pointer wraps a chain or block proposer, not {type(inner).__name__}")
+
+
+class _Pointed:
+    """What both pointer proposers share: the inner proposer, its name and features, the known text."""
+
+    def __init__(self, inner, pointer: CopyPointer, spec=None):
+        self.inner, self.pointer, self.spec = inner, pointer, spec
+        self.name, self.feature_ids = inner.name, inner.feature_ids  # records what drafts, as without a pointer
+        self.tokens: list[int] = []  # x_0 .. x_N, the known text the copies come from
+
+    def start(self, prompt: torch.Tensor, features, pending: int) -> None:
+        self.inner.start(prompt, features, pending)
+        self.tokens = prompt[0].tolist() + [int(pending)]
+
+    def commit(self, new: list[int], features) -> None:
+        self.inner.commit(new, features)
+        self.tokens.extend(int(x) for x in new)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class PointerBlockProposer(_Pointed):
+    """A ``BlockProposer`` with a copy pointer: its rows mixed at once (:func:`spec_block_mix`), row ``j``
+    copying the token ``j`` places after a match of the known text."""
+
+    def draft_logits(self, k: int) -> torch.Tensor:
+        """The inner rows (r, vocab) with the copies mixed in: log laws over the target vocabulary."""
+        logits = self.inner.draft_logits(k)
+        return spec_block_mix(self.pointer, logits, torch.tensor(self.tokens, device=logits.device), self.spec)
+
+    def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+        return pick_rows(self.draft_logits(k), rule)
+
+
+class PointerChainProposer(_Pointed):
+    """A ``ChainProposer`` with a copy pointer: each row's law mixed before its token is picked
+    (:meth:`CopyPointer.mix`, the row knowing the drafts before it), with the spec's factor for the row's
+    visible keys under the narrower of the spec's and the drafter's window."""
+
+    def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+        """``k`` drafts (target ids) picked by ``rule`` from the mixed laws, and those laws (None: greedy)."""
+        drafts, laws = [], []
+        for _ in range(k):
+            token, law = rule.pick(self._row(drafts))
+            drafts.append(int(token))
+            if law is not None:
+                laws.append(law)
+        return drafts, (np.stack(laws) if laws else None)
+
+    def _row(self, drafted: list[int]) -> torch.Tensor:
+        """The log law (vocab,) of the chain's row after the known text and ``drafted``."""
+        inner = self.inner
+        logits = inner.row_logits(drafted)
+        tokens = self.tokens + drafted  # the row's known text ends x_{row+1}
+        row = len(tokens) - 2
+        keys = limits(self.spec, inner.sliding_window)
+        n = int(causal_mask(1, row, sliding_window=keys["window"], sinks=keys["sinks"]).sum())
+        return self.pointer.mix(logits[None], inner.columns, torch.tensor(tokens, device=logits.device),
+                                torch.tensor([row]), alpha(self.spec, n), inner.vocab_size, **keys)[0]
+
+
 def limits(spec, sliding_window: int | None = None) -> dict:
     """The keys a pointer's row sees besides causality, as :meth:`CopyPointer.mix` takes them: the narrower of
     the drafter's own ``sliding_window`` and the spec's window, with the spec's sinks (as the drafter's attention
@@ -146,18 +225,38 @@ def spec_block_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Ten
     return block_mix(pointer, logits, tokens, alpha(spec, max(tokens.numel() - 1, 1)), **limits(spec))
 
 
-def next_token_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                   spec) -> torch.Tensor:
-    """Teacher-forced next-token laws with ``pointer``'s copies: ``logits`` (a, vocab) the drafter's guesses of
-    ``x_{t+1}`` at consecutive ``positions`` t (knowing ``x_0 .. x_t`` of ``tokens``, as the EAGLE-3 row ``t - 1``
-    does), the log laws (a, vocab); at ``t = 0`` there is nothing to copy from, the drafter's law alone."""
-    out = torch.log_softmax(logits.float(), dim=-1)
-    later = positions >= 1
-    if later.any():
-        columns = torch.arange(logits.shape[-1], device=logits.device)
-        out[later] = pointer.mix(logits[later], columns, tokens, positions[later] - 1, alpha(spec, positions[later]),
-                                 logits.shape[-1], **limits(spec))
-    return out
+class PointerArm:
+    """A teacher-forced arm (``calibrate.drafters.base.ForcedArm``) with ``pointer``'s copies mixed into its rows:
+    the row at position ``t`` (knowing ``x_0 .. x_t`` of ``tokens``, as the EAGLE-3 row ``t - 1`` does) gets
+    :meth:`CopyPointer.mix`'s law over the target's ``vocab_size`` tokens, with the spec's factor for the row's
+    count and, besides causality, the keys of :func:`limits` (with the drafter's ``sliding_window``); at ``t = 0``
+    there is nothing to copy from, the drafter's law alone."""
+
+    columns = None  # the mixed laws are over the target's whole vocabulary
+
+    def __init__(self, arm, pointer: CopyPointer, tokens: torch.Tensor, vocab_size: int,
+                 sliding_window: int | None = None):
+        self.arm, self.pointer, self.tokens = arm, pointer, tokens.reshape(-1)
+        self.vocab_size, self.sliding_window = int(vocab_size), sliding_window
+
+    def __call__(self, spec, tap):
+        keys = limits(spec, self.sliding_window)
+        for part in self.arm(spec, tap):
+            yield replace(part, logits=self._mix(part, spec, keys), columns=None)
+
+    def _mix(self, part, spec, keys: dict) -> torch.Tensor:
+        """The log laws (r, vocab) of ``part``'s rows."""
+        logits = part.logits
+        if part.columns is None:
+            columns, out = torch.arange(logits.shape[-1], device=logits.device), torch.log_softmax(logits.float(), -1)
+        else:
+            columns = part.columns
+            out = torch.full((len(logits), self.vocab_size), float("-inf"), device=logits.device)
+        later = part.positions >= 1
+        if later.any():
+            out[later] = self.pointer.mix(logits[later], columns, self.tokens, part.positions[later] - 1,
+                                          alpha(spec, part.counts[later]), out.shape[-1], **keys)
+        return out
 
 
 def describe(pointer: CopyPointer) -> str:

@@ -1,8 +1,9 @@
 """Teacher-forced metrics of drafters that draft K tokens in one forward: DFlash blocks, PARD.
 
 At anchors ``p`` of a held-out text the drafter proposes ``K`` tokens after ``x_p`` in one forward,
-run by the very proposer the speculative loop runs (its ``draft_logits``: ``DFlashBlockDrafter``,
-``PardParallelDrafter``), over the true text ``x_0 .. x_p`` (and the target's features of it).
+run by the very proposer the speculative loop runs (its ``draft_logits``: ``DFlashBlockProposer``,
+``PardParallelProposer``, either with a copy pointer around it), over the true text ``x_0 .. x_p`` (and
+the target's features of it).
 Row ``k`` (``1 .. K``) guesses token ``p + k``; it is compared with the target along the true
 text, the target's greedy token and law after position ``p + k - 1``. Per anchor and arm:
 
@@ -60,8 +61,8 @@ def block_anchors(edges: np.ndarray, length: int, draft: int, per_bucket: int) -
 def block_rows(source, input_ids: torch.Tensor, specs: dict, anchors: np.ndarray, draft: int,
                temperature: float = 1.0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per arm ``name -> spec`` of ``specs``: ``(hits, accept)``, each (anchors, draft), at ``anchors`` of
-    ``input_ids`` (1, T) (module docstring). ``source`` is a drafter adapter whose ``chain_drafter(spec)``
-    has ``draft_logits(k)``; the target runs once."""
+    ``input_ids`` (1, T) (module docstring). ``source`` is a drafter adapter whose ``proposer(spec)``
+    is a ``BlockProposer`` (``draft_logits(k)``); the target runs once."""
     if not len(anchors):  # a text too short for one anchor: nothing to measure
         return {name: (np.zeros((0, draft), dtype=bool), np.zeros((0, draft))) for name in specs}
     features, law, greedy = target_along(source, input_ids, anchors, draft, temperature)
@@ -84,7 +85,7 @@ def target_along(source, input_ids: torch.Tensor, anchors: np.ndarray, draft: in
 
     target = source.target
     input_ids = input_ids.to(source.device)
-    feature_ids = source.chain_drafter(None).feature_ids
+    feature_ids = source.feature_ids
     layers = len(target.get_decoder().layers)
     states = hidden_state_features(target, input_ids, (*(feature_ids or ()), layers))
     width = target.config.hidden_size
@@ -97,10 +98,10 @@ def target_along(source, input_ids: torch.Tensor, anchors: np.ndarray, draft: in
 @torch.no_grad()
 def proposed(source, spec, input_ids: torch.Tensor, features, anchors: np.ndarray, draft: int) -> torch.Tensor:
     """The proposer's draft logits (anchors, draft, vocab) at each anchor ``p`` of the true text, ``x_p`` pending,
-    as the speculative loop runs it (``source.chain_drafter(spec)``, committing the text between anchors)."""
+    as the speculative loop runs it (``source.proposer(spec)``, committing the text between anchors)."""
     input_ids = input_ids.to(source.device)
     text = input_ids[0].tolist()
-    proposer = source.chain_drafter(spec)
+    proposer = source.proposer(spec)
     try:
         logits = []
         first = int(anchors[0])
