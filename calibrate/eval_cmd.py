@@ -13,6 +13,7 @@ from rich.table import Table
 
 from .drafters import drafter_kind, kind_names
 from .errors import UserError
+from .numbers import fixed as _number, signed_triple as _delta
 from .speculative import ASSISTED_LOOP
 
 __all__ = ["eval_command", "plot_result", "summary_tables", "cost_table"]
@@ -476,18 +477,6 @@ def _bytes(n) -> str:
     if n is None:
         return "-"
     return "0 B" if n == 0 else f"{n / 2**20:.2f} MiB"
-
-
-def _number(x) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
-def _delta(triple) -> str:
-    if triple is None:
-        return ""
-    if triple[1] is None:
-        return f"{triple[0]:+.3f} (no interval)"
-    return f"{triple[0]:+.3f} [{triple[1]:+.3f}, {triple[2]:+.3f}]"
 
 
 def plot_result(result: dict, path: Path) -> None:

@@ -149,6 +149,7 @@ from .lookup import LookupDrafter, LookupSettings, LookupThenHead
 from .measure import METRICS, Arm, MassMeter, SavedUnits, Tally, gain, scale_grid, summarize, tally_sequence
 from .measure.blocks import block_anchors, block_rows, block_sums, check_block_unit, summarize_blocks
 from .measure.forced import row_masks
+from .numbers import rounded as _round, rounded_interval as _interval, rounded_triple as _triple
 from .online import (ONLINE_KINDS, ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes,
                      online_arms, online_pass, tally_online)
 from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
@@ -781,20 +782,8 @@ def _recovered(buckets: list[dict], names: list[str]) -> None:
             row[variant]["recovered"] = share
 
 
-def _triple(values: list[float] | None):
-    return None if values is None else [_round(v) for v in values]
-
-
-def _interval(values: list[float] | None):
-    return None if values is None or values[1] is None else [_round(values[1]), _round(values[2])]
-
-
 def _slope(spec: ScaleSpec):
     slopes = spec.slopes()
     if slopes is None:
         return None
     return float(slopes) if slopes.ndim == 0 else float(np.mean(slopes))
-
-
-def _round(x: float | None, digits: int = 4):
-    return None if x is None or not math.isfinite(x) else round(float(x), digits)
