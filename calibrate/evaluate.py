@@ -150,7 +150,7 @@ from .measure import METRICS, Arm, MassMeter, SavedUnits, Tally, gain, scale_gri
 from .measure.blocks import block_anchors, block_rows, block_sums, check_block_unit, summarize_blocks
 from .measure.forced import row_masks
 from .numbers import rounded as _round, rounded_interval as _interval, rounded_triple as _triple
-from .online import (ONLINE_KINDS, ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes,
+from .online import (ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes,
                      online_arms, online_pass, tally_online)
 from .speculative import (ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Prefill, Sampling, SpeculativeResult, prefill,
                           speculative_generate, target_generate, transformers_generate)
@@ -395,11 +395,11 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
     """
     kind = drafter_kind(drafter.kind, evaluates=True)
     num_draft = draft_length(drafter, num_draft)
-    block = getattr(drafter, "block_size", None)
+    block = drafter.block_size if kind.blocks else None
     if block is not None and num_draft > block - 1:
         raise UserError(f"--num-draft {num_draft}: a block of {block} drafts at most {block - 1} tokens a forward; "
                         f"give {block - 1} or fewer (or leave it out)")
-    if getattr(drafter, "parallel", False) and num_draft > max(lengths) - 2:
+    if kind.parallel and num_draft > max(lengths) - 2:
         raise UserError(f"--num-draft {num_draft}: one forward would draft past the sequences of {max(lengths)} tokens; "
                         f"give at most {max(lengths) - 2}")
     edges = bucket_edges(lengths)
@@ -417,7 +417,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         raise UserError(f"--reference-drafter-path: the reference is a {reference.kind} drafter, "
                         f"expected {drafter.kind} like the drafter")
     learning = online_arms(variants, spec)
-    if learning and drafter.kind not in ONLINE_KINDS:
+    if learning and not kind.online:
         raise UserError(f"--variants {learning[0].name}: online adaptation is for EAGLE-3 heads only for now, "
                         f"not {drafter.kind}")
     if learning and speculative:
@@ -470,7 +470,7 @@ def evaluate(drafter, *, spec: ScaleSpec, lengths: list[int], corpus: str = "pyd
         costs.append(cost)
     buckets = summarize(tallies, arms, edges)
     blocks = None
-    if getattr(drafter, "parallel", False):
+    if kind.parallel:
         blocks = _blocks(drafter, texts, {v: s for v, s in specs.items() if v not in LOOKUP_VARIANTS}, edges,
                          num_draft, temperature, saved, progress)
     names = [a.name for a in arms if a not in grid]
@@ -619,14 +619,14 @@ def draft_length(drafter, num_draft: int | None) -> int:
     the rows of one forward) and a chain of 4 for every other drafter."""
     if num_draft is not None:
         return int(num_draft)
-    block = getattr(drafter, "block_size", None)
-    return 4 if block is None else block - 1
+    return drafter.block_size - 1 if drafter_kind(drafter.kind).blocks else 4
 
 
-def _speculative_record(loop, new_tokens, num_draft, identical, sample, temperature, seed, drafter=None) -> dict:
+def _speculative_record(loop, new_tokens, num_draft, identical, sample, temperature, seed, drafter) -> dict:
     """The result's ``speculative`` entry: how decoding ran, and whether outputs matched (greedy only)."""
-    block = getattr(drafter, "block_size", None)
-    drafting = ("chain: one draft per drafter forward" if not getattr(drafter, "parallel", False) else
+    kind = drafter_kind(drafter.kind)
+    block = drafter.block_size if kind.blocks else None
+    drafting = ("chain: one draft per drafter forward" if not kind.parallel else
                 f"block: up to {block - 1} drafts from one drafter forward (block size {block})" if block else
                 f"parallel: {num_draft} drafts from one drafter forward (the pending token and {num_draft - 1} mask "
                 "tokens)")
@@ -761,7 +761,7 @@ def _decode(loop: str, target, source, spec: ScaleSpec | None, prompt: torch.Ten
 
 def _pointer(drafter) -> dict:
     """``{"copy_pointer": its four numbers}`` for a head drafting with a copy pointer, else nothing."""
-    pointer = getattr(drafter, "pointer", None)
+    pointer = drafter.pointer if drafter_kind(drafter.kind).pointer else None
     return {} if pointer is None else {"copy_pointer": dataclasses.asdict(pointer)}
 
 
