@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 
-__all__ = ["DrafterKind", "KINDS", "AUX_READINGS", "aux_offset", "drafter_kind", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
+__all__ = ["DrafterKind", "KINDS", "AUX_READINGS", "aux_offset", "drafter_kind", "drafts_in_parallel", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,13 @@ def drafter_kind(name: str, *, evaluates: bool = False) -> DrafterKind:
     if evaluates and not KINDS[name].evaluates:
         raise UserError(f"--drafter {name}: eval supports {', '.join(kind_names(evaluates=True))}")
     return KINDS[name]
+
+
+def drafts_in_parallel(drafter) -> bool:
+    """Whether the loaded ``drafter`` drafts several tokens from one forward: its kind can
+    (``DrafterKind.parallel``) and its checkpoint does (a PARD checkpoint without its mask token
+    cannot: the adapter's ``parallel``)."""
+    return KINDS[drafter.kind].parallel and drafter.parallel
 
 
 def load_drafter(kind: str, drafter_path: str | None, target_path: str | None, device, dtype, *,
