@@ -163,15 +163,16 @@ class EvalOptions:
         if self.sample and not self.speculative:
             raise UserError("--sample: samples in speculative decoding; add --speculative")
         if self.n_ref is not None and not 2 <= self.n_ref < longest:
-            raise UserError(f"--n-ref {self.n_ref}: expected at least 2 and below the largest of --lengths ({longest}), "
-                            "so that some bucket lies beyond it")
+            raise UserError(f"--n-ref {self.n_ref}: expected at least 2 and below the largest of --lengths "
+                            f"({longest}), so that some bucket lies beyond it")
         if self.plot is not None and self.plot.suffix.lower() != ".png":
             raise UserError(f"--plot {self.plot}: give a .png file name")
         check_outputs({"--out": self.out, "--plot": self.plot},
                       {**local_inputs(spec=self.spec_file, corpus=self.corpus, drafter_path=self.drafter_path,
                                       target_path=self.target_path, reference_drafter_path=self.reference_drafter_path),
                        **{f"--extra-spec {name.removeprefix(EXTRA_PREFIX)}": path
-                          for name, file in self.extra_spec_files.items() for path in local_inputs(file=file).values()}})
+                          for name, file in self.extra_spec_files.items()
+                          for path in local_inputs(file=file).values()}})
         settle("lookup", check_lookup(self.lookup_max_ngram, self.lookup_min_ngram))
         check_lookup_loop(self.drafter, with_lookup(self.variants, self.corpus), self.speculative)
         check_corpus(self.corpus, longest)
@@ -181,7 +182,8 @@ class EvalOptions:
             scale_grid(list(self.slopes), list(self.alphas), self.n_ref, self.top_k)
 
     def _check_counts(self) -> None:
-        """``--sequences``, ``--threads``, ``--skip``, ``--num-draft``, ``--new-tokens`` and ``--top-k``: at least their least."""
+        """``--sequences``, ``--threads``, ``--skip``, ``--num-draft``, ``--new-tokens`` and ``--top-k``: each at
+        least its least."""
         if self.sequences is not None and self.sequences < 1:
             raise UserError(f"--sequences {self.sequences}: expected at least 1 (default: every held-out sequence)")
         for option, value, least in (("--threads", self.threads, 0), ("--skip", self.skip, 0),

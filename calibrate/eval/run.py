@@ -25,11 +25,13 @@ from sharpdraft_theory.bootstrap import RESAMPLES
 from ..corpus import is_recall, pack, recall_corpus
 from ..drafters import drafter_kind, drafts_in_parallel, load_drafter, resolve_device, resolve_dtype
 from ..errors import UserError
-from ..measure import METRICS, Arm, MassMeter, SavedUnits, Tally, gain, partial_dir, scale_grid, summarize, tally_sequence
+from ..measure import (METRICS, Arm, MassMeter, SavedUnits, Tally, gain, partial_dir, scale_grid, summarize,
+                       tally_sequence)
 from ..measure.blocks import block_anchors, block_rows, block_sums, check_block_unit, summarize_blocks
 from ..measure.forced import row_masks
 from ..numbers import rounded
-from ..online import ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes, online_arms, online_pass, tally_online
+from ..online import (ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes, online_arms, online_pass,
+                      tally_online)
 from ..speculative import ASSISTED_LOOP, CHAIN_LOOP, GREEDY, Sampling
 from .decode import prompt_seed, speculative_buckets, speculative_record
 from .options import EvalOptions
@@ -86,10 +88,10 @@ def evaluate(drafter, opts: EvalOptions, *, reference=None, saved: SavedUnits | 
     progress : callable, optional
         ``progress(message)`` as each sequence and prompt starts.
     """
-    kind = drafter_kind(drafter.kind, evaluates=True)
     if drafter.kind != opts.drafter or (reference is None) != (opts.reference_drafter_path is None):
         raise ValueError(f"evaluate: a {drafter.kind} drafter{' and a reference' if reference else ''} for options of "
                          f"a {opts.drafter} drafter{' and a reference' if opts.reference_drafter_path else ''}")
+    kind = drafter_kind(opts.drafter)  # one that evaluates: EvalOptions checked it
     n_ref = drafter.default_n_ref if opts.n_ref is None else int(opts.n_ref)
     spec = default_spec(n_ref, opts.top_k) if opts.spec is None else opts.spec
     check_on_drafter(spec, drafter, opts.drafter, n_ref, f"--spec {opts.spec_file}")
