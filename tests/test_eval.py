@@ -545,3 +545,18 @@ def test_a_greedy_mismatch_under_half_precision_names_the_dtype_and_the_exact_wa
         assert dtype in note and "--dtype float32" in note
     assert _half_note({"weights": {"device": "cpu", "dtype": "float32"}}) == ""
     assert _half_note({}) == ""
+
+
+def test_options_are_settled_once_and_keyed_for_resume(corpus, tmp_path, eagle3):
+    """``EvalOptions`` settles what its checks decide (sorted lengths, none first, the reference as a variant,
+    seed 0, the spec's top-k); ``to_dict`` keys a resumed run; ``evaluate`` refuses options of another drafter."""
+    opts = EvalOptions(spec=SPEC, lengths=[128, 32, 64, 64], corpus=corpus, variants=["spec"],
+                       reference_drafter_path=str(tmp_path))
+    assert opts.lengths == (32, 64, 128) and opts.variants == ("none", "spec", "reference")
+    assert (opts.seed, opts.top_k, opts.online, opts.lookup.max_ngram) == (0, 2, None, 2)
+    key = opts.to_dict()
+    assert key["variants"] == ["none", "spec", "reference"] and key["spec"] == SPEC.to_dict() and key["lookup"] is None
+    assert EvalOptions(spec=SPEC, lengths=[32, 64, 128], corpus=corpus, variants=["spec"],
+                       reference_drafter_path=str(tmp_path), temperature=0.5).to_dict() != key
+    with pytest.raises(ValueError, match="the drafter is eagle3, the options are for hf"):
+        evaluate(eagle3, EvalOptions(drafter="hf", spec=SPEC, lengths=LENGTHS, corpus=corpus))

@@ -89,8 +89,8 @@ def evaluate(drafter, opts: EvalOptions, *, reference=None, saved: SavedUnits | 
         ``progress(message)`` as each sequence and prompt starts.
     """
     if drafter.kind != opts.drafter or (reference is None) != (opts.reference_drafter_path is None):
-        raise ValueError(f"evaluate: a {drafter.kind} drafter{' and a reference' if reference else ''} for options of "
-                         f"a {opts.drafter} drafter{' and a reference' if opts.reference_drafter_path else ''}")
+        raise ValueError(f"evaluate: the drafter is {drafter.kind}{' with a reference' if reference else ''}, the "
+                         f"options are for {opts.drafter}{' with a reference' if opts.reference_drafter_path else ''}")
     kind = drafter_kind(opts.drafter)  # one that evaluates: EvalOptions checked it
     n_ref = drafter.default_n_ref if opts.n_ref is None else int(opts.n_ref)
     spec = default_spec(n_ref, opts.top_k) if opts.spec is None else opts.spec
