@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     copy = load_drafter("eagle3", "calibrate/assets/eagle3-smollm2-copy", None, cpu, torch.float32)
     target = head.target
     text = next(pack("stdlib:heldout", head.tokenize, head.eos_token_id, max(lengths) + 1, limit=1))
-    feature_ids = head.chain_drafter(None).feature_ids
+    feature_ids = head.feature_ids
 
     def arms(shared, prompt):
         def target_only():
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
 
         def drafting(adapter):
             def run():
-                proposer = adapter.chain_drafter(None)
+                proposer = adapter.proposer(None)
                 try:
                     return speculative_generate(target, proposer, prompt, args.new_tokens, 4, shared, GREEDY)
                 finally:

@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     from calibrate.drafters import load_drafter
     from calibrate.drafters.blocks import DFlashBlockProposer
     from calibrate.drafters.target import hidden_state_features
-    from calibrate.evaluate import default_spec, variant_specs
+    from calibrate.eval.variants import default_spec, variant_specs
 
     d = load_drafter("dflash", None, None, torch.device("cpu"), torch.float32)
     n_ref = d.default_n_ref

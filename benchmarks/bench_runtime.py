@@ -57,7 +57,7 @@ from sharpdraft_runtime.positions import decode_attention
 from calibrate.drafters.eagle3 import Eagle3Proposer, load
 from calibrate.drafters.layers import attention, rope_inv_freq
 from calibrate.drafters.target import hidden_state_features
-from calibrate.evaluate import variant_specs
+from calibrate.eval.variants import variant_specs
 
 LAWS = ("log-linear", "tabulated")
 KINDS = ("spec", "window", "sinks", "clamp", "group", "pi", "clamp+spec")  # eval's variants a user deploys
@@ -78,7 +78,7 @@ def bench_spec(law: str, granularity: str, layers: int = 30, heads: int = 9) -> 
 
 
 def kind_specs(spec: ScaleSpec) -> dict[str, ScaleSpec]:
-    """Each deployable kind's spec, as eval builds its variants (``calibrate.evaluate.variant_specs``)."""
+    """Each deployable kind's spec, as eval builds its variants (``calibrate.eval.variants.variant_specs``)."""
     return variant_specs(spec, N_REF, KINDS, longest=CONTEXT + BLOCK)
 
 

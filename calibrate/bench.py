@@ -66,7 +66,7 @@ class BenchOptions:
     def check(self) -> Workload:
         """The prompts to decode; ``UserError`` naming the first bad option."""
         from .drafters import drafter_kind
-        from .evaluate import check_variants
+        from .eval.variants import check_variants
 
         drafter_kind(self.drafter, evaluates=True)
         if not 1 <= self.new_tokens <= MAX_NEW_TOKENS:
@@ -138,7 +138,8 @@ def run_bench(opts: BenchOptions, *, drafter=None, progress=None) -> dict:
     import torch
 
     from .drafters import load_drafter
-    from .evaluate import default_spec, draft_length, variant_specs
+    from .eval.run import draft_length
+    from .eval.variants import default_spec, variant_specs
 
     workload = opts.check()
     spec = None if opts.spec is None else ScaleSpec.load(opts.spec)
@@ -176,7 +177,7 @@ def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, 
     """Target-only and every arm from one shared prefill: accepted lists, times, texts' statistics."""
     import torch
 
-    from .evaluate import prompt_seed
+    from .eval.decode import prompt_seed
     from .speculative import GREEDY, Sampling, prefill
 
     prompt = torch.tensor([prompt_ids], device=drafter.device)
@@ -185,7 +186,7 @@ def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, 
         return GREEDY if opts.temperature == 0 else Sampling(opts.temperature, prompt_seed(opts.seed, prompt))
 
     eos = drafter.eos_token_id
-    shared = prefill(drafter.target, prompt, drafter.chain_drafter(None).feature_ids)
+    shared = prefill(drafter.target, prompt, drafter.feature_ids)
     base = decode(drafter, None, "none", prompt, opts.new_tokens, num_draft, shared, rule(), eos)
     unit = {"prompt_tokens": len(prompt_ids), "target": _run(base, opts), "arms": {}}
     for name, spec in arms.items():
@@ -195,16 +196,24 @@ def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, 
 
 
 def decode(drafter, spec, arm: str | None, prompt, new_tokens: int, num_draft: int, shared, rule, eos):
-    """One decode through the loop: target-only when ``arm`` is None, else the arm's proposer."""
-    from .evaluate import LOOKUP_VARIANTS, _decode
-    from .lookup import LookupSettings
-    from .speculative import CHAIN_LOOP
+    """One decode through the one loop, from the ``shared`` prefill, stopping after ``eos``: target-only when
+    ``arm`` is None, else the adapter's proposer under ``spec`` (``lookup``: prompt lookup alone; ``lookup+head``:
+    lookup before the proposer)."""
+    from .eval.variants import LOOKUP_VARIANTS
+    from .lookup import LookupProposer, LookupSettings
+    from .speculative import NoProposer, speculative_generate
 
     if arm is None:
-        return _decode(CHAIN_LOOP, drafter.target, None, None, prompt, new_tokens, num_draft, shared, rule)
-    drafts = arm if arm in LOOKUP_VARIANTS else "head"
-    return _decode(CHAIN_LOOP, drafter.target, drafter, spec, prompt, new_tokens, num_draft, shared, rule, drafts,
-                   LookupSettings(eos_token_id=eos))
+        proposer = NoProposer()
+    else:
+        proposer = drafter.proposer(spec) if arm != "lookup" else None
+        if arm in LOOKUP_VARIANTS:
+            vocab = drafter.target.get_output_embeddings().weight.shape[0]
+            proposer = LookupProposer(vocab, LookupSettings(eos_token_id=eos), proposer)
+    try:
+        return speculative_generate(drafter.target, proposer, prompt, new_tokens, num_draft, shared, rule, stop=eos)
+    finally:
+        proposer.close()
 
 
 def _run(out, opts: BenchOptions) -> dict:

@@ -16,6 +16,7 @@ from sharpdraft_theory.estimators import ESTIMATOR_CHOICES, get_estimator
 
 from .drafters import kind_names
 from .errors import UserError
+from .numbers import fixed
 
 __all__ = ["calibrate", "print_fit"]
 
@@ -132,10 +133,6 @@ class _RichProgress:
         self.bar.update(self.task, advance=1, rate=rate, rows=self.rows)
 
 
-def _fmt(value, digits: int = 4) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def _summary(result, out: Path) -> None:
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}")
@@ -188,15 +185,15 @@ def print_fit(spec, fit, out: Path, *, chosen: str | None = None) -> None:
         table.add_column(col, justify="right")
     for b in fit.buckets:
         style = "bold" if b.n > spec.n_ref else None
-        table.add_row(f"{b.n:,.0f}", f"{b.rows:,}", f"{b.mass:.4f}", _fmt(b.alpha, 3), style=style)
+        table.add_row(f"{b.n:,.0f}", f"{b.rows:,}", f"{b.mass:.4f}", fixed(b.alpha), style=style)
     console.print(table)
     slopes = Table(title="Slope beta in alpha(n) = 1 + beta ln(n / n_ref)")
     for col in ("estimator", "slope", "95% interval", "note"):
         slopes.add_column(col)
     for r in fit.results:
         mark = " [green](spec)[/]" if r.estimator == spec.calibration.estimator else ""
-        interval = f"[{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]" if r.ci_low is not None else "-"
-        slopes.add_row(r.estimator + mark, _fmt(r.slope), interval, r.note or "")
+        interval = f"[{fixed(r.ci_low, 4)}, {fixed(r.ci_high, 4)}]" if r.ci_low is not None else "-"
+        slopes.add_row(r.estimator + mark, fixed(r.slope, 4), interval, r.note or "")
     console.print(slopes)
     verdict = spec.calibration.verdict
     if verdict is not None:

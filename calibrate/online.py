@@ -51,17 +51,17 @@ from torch.func import functional_call
 
 from sharpdraft_theory import ScaleSpec
 
+from .drafters import drafter_kind
 from .drafters.base import TeacherForced
 from .errors import UserError
 from .taps import ScalingTap
 
-__all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "ONLINE_KINDS", "OnlineOptions", "OnlineArm", "online_options",
+__all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "OnlineOptions", "OnlineArm", "online_options",
            "online_arms", "check_rank", "Learner", "OnlineSequence", "online_pass", "tally_online", "extra_bytes",
            "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
 ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
-ONLINE_KINDS = ("eagle3",)  # drafter kinds the online arms adapt (DFlash and PARD: not yet)
 
 # Defaults (docs/eval.md, "Online adaptation", gives the reasons at length):
 DEFAULT_EVERY = 64  # M: rows per chunk, about 16 verification rounds of a chain of 4 drafts
@@ -116,7 +116,7 @@ def online_options(names, *, kind: str, every: int | None = None, steps: int | N
         if given:
             raise UserError(f"{given[0]}: no online arm to apply it to; add online-full or online-lora to --variants")
         return None
-    if kind not in ONLINE_KINDS:
+    if not drafter_kind(kind).online:  # the kinds registry says which heads adapt (DFlash and PARD: not yet)
         raise UserError(f"--variants {asked[0]}: online adaptation is for EAGLE-3 heads only for now "
                         f"(--drafter eagle3), not {kind}")
     if speculative:
@@ -322,7 +322,7 @@ def online_pass(drafter, input_ids: torch.Tensor, arm: OnlineArm, options: Onlin
     """
     if torch.is_inference_mode_enabled():
         raise ValueError("online arms learn: run them under torch.no_grad(), not torch.inference_mode()")
-    if drafter.kind not in ONLINE_KINDS:
+    if not drafter_kind(drafter.kind).online:
         raise UserError(f"{arm.name}: online adaptation is for EAGLE-3 heads only for now, not {drafter.kind}")
     began = time.perf_counter()
     learner = learner or Learner(drafter.head, arm.method, options)

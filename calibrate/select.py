@@ -51,7 +51,7 @@ from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.positions import FIXES
 
 from .errors import UserError
-from .evaluate import LOOKUP_VARIANTS, describe_spec, variant_specs
+from .eval.variants import LOOKUP_VARIANTS, describe_spec, variant_specs
 from .measure import METRICS, Arm, Tally, gain, slope_arm, tally_sequence
 
 __all__ = ["SIMPLICITY", "kind_of", "candidates", "select", "judge", "choose", "deployed", "decision_line", "RULE"]

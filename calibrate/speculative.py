@@ -258,9 +258,12 @@ def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, shared: P
 
 @torch.no_grad()
 def speculative_generate(target, proposer, prompt: torch.Tensor, max_new_tokens: int,
-                         num_draft: int = 4, shared: Prefill | None = None, rule=GREEDY) -> SpeculativeResult:
+                         num_draft: int = 4, shared: Prefill | None = None, rule=GREEDY,
+                         stop: int | None = None) -> SpeculativeResult:
     """Speculative decoding of ``max_new_tokens`` after ``prompt`` (1, T), up to ``num_draft`` drafts a
     step, verified by ``rule`` (:data:`GREEDY` or a :class:`Sampling`): the module docstring's path.
+    ``stop``: a token id (the end-of-sequence token) after which the output ends early; tokens a step
+    committed past it are dropped (None: always ``max_new_tokens``).
 
     ``proposer`` is a ``Proposer`` (``calibrate.drafters.base``: ``name``, ``feature_ids``,
     ``start(prompt, features, pending)``, ``propose(k, rule)``, ``commit(tokens, features)``). Greedy:
@@ -277,7 +280,8 @@ def speculative_generate(target, proposer, prompt: torch.Tensor, max_new_tokens:
     proposer.start(prompt, feats, tokens[0])
     t1 = time.perf_counter()
     accepted_counts, drafting = [], 0.0
-    while len(tokens) < max_new_tokens:
+    stopped = stop is not None and first == stop
+    while len(tokens) < max_new_tokens and not stopped:
         k = min(num_draft, max_new_tokens - len(tokens))  # never draft past the requested length
         t = time.perf_counter()
         drafts, q = proposer.propose(k, rule)  # up to k drafts; q: (len, vocab) their laws (None: greedy)
@@ -292,6 +296,9 @@ def speculative_generate(target, proposer, prompt: torch.Tensor, max_new_tokens:
         drafting += time.perf_counter() - t
         tokens.extend(new)
         accepted_counts.append(accepted)
+        if stop is not None and stop in new:
+            del tokens[len(tokens) - len(new) + new.index(stop) + 1:]
+            stopped = True
     t2 = time.perf_counter()
     tokens = tokens[:max_new_tokens]  # the last step may commit one past the end
     return SpeculativeResult(tokens, len(accepted_counts), accepted_counts, t2 - t0, t2 - t1, len(tokens) - 1,

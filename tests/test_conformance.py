@@ -30,7 +30,7 @@ from calibrate.drafters.dflash import DFlashDrafter, load_dflash
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
 from calibrate.drafters.hf import CausalLMDrafter
 from calibrate.drafters.pointer import CopyPointer
-from calibrate.evaluate import variant_specs
+from calibrate.eval.variants import variant_specs
 from calibrate.lookup import LookupProposer, LookupSettings
 from calibrate.speculative import NoProposer, Sampling, greedy_generate, prefill, speculative_generate
 from sharpdraft_theory import ScaleSpec

@@ -18,11 +18,14 @@ from calibrate.cli import app
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
 from calibrate.drafters.hf import CausalLMDrafter
 from calibrate.errors import UserError
-from calibrate.eval_cmd import plot_result
-from calibrate.evaluate import DEFAULT_VARIANTS, POSITION_VARIANTS, bucket_edges, default_spec, evaluate, paired_bootstrap
+from calibrate.eval.options import EvalOptions
+from calibrate.eval.run import evaluate
+from calibrate.eval.variants import DEFAULT_VARIANTS, POSITION_VARIANTS, bucket_edges, default_spec
+from calibrate.plots.eval import plot_result
 from calibrate.measure import MassMeter
 from calibrate.taps import ScalingTap
 from sharpdraft_theory import ScaleSpec
+from sharpdraft_theory.bootstrap import paired_bootstrap
 
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
 
@@ -65,8 +68,8 @@ SPEC = ScaleSpec(law="log-linear", n_ref=64, slope=0.5, top_k=2)
 
 @pytest.fixture(scope="module")
 def eagle3_result(eagle3, corpus):
-    return evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=2,
-                    rows_per_bucket=16, speculative=True, new_tokens=8, num_draft=3)
+    return evaluate(eagle3, EvalOptions(spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=2, rows_per_bucket=16,
+                                        speculative=True, new_tokens=8, num_draft=3))
 
 
 def test_eagle3_result_shape(eagle3_result):
@@ -235,8 +238,8 @@ def test_causal_lm_drafter(corpus):
     target = tiny_target(0)
     drafter = CausalLMDrafter(tiny_target(3), ByteTokenizer(), kind="hf", path="tiny", default_n_ref=64,
                               target=target)
-    r = evaluate(drafter, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
-                 speculative=True, new_tokens=6, num_draft=2)
+    r = evaluate(drafter, EvalOptions(drafter="hf", spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1,
+                                      rows_per_bucket=8, speculative=True, new_tokens=6, num_draft=2))
     assert r["speculative"]["outputs_identical"] is True and r["speculative"]["loop"] == "sharpdraft-chain"
     first, last = r["buckets"][0], r["buckets"][-1]
     for variant in ("spec", "qwen-logn", "window", "sinks"):
@@ -252,8 +255,8 @@ def test_causal_lm_drafter(corpus):
 def test_distance_fix_variants(eagle3, corpus):
     """clamp, group, pi and their +spec variants run end to end: speculative outputs stay the target's,
     clamp and pi (the identity up to n_ref by default) equal none at n <= n_ref, mass is not read."""
-    r = evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
-                 speculative=True, new_tokens=6, num_draft=2, variants=POSITION_VARIANTS)
+    r = evaluate(eagle3, EvalOptions(spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
+                                     speculative=True, new_tokens=6, num_draft=2, variants=POSITION_VARIANTS))
     assert r["speculative"]["outputs_identical"] is True
     assert r["variants"]["group"]["positions"] == {"fix": "group", "window": 32, "group": 4, "n_ref": None}
     assert r["variants"]["clamp+spec"]["slope"] == 0.5 and r["variants"]["pi"]["positions"]["n_ref"] == 64
@@ -303,7 +306,7 @@ def test_cli_user_errors(args, message):
 
 def test_skip_past_the_corpus(eagle3, corpus):
     with pytest.raises(UserError, match="--skip 50"):
-        evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, skip=50)
+        evaluate(eagle3, EvalOptions(spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, skip=50))
 
 
 def test_bootstrap_resamples_sequences_not_rows():
@@ -344,8 +347,9 @@ def test_reference_head_and_the_share_it_recovers(eagle3, corpus, tmp_path):
     target = eagle3.target
     other = Eagle3Drafter(load_eagle3_head(write_tiny_eagle3(tmp_path, target, seed=7), target), target,
                           ByteTokenizer(), path="other")
-    r = evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=3, rows_per_bucket=8,
-                 variants=("none", "spec", "window", "reference"), reference=other)
+    r = evaluate(eagle3, EvalOptions(spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=3, rows_per_bucket=8,
+                                     variants=("none", "spec", "window", "reference"),
+                                     reference_drafter_path=str(tmp_path)), reference=other)
     assert list(r["variants"]) == ["none", "spec", "window", "reference"] and r["reference"]["path"] == "other"
     assert r["sequences"] == 3
     for row in r["buckets"]:
@@ -358,11 +362,11 @@ def test_reference_head_and_the_share_it_recovers(eagle3, corpus, tmp_path):
                 assert share is None
     assert any(row["reference"]["agreement"] != row["none"]["agreement"] for row in r["buckets"])  # another head
     with pytest.raises(UserError, match="pass --reference-drafter-path"):
-        evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, variants=("reference",))
+        evaluate(eagle3, EvalOptions(spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, variants=("reference",)))
 
 
 def test_recovered_is_a_share_of_a_significant_gain_only():
-    from calibrate.evaluate import _recovered
+    from calibrate.eval.run import _recovered
 
     def bucket(reference):
         return {"reference": {"delta_vs_none": {"agreement": reference}},
@@ -374,15 +378,15 @@ def test_recovered_is_a_share_of_a_significant_gain_only():
 
 
 def test_every_sequence_by_default(eagle3, corpus):
-    r = evaluate(eagle3, spec=SPEC, lengths=[64], corpus=corpus, rows_per_bucket=4, variants=("none",))
+    r = evaluate(eagle3, EvalOptions(spec=SPEC, lengths=[64], corpus=corpus, rows_per_bucket=4, variants=("none",)))
     assert r["sequences"] == 1109 // 64  # the corpus's 1109 byte tokens hold 17 sequences of 64
 
 
 def test_n_ref_moves_qwen_logn_and_the_window(eagle3, corpus):
     """``--n-ref`` replaces the drafter's own training length: qwen-logn starts there and the window is W = n_ref,
     so the bucket at 64 (<= the head's n_ref 64, > the given 32) is no longer the plain drafter's."""
-    r = evaluate(eagle3, spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2, rows_per_bucket=8,
-                 variants=("none", "qwen-logn", "window"), n_ref=32)
+    r = evaluate(eagle3, EvalOptions(spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2, rows_per_bucket=8,
+                                     variants=("none", "qwen-logn", "window"), n_ref=32))
     assert r["drafter"]["n_ref"] == 32
     assert r["variants"]["qwen-logn"]["n_ref"] == 32 and r["variants"]["window"]["window"] == 32
     at_32, at_64 = r["buckets"]
@@ -407,7 +411,7 @@ def test_summary_at_80_columns_whatever_the_variants_and_metrics(eagle3_result, 
     each interval on one line."""
     from copy import deepcopy
 
-    from calibrate.eval_cmd import _table
+    from calibrate.eval.report import print_summary
 
     result = deepcopy(eagle3_result)
     extra = ["window+spec", "clamp", "qwen-logn+window", "reference"]
@@ -421,7 +425,7 @@ def test_summary_at_80_columns_whatever_the_variants_and_metrics(eagle3_result, 
             if variant != "none":
                 row[variant]["delta_vs_none"]["expected_acceptance"] = [-0.125, -0.25, 0.0625]
     monkeypatch.setenv("COLUMNS", "80")
-    _table(result)
+    print_summary(result)
     out = capsys.readouterr().out
     _check_fits_80_columns(out, result["variants"], ["mass", "agreement", "acceptance_length", "expected_acceptance"])
     # one interval per (bucket, variant but none) for each of agreement, acceptance and the new metric, on one line
@@ -447,7 +451,7 @@ def test_cli_summary_at_80_columns(tmp_path):
 
 
 def test_the_summary_names_each_deployment_in_a_few_words():
-    from calibrate.eval_cmd import spec_label
+    from calibrate.eval.report import spec_label
 
     clamp = {"fix": "clamp", "window": 255, "group": None, "n_ref": None}
     assert spec_label({"law": "log-linear", "slope": 0.24718738599986925, "positions": clamp}) == \
@@ -463,9 +467,9 @@ def test_extra_specs_share_the_passes_and_pair_with_spec(eagle3, corpus):
     the mass past it; the pairing with ``spec`` needs no second pass."""
     heads = ScaleSpec(law="log-linear", n_ref=64, slope=[[0.5] * 4], top_k=2, granularity="head")
     steeper = ScaleSpec(law="log-linear", n_ref=64, slope=1.5, top_k=2)
-    r = evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=2, rows_per_bucket=16,
-                 speculative=True, new_tokens=6, num_draft=2, variants=["none", "spec"],
-                 extra_specs={"spec:heads": heads, "spec:steep": steeper})
+    r = evaluate(eagle3, EvalOptions(spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=2, rows_per_bucket=16,
+                                     speculative=True, new_tokens=6, num_draft=2, variants=["none", "spec"],
+                                     extra_specs={"spec:heads": heads, "spec:steep": steeper}))
     assert list(r["variants"]) == ["none", "spec", "spec:heads", "spec:steep"]
     assert r["speculative"]["outputs_identical"] is True
     table = _eval_table()
@@ -478,8 +482,9 @@ def test_extra_specs_share_the_passes_and_pair_with_spec(eagle3, corpus):
     last = r["buckets"][-1]
     assert last["spec:steep"]["mass"] > last["spec"]["mass"] > last["none"]["mass"]
     with pytest.raises(UserError, match="top_k 4 is not the run's 2"):
-        evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, variants=["none"],
-                 extra_specs={"spec:k4": ScaleSpec(law="log-linear", n_ref=64, slope=0.5, top_k=4)})
+        k4 = ScaleSpec(law="log-linear", n_ref=64, slope=0.5, top_k=4)
+        EvalOptions(spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, variants=["none"],
+                    extra_specs={"spec:k4": k4})
 
 
 def test_cli_extra_spec_is_a_variant_and_resumes(tmp_path, monkeypatch):
@@ -520,7 +525,7 @@ def test_cli_extra_spec_is_a_variant_and_resumes(tmp_path, monkeypatch):
 
 def test_a_saved_prompt_keeps_three_or_five_numbers_per_run():
     """A resumed prompt from before the drafter's time was kept has 3 numbers a run, a new one 5; others are refused."""
-    from calibrate.evaluate import _prompt_unit
+    from calibrate.eval.decode import _prompt_unit
 
     unit = {"identical": True, "base": [1.0, 8], "drafters": {"none": "eagle3"}}
     for run in ([1.5, 0.5, 8], [1.5, 0.5, 8, 0.1, 5]):
@@ -533,10 +538,25 @@ def test_a_saved_prompt_keeps_three_or_five_numbers_per_run():
 def test_a_greedy_mismatch_under_half_precision_names_the_dtype_and_the_exact_way():
     """The summary's NO beside non-identical greedy outputs says, in bfloat16 or float16, that rounding can turn
     a near-tie and that --dtype float32 compares exactly; in float32 (or a result without the record) nothing."""
-    from calibrate.eval_cmd import _half_note
+    from calibrate.eval.report import _half_note
 
     for dtype in ("bfloat16", "float16"):
         note = _half_note({"weights": {"device": "cuda", "dtype": dtype}})
         assert dtype in note and "--dtype float32" in note
     assert _half_note({"weights": {"device": "cpu", "dtype": "float32"}}) == ""
     assert _half_note({}) == ""
+
+
+def test_options_are_settled_once_and_keyed_for_resume(corpus, tmp_path, eagle3):
+    """``EvalOptions`` settles what its checks decide (sorted lengths, none first, the reference as a variant,
+    seed 0, the spec's top-k); ``to_dict`` keys a resumed run; ``evaluate`` refuses options of another drafter."""
+    opts = EvalOptions(spec=SPEC, lengths=[128, 32, 64, 64], corpus=corpus, variants=["spec"],
+                       reference_drafter_path=str(tmp_path))
+    assert opts.lengths == (32, 64, 128) and opts.variants == ("none", "spec", "reference")
+    assert (opts.seed, opts.top_k, opts.online, opts.lookup.max_ngram) == (0, 2, None, 2)
+    key = opts.to_dict()
+    assert key["variants"] == ["none", "spec", "reference"] and key["spec"] == SPEC.to_dict() and key["lookup"] is None
+    assert EvalOptions(spec=SPEC, lengths=[32, 64, 128], corpus=corpus, variants=["spec"],
+                       reference_drafter_path=str(tmp_path), temperature=0.5).to_dict() != key
+    with pytest.raises(ValueError, match="the drafter is eagle3, the options are for hf"):
+        evaluate(eagle3, EvalOptions(drafter="hf", spec=SPEC, lengths=LENGTHS, corpus=corpus))

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from calibrate.cli import app
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
-from calibrate.evaluate import evaluate
+from calibrate.eval.options import EvalOptions
+from calibrate.eval.run import evaluate
 from calibrate.measure import Arm, NextTokenLaw, SavedUnits, expected_acceptance, gain, summarize, tally_sequence
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.bootstrap import paired_bootstrap
@@ -126,8 +127,9 @@ def test_an_oracle_grid_shares_one_target_pass(drafter, corpus):  # noqa: F811
     calls = []
     handle = drafter.target.get_decoder().register_forward_hook(lambda *a: calls.append(1))
     try:
-        r = evaluate(drafter, spec=SPEC, lengths=[32, 64, 128], corpus=corpus, sequences=2, rows_per_bucket=8,
-                     variants=("none", "spec"), slopes=(0.1, 0.3, 0.6), alphas=(0.9, 1.2))
+        r = evaluate(drafter, EvalOptions(spec=SPEC, lengths=[32, 64, 128], corpus=corpus, sequences=2,
+                                          rows_per_bucket=8, variants=("none", "spec"), slopes=(0.1, 0.3, 0.6),
+                                          alphas=(0.9, 1.2)))
     finally:
         handle.remove()
     assert len(calls) == 2  # two sequences, one target forward each, for 7 arms
@@ -152,11 +154,11 @@ def test_gain_over_buckets_matches_summary_for_one_bucket(drafter, corpus):  # n
 
 def test_resume_gives_the_same_result(drafter, corpus, tmp_path, monkeypatch):  # noqa: F811
     """A run stopped after its first sequence, resumed, writes what an uninterrupted run writes."""
-    import calibrate.evaluate as ev
+    import calibrate.eval.run as ev
 
-    kw = dict(spec=SPEC, lengths=[32, 64, 128], corpus=corpus, sequences=3, rows_per_bucket=8,
-              variants=("none", "spec", "window"), slopes=(0.2,))
-    whole = evaluate(drafter, **kw)
+    opts = EvalOptions(spec=SPEC, lengths=[32, 64, 128], corpus=corpus, sequences=3, rows_per_bucket=8,
+                       variants=("none", "spec", "window"), slopes=(0.2,))
+    whole = evaluate(drafter, opts)
     real, done = ev.tally_sequence, []
 
     def dies_after_one(*a, **k):
@@ -168,11 +170,11 @@ def test_resume_gives_the_same_result(drafter, corpus, tmp_path, monkeypatch):  
     folder = tmp_path / "r.json.partial"
     monkeypatch.setattr(ev, "tally_sequence", dies_after_one)
     with pytest.raises(KeyboardInterrupt):
-        evaluate(drafter, **kw, saved=SavedUnits(folder, {"a": 1}, resume=False))
+        evaluate(drafter, opts, saved=SavedUnits(folder, {"a": 1}, resume=False))
     assert sorted(p.name for p in folder.iterdir()) == ["forced-00000.json", "run.json"]
     monkeypatch.setattr(ev, "tally_sequence", real)
     saved = SavedUnits(folder, {"a": 1}, resume=True)
-    resumed = evaluate(drafter, **kw, saved=saved)
+    resumed = evaluate(drafter, opts, saved=saved)
     assert saved.resumed == 1
 
     def measured(r):  # wall times and peak memory differ from run to run: the rest must not

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
-from calibrate.evaluate import evaluate
+from calibrate.eval.options import EvalOptions
+from calibrate.eval.run import evaluate
 from calibrate.online import (LORA_MODULES, Learner, OnlineArm, OnlineOptions, OnlineSequence, PeakMemory,
                               extra_bytes, online_pass)
 from sharpdraft_theory import ScaleSpec
@@ -96,14 +97,14 @@ def test_every_sequence_starts_from_the_checkpoint(drafter, corpus):
     sequences before it (unless --online-carry, which must change them)."""
     checkpoint = _state(drafter.head)
     variants = ["none", "online-full", "online-lora"]
-    options = OnlineOptions(every=32, steps=2, lr=1e-2)
+    online = dict(online_every=32, online_steps=2, online_lr=1e-2)  # M, G and the rate of every run here
     with torch.no_grad():
-        both = evaluate(drafter, spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2, rows_per_bucket=8,
-                        variants=variants, online=options)
-        second = evaluate(drafter, spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=1, skip=1,
-                          rows_per_bucket=8, variants=variants, online=options)
-        carried = evaluate(drafter, spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2, rows_per_bucket=8,
-                           variants=variants, online=OnlineOptions(every=32, steps=2, lr=1e-2, carry=True))
+        both = evaluate(drafter, EvalOptions(spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2,
+                                             rows_per_bucket=8, variants=variants, **online))
+        second = evaluate(drafter, EvalOptions(spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=1, skip=1,
+                                               rows_per_bucket=8, variants=variants, **online))
+        carried = evaluate(drafter, EvalOptions(spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2,
+                                                rows_per_bucket=8, variants=variants, **online, online_carry=True))
     after = _state(drafter.head)
     assert all(torch.equal(checkpoint[k], after[k]) for k in checkpoint)
     for arm in ("online-full", "online-lora"):
@@ -170,12 +171,12 @@ def test_extra_bytes_are_the_tensors_counted_exactly(drafter, method):
 def test_eval_reports_every_arms_cost_and_the_spec_holds_no_bytes(drafter, corpus, monkeypatch, capsys):
     from test_eval import _check_fits_80_columns
 
-    from calibrate.eval_cmd import _table
+    from calibrate.eval.report import print_summary
 
     variants = ["none", "spec", "online-full", "online-lora+spec"]
     with torch.no_grad():
-        result = evaluate(drafter, spec=SPEC, lengths=[32, 64, 128], corpus=corpus, sequences=1, rows_per_bucket=8,
-                          variants=variants, online=OnlineOptions(every=32))
+        result = evaluate(drafter, EvalOptions(spec=SPEC, lengths=[32, 64, 128], corpus=corpus, sequences=1,
+                                               rows_per_bucket=8, variants=variants, online_every=32))
     costs = result["costs"]
     assert list(costs) == variants and result["online"]["every"] == 32
     assert costs["spec"]["extra_bytes"]["total"] == 0 and costs["none"]["extra_bytes"]["total"] == 0
@@ -184,7 +185,7 @@ def test_eval_reports_every_arms_cost_and_the_spec_holds_no_bytes(drafter, corpu
     assert {c["pass"] for c in costs.values()} == {"shared", "own"}
     assert result["variants"]["online-lora+spec"]["law"] == "log-linear"  # it runs under the spec
     monkeypatch.setenv("COLUMNS", "80")
-    _table(result)
+    print_summary(result)
     out = capsys.readouterr().out
     _check_fits_80_columns(out, variants, ["agreement", "expected_acceptance"])
     assert "ms/token" in out and "0 B" in out

@@ -248,7 +248,8 @@ def test_eval_runs_every_arm_on_a_pointer_head(drafters, tmp_path):
     """``evaluate`` with a pointer head on text that repeats: every arm measured, every speculative output
     equal to target-only greedy, the pointer recorded. (The random target does not copy, so agreement
     is not compared here; ``test_the_pointer_copies_what_the_head_alone_does_not`` compares copies.)"""
-    from calibrate.evaluate import evaluate
+    from calibrate.eval.options import EvalOptions
+    from calibrate.eval.run import evaluate
 
     from test_eval import LENGTHS, ByteTokenizer
 
@@ -259,9 +260,9 @@ def test_eval_runs_every_arm_on_a_pointer_head(drafters, tmp_path):
     results = []
     for drafter in (plain, pointed):
         drafter.tokenizer = ByteTokenizer()
-        results.append(evaluate(drafter, spec=SPEC, lengths=LENGTHS, corpus=str(corpus), sequences=2,
-                                rows_per_bucket=8, speculative=True, new_tokens=8, num_draft=3,
-                                variants=["none", "spec", "window", "lookup+head"], window=16))
+        results.append(evaluate(drafter, EvalOptions(spec=SPEC, lengths=LENGTHS, corpus=str(corpus), sequences=2,
+                                                     rows_per_bucket=8, speculative=True, new_tokens=8, num_draft=3,
+                                                     variants=["none", "spec", "window", "lookup+head"], window=16)))
     for r in results:
         assert r["speculative"]["outputs_identical"] is True
         assert all(0 <= row[v]["agreement"] <= 1 for row in r["buckets"] for v in ("none", "spec", "window"))

@@ -18,7 +18,7 @@ from calibrate.drafters.layers import RopeScaling, rope_inv_freq
 from calibrate.drafters.target import hidden_state_features
 from calibrate.errors import UserError
 from calibrate.speculative import GREEDY
-from calibrate.evaluate import POSITION_VARIANTS, check_variants, position_fix, variant_specs
+from calibrate.eval.variants import POSITION_VARIANTS, check_variants, position_fix, variant_specs
 from sharpdraft_runtime import fused, positions
 from sharpdraft_runtime.positions import at_slots, cos_sin, decode_keys, remapped_attention, remapped_logits, rotate
 from sharpdraft_theory import ScaleSpec

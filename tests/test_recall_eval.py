@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from calibrate.cli import app
 from calibrate.corpus import documents, pack, recall_corpus
 from calibrate.errors import UserError
-from calibrate.evaluate import evaluate
+from calibrate.eval.options import EvalOptions
+from calibrate.eval.run import evaluate
 from calibrate.lookup import LookupSettings, next_token_drafts
 from calibrate.measure import Arm, tally_sequence
 from calibrate.recall import usable_distances
@@ -120,8 +121,9 @@ def test_tally_on_a_recall_sequence_by_hand(eagle3, corpus):
 
 @pytest.fixture(scope="module")
 def recall_result(eagle3, corpus):
-    return evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus="recall:" + corpus, sequences=2, rows_per_bucket=8,
-                    variants=("none", "spec", "lookup+head"), speculative=True, new_tokens=6, num_draft=3)
+    return evaluate(eagle3, EvalOptions(spec=SPEC, lengths=LENGTHS, corpus="recall:" + corpus, sequences=2,
+                                        rows_per_bucket=8, variants=("none", "spec", "lookup+head"), speculative=True,
+                                        new_tokens=6, num_draft=3))
 
 
 def test_recall_result(recall_result):
@@ -152,18 +154,18 @@ def test_recall_result(recall_result):
 
 
 def test_other_corpora_show_no_copy_metrics(eagle3, corpus):
-    r = evaluate(eagle3, spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
-                 variants=("none", "lookup"))
+    r = evaluate(eagle3, EvalOptions(spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1, rows_per_bucket=8,
+                                     variants=("none", "lookup")))
     assert r["recall"] is None and "target" not in r["buckets"][0]
     assert not any(k.startswith(("copy", "other")) for k in r["buckets"][0]["none"])
     assert 0 <= r["buckets"][0]["lookup"]["agreement"] <= 1
 
 
 def test_recall_summary_at_80_columns(recall_result, monkeypatch, capsys):
-    from calibrate.eval_cmd import _table
+    from calibrate.eval.report import print_summary
 
     monkeypatch.setenv("COLUMNS", "80")
-    _table(recall_result)
+    print_summary(recall_result)
     out = capsys.readouterr().out
     _check_fits_80_columns(out, [*recall_result["variants"], "target"],
                            ["copy_agreement", "other_agreement", "copy_accuracy", "other_accuracy"])
@@ -223,8 +225,9 @@ def test_online_arms_report_copy_agreement_on_a_recall_corpus(eagle3, corpus):
     from calibrate.online import OnlineOptions
 
     with torch.no_grad():  # as eval runs it: the online arms turn gradients on for their own steps only
-        r = evaluate(eagle3, spec=SPEC, lengths=(64, 128), corpus="recall:" + corpus, sequences=2,
-                     rows_per_bucket=8, variants=("none", "online-full"), online=OnlineOptions(every=64, lr=1e-2))
+        r = evaluate(eagle3, EvalOptions(spec=SPEC, lengths=(64, 128), corpus="recall:" + corpus, sequences=2,
+                                         rows_per_bucket=8, variants=("none", "online-full"), online_every=64,
+                                         online_lr=1e-2))
     first, later = r["buckets"]
     for metric in ("agreement", "copy_agreement", "other_agreement", "copy_expected_acceptance"):
         assert first["online-full"]["per_sequence"][metric] == pytest.approx(first["none"]["per_sequence"][metric],

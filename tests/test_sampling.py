@@ -26,7 +26,8 @@ from typer.testing import CliRunner
 
 from calibrate.cli import app
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
-from calibrate.evaluate import evaluate
+from calibrate.eval.options import EvalOptions
+from calibrate.eval.run import evaluate
 from calibrate.speculative import GREEDY, Sampling, prefill, speculative_generate
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.sampling import (acceptance_rate, accept_probability, emitted_law, inverse_cdf, residual,
@@ -131,7 +132,7 @@ CELLS, DELTA = V * V, 1e-6
 TV_BOUND = math.sqrt((CELLS * math.log(2) + math.log(1 / DELTA)) / (2 * RUNS))
 
 
-def _table(seed: int, scale: float) -> torch.Tensor:
+def print_summary(seed: int, scale: float) -> torch.Tensor:
     return scale * torch.randn(V, V, generator=torch.Generator().manual_seed(seed))  # (V, V) logits after each token
 
 
@@ -143,7 +144,7 @@ class MarkovTarget(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.table = _table(1, 1.5)
+        self.table = print_summary(1, 1.5)
 
     def forward(self, input_ids, use_cache=True, past_key_values=None, output_hidden_states=False):
         return SimpleNamespace(logits=self.table[input_ids])  # (1, T, V)
@@ -157,7 +158,7 @@ class TableDrafter:
     feature_ids = None
 
     def __init__(self):
-        self.table = _table(0, 3.0)
+        self.table = print_summary(0, 3.0)
 
     def start(self, prompt, features, pending: int) -> None:
         self.last = pending
@@ -257,7 +258,7 @@ class BlockTableDrafter(TableDrafter):
 
     def __init__(self):
         super().__init__()
-        self.rows = [_table(7 + j, 2.0) for j in range(2)]  # (V, V) per block row
+        self.rows = [print_summary(7 + j, 2.0) for j in range(2)]  # (V, V) per block row
 
     def propose(self, k: int, rule):
         drafts, laws = [], []
@@ -372,8 +373,8 @@ def corpus(tmp_path_factory):
 
 def test_evaluate_samples_with_paired_streams(eagle3, corpus):
     spec = ScaleSpec(law="log-linear", n_ref=64, slope=0.5, top_k=2)
-    r = evaluate(eagle3, spec=spec, lengths=LENGTHS, corpus=corpus, sequences=2, rows_per_bucket=8,
-                 speculative=True, new_tokens=8, num_draft=3, sample=True, temperature=0.8, seed=0)
+    r = evaluate(eagle3, EvalOptions(spec=spec, lengths=LENGTHS, corpus=corpus, sequences=2, rows_per_bucket=8,
+                                     speculative=True, new_tokens=8, num_draft=3, sample=True, temperature=0.8, seed=0))
     s = r["speculative"]
     assert (s["verification"], s["temperature"], s["seed"], s["outputs_identical"]) == ("sampling", 0.8, 0, None)
     assert "does not apply" in s["outputs_identical_note"]
@@ -386,8 +387,9 @@ def test_evaluate_samples_with_paired_streams(eagle3, corpus):
             assert all(row[v]["acceptance_length"] == row["none"]["acceptance_length"] for v in r["variants"])
             assert all(row[v]["delta_vs_none"]["acceptance_length"] == [0.0, 0.0, 0.0] for v in r["variants"]
                        if v != "none")
-    other = evaluate(eagle3, spec=spec, lengths=LENGTHS, corpus=corpus, sequences=2, rows_per_bucket=8,
-                     speculative=True, new_tokens=8, num_draft=3, variants=["none"], sample=True, seed=1)
+    other = evaluate(eagle3, EvalOptions(spec=spec, lengths=LENGTHS, corpus=corpus, sequences=2, rows_per_bucket=8,
+                                         speculative=True, new_tokens=8, num_draft=3, variants=["none"], sample=True,
+                                         seed=1))
     assert [row["none"]["acceptance_length"] for row in other["buckets"]] != [
         row["none"]["acceptance_length"] for row in r["buckets"]]  # another seed, other draws: this test can fail
 

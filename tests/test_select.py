@@ -177,7 +177,7 @@ def test_select_writes_a_measured_candidate_with_its_record(tmp_path, tiny):
     else:
         assert cells[record["chosen"]]["gain"]["agreement"][1] > 0
     assert spec.drafter.kind == "eagle3" and spec.calibration.sequences == 3
-    from calibrate.evaluate import describe_spec
+    from calibrate.eval.variants import describe_spec
 
     if record["chosen"] != "none":  # the file deploys what was measured under that name
         assert describe_spec(spec) == cells[record["chosen"]]["deployment"]
@@ -215,7 +215,7 @@ def test_a_drafter_cut_from_smollm2_selects_against_smollm2_by_default(tmp_path)
 def test_the_written_spec_is_the_variant_eval_measures(tmp_path, tiny):
     """Whatever wins, the file holds eval's variant of that name (same law, slope, window, positions):
     enable() with it drafts as eval's arm does. Every candidate is checked, not only the winner."""
-    from calibrate.evaluate import variant_specs
+    from calibrate.eval.variants import variant_specs
     from calibrate.measure import slope_arm
 
     fitted = ScaleSpec(law="log-linear", n_ref=64, slope=0.3, top_k=4)

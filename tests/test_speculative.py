@@ -47,6 +47,20 @@ def test_self_drafting_accepts_everything(target):
     assert out.acceptance_length == 5.0
 
 
+def test_a_stop_token_ends_the_output_where_target_only_decoding_ends_it(target, eagle3):
+    """``stop``: every proposer's output is target-only decoding's, cut after the first ``stop`` token."""
+    prompt = prompts(target.config.vocab_size)[2]
+    full = greedy_generate(target, prompt, 24).tokens
+    stop = full[9]  # a token the target writes: the output must end at its first occurrence
+    cut = full[:full.index(stop) + 1]
+    for proposer in (NoProposer(), CausalLMProposer(target), eagle3.proposer(None)):
+        out = speculative_generate(target, proposer, prompt, 24, 4, stop=stop)
+        assert out.tokens == cut, proposer.name
+        assert out.decode_tokens == len(cut) - 1 and sum(a + 1 for a in out.accepted) >= len(cut) - 1
+    first = speculative_generate(target, NoProposer(), prompt, 24, stop=full[0])
+    assert first.tokens == full[:1] and first.accepted == []  # the prefill's own token ends it
+
+
 def test_draft_seconds_count_the_drafters_calls_and_nothing_else(target):
     """``draft_seconds``: the time in the drafter's draft and commit, a part of the decode time."""
     import time

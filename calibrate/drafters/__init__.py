@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 
-__all__ = ["DrafterKind", "KINDS", "AUX_READINGS", "aux_offset", "drafter_kind", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
+__all__ = ["DrafterKind", "KINDS", "AUX_READINGS", "aux_offset", "drafter_kind", "drafts_in_parallel", "kind_names",
+           "load_drafter", "resolve_device", "resolve_dtype"]
 
 
 @dataclass(frozen=True)
@@ -31,15 +32,20 @@ class DrafterKind:
     evaluates: bool  # has teacher_forced and proposer, so sharpdraft eval supports it
     reads_aux_layers: bool = False  # its load takes aux_layer_reading (--aux-layer-reading)
     causal_lm: bool = False  # a whole causal LM, with no target of its own: --select needs --target-path
+    parallel: bool = False  # drafts several tokens from one forward: eval adds per-position metrics (measure.blocks)
+    blocks: bool = False  # drafts a block of its checkpoint's block size (the adapter's block_size) per forward
+    online: bool = False  # online adaptation (calibrate.online) can adapt its head
+    pointer: bool = False  # a copy pointer (calibrate.drafters.pointer) can join it: the adapter's pointer
 
 
 KINDS: dict[str, DrafterKind] = {
     "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True, causal_lm=True),
     "pard": DrafterKind("hf", "a PARD drafter: K drafts from one forward over its mask tokens", evaluates=True,
-                        causal_lm=True),
+                        causal_lm=True, parallel=True, pointer=True),
     "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head)",
-                          evaluates=True, reads_aux_layers=True),
-    "dflash": DrafterKind("dflash", "target features, then DFlash blocks (B - 1 drafts per forward)", evaluates=True),
+                          evaluates=True, reads_aux_layers=True, online=True, pointer=True),
+    "dflash": DrafterKind("dflash", "target features, then DFlash blocks (B - 1 drafts per forward)", evaluates=True,
+                          parallel=True, blocks=True, pointer=True),
 }
 _DTYPES = ("float32", "bfloat16", "float16")
 # How engines read the auxiliary layer ids k written in a drafter's config.json: hidden_states[k + aux_offset(...)].
@@ -78,6 +84,13 @@ def drafter_kind(name: str, *, evaluates: bool = False) -> DrafterKind:
     if evaluates and not KINDS[name].evaluates:
         raise UserError(f"--drafter {name}: eval supports {', '.join(kind_names(evaluates=True))}")
     return KINDS[name]
+
+
+def drafts_in_parallel(drafter) -> bool:
+    """Whether the loaded ``drafter`` drafts several tokens from one forward: its kind can
+    (``DrafterKind.parallel``) and its checkpoint does (a PARD checkpoint without its mask token
+    cannot: the adapter's ``parallel``)."""
+    return KINDS[drafter.kind].parallel and drafter.parallel
 
 
 def load_drafter(kind: str, drafter_path: str | None, target_path: str | None, device, dtype, *,

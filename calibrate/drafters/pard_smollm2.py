@@ -14,7 +14,7 @@ Instruct by default) plus the base's embedding, final norm and LM head; the embe
 
 :func:`build_pard_drafter` puts the drafter back together: a ``LlamaForCausalLM`` with the base's
 embedding (and LM head) and the folder's tensors, every name and shape checked, which drafts through
-``calibrate.drafters.parallel.PardParallelDrafter`` as any PARD drafter does. Such a folder is not a
+``calibrate.drafters.parallel.PardParallelProposer`` as any PARD drafter does. Such a folder is not a
 whole checkpoint: ``AutoModelForCausalLM.from_pretrained`` alone would miss the embedding.
 """
 

@@ -29,6 +29,7 @@ import torch
 
 from sharpdraft_theory.bootstrap import paired_bootstrap
 
+from ..numbers import rounded as _round
 from .forced import _counts
 
 __all__ = ["BLOCK_NOTE", "block_anchors", "block_rows", "block_sums", "check_block_unit", "proposed",
@@ -179,6 +180,3 @@ def summarize_blocks(units: list[dict], names: list[str], edges: np.ndarray, dra
         rows.append(row)
     return {"draft_length": draft, "anchors_per_bucket": per_bucket, "note": BLOCK_NOTE, "buckets": rows}
 
-
-def _round(x):
-    return None if x is None or not np.isfinite(x) else round(float(x), 4)

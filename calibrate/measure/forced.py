@@ -16,7 +16,6 @@ between arms use the same resamples (:func:`sharpdraft_theory.bootstrap.paired_b
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +25,8 @@ from sharpdraft_runtime import causal_mask
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.bootstrap import paired_bootstrap
 from sharpdraft_theory.mass import topk_mass
+
+from ..numbers import rounded as _round, rounded_interval as _interval, rounded_triple as _triple
 
 __all__ = ["Arm", "MassMeter", "Tally", "tally_sequence", "summarize", "gain", "METRICS", "DRAFTS", "SUBSETS",
            "TARGET"]
@@ -306,14 +307,3 @@ def gain(tallies: list[Tally], arm: str, buckets: np.ndarray, *, metric: str = "
     diff = np.stack([t.sums[arm][metric][buckets] - t.sums[base][metric][buckets] for t in tallies])
     return _triple(paired_bootstrap(diff, rows, weights=weights))
 
-
-def _triple(values: list[float] | None):
-    return None if values is None else [_round(v) for v in values]
-
-
-def _interval(values: list[float] | None):
-    return None if values is None or values[1] is None else [_round(values[1]), _round(values[2])]
-
-
-def _round(x: float | None, digits: int = 4):
-    return None if x is None or not math.isfinite(x) else round(float(x), digits)

@@ -9,6 +9,7 @@ The math lives in ``sharpdraft_theory``; these modules only evaluate it and draw
 * ``diagnostics``  estimator agreement and where the score model's assumptions fail
 * ``budget``       the attention budget: mass on sinks, local window and far keys against n
 * ``drift``        dilution or distance drift: the far profile against its continuation, the verdict
+* ``eval``         ``sharpdraft eval --plot``: mass, agreement and acceptance versus n per variant (pyplot)
 * ``files``        statistics files: loading with their stored settings, the standard set of PNGs
 * ``style``        what every figure shares (canvas, log-n axis, colours, atomic PNG)
 
