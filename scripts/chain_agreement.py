@@ -2,8 +2,8 @@
 
 ``sharpdraft eval`` reports a head's first drafting step teacher-forced and its whole chain only
 through speculative decoding (acceptance length, from few prompts). This script runs the chain
-itself along the true text, as the training-time test does (``train_demo_eagle3.unrolled_logits``,
-tested equal to the chain drafter): at every row, step ``s`` drafts the token ``s`` places later from
+itself along the true text, as the training-time test does (``Eagle3Head.unrolled``, the one
+definition training and drafting share, tested equal to the chain drafter): at every row, step ``s`` drafts the token ``s`` places later from
 the head's own hidden state after ``s`` true tokens, and agrees when it is the target's greedy token
 there. Each head's agreement per step is a mean over sequences with a 95% bootstrap interval over
 sequences; every head after the first is paired with the first on the same rows.
@@ -23,9 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train_demo_eagle3 import unrolled_logits  # noqa: E402
 
 RESAMPLES = 2000
 
@@ -61,7 +59,7 @@ def chain_agreement(drafter, input_ids: torch.Tensor, steps: int, states=None) -
     rows = input_ids.shape[1] - steps
     head = drafter.head
     pos = torch.arange(rows, device=input_ids.device)[None]
-    logits = unrolled_logits(head, features[:, :rows], input_ids[:, 1:rows + steps], pos, steps, chunk=64)
+    logits = head.unrolled(features[:, :rows], input_ids[:, 1:rows + steps], pos, steps, chunk=64)
     lm_head = drafter.target.get_output_embeddings()
     out = np.empty(steps)
     for s, step in enumerate(logits):

@@ -71,7 +71,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -79,7 +78,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from target_features import DEFAULT_OUT as FEATURES, check_device, load_shards  # noqa: E402
 
 from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
-from calibrate.drafters.layers import apply_rope, repeat_kv, rope_cos_sin  # noqa: E402
 from calibrate.drafters.vocab import draft_vocabulary  # noqa: E402
 from calibrate.smollm2 import load_smollm2  # noqa: E402
 
@@ -199,69 +197,6 @@ def copy_weights(data: dict, share: float, reach: int) -> torch.Tensor | None:
     return (1 - share) / S + share * usable / usable.sum()
 
 
-def chain_attention(query, keys, values, chunk: int, context: int = 0) -> torch.Tensor:
-    """Attention of drafting step ``s = len(keys) - 1`` in the training-time test.
-
-    Query row ``r`` sees rows ``<= context + r`` of ``keys[0]`` (step 0: true features, after
-    ``context`` rows in front of the window) and row ``r`` of ``keys[1..s]`` (the chain's earlier
-    drafts and itself). Queries go in chunks of ``chunk`` rows, so memory is
-    ``chunk x (context + T + s * chunk)`` per head, never ``T x (s + 1) T``.
-    """
-    B, H, T, D = query.shape
-    groups = H // keys[0].shape[1]
-    k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)
-    if len(keys) == 1 and context == 0:
-        return F.scaled_dot_product_attention(query, k0, v0, is_causal=True)
-    outs = []
-    for a in range(0, T, chunk):
-        b = min(T, a + chunk)
-        c = b - a
-        k = torch.cat([k0[:, :, :context + b]] + [repeat_kv(kj[:, :, a:b], groups) for kj in keys[1:]], dim=2)
-        v = torch.cat([v0[:, :, :context + b]] + [repeat_kv(vj[:, :, a:b], groups) for vj in values[1:]], dim=2)
-        rows = context + torch.arange(a, b, device=query.device)[:, None]
-        causal = torch.arange(context + b, device=query.device)[None, :] <= rows  # (c, context + b)
-        diagonal = torch.eye(c, dtype=torch.bool, device=query.device).repeat(1, len(keys) - 1)  # (c, s * c)
-        outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=torch.cat((causal, diagonal), 1)))
-    return torch.cat(outs, dim=2)
-
-
-def unrolled_logits(head: Eagle3Head, features, tokens, pos, ttt: int, chunk: int, context: int = 0) -> list[torch.Tensor]:
-    """Draft logits of drafting steps ``0 .. ttt - 1`` for every base row, each (W, T, draft_vocab).
-
-    ``features`` (W, C + T, 3H) at positions ``pos`` (W, C + T), the first ``C = context`` rows
-    only keys in front of the window; ``tokens`` (W, C + T + ttt - 1): the token after each
-    position and the ``ttt - 1`` after the window. Step ``s`` at base row ``r`` is the chain
-    drafter's step ``s`` after a true context ending at row ``C + r`` (see the module docstring).
-    """
-    c = head.config
-    mid = head.midlayer
-    attn = mid.self_attn
-    W, total = pos.shape
-    T = total - context
-    hidden = head.fc(head.combine(features))
-    keys, values, logits = [], [], []
-    for s in range(ttt):
-        first = 0 if s == 0 else context + s  # step 0 also makes the context rows' keys
-        rows = total if s == 0 else T
-        embeds = head.embed_tokens(tokens[:, first:first + rows]).to(hidden.dtype)
-        normed = mid.hidden_norm(hidden)
-        x = torch.cat((mid.input_layernorm(embeds), normed), dim=-1)
-        where = pos if s == 0 else pos[:, context:] + s
-        cos, sin = rope_cos_sin(where, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
-        k = apply_rope(attn.k_proj(x).view(W, rows, c.num_key_value_heads, c.head_dim).transpose(1, 2), cos, sin)
-        v = attn.v_proj(x).view(W, rows, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        keys.append(k)
-        values.append(v)
-        if s == 0:  # from here on only the window's rows
-            x, hidden, cos, sin = x[:, context:], hidden[:, context:], cos[:, :, context:], sin[:, :, context:]
-        q = apply_rope(attn.q_proj(x).view(W, T, c.num_attention_heads, c.head_dim).transpose(1, 2), cos, sin)
-        out = chain_attention(q, keys, values, chunk, context).transpose(1, 2).reshape(W, T, -1)
-        h = hidden + attn.o_proj(out)
-        hidden = h + mid.mlp(mid.post_attention_layernorm(h))
-        logits.append(head.lm_head(head.norm(hidden)))
-    return logits
-
-
 def unrolled_loss(head: Eagle3Head, teacher_w: torch.Tensor, batch, ttt: int, chunk: int,
                   row_weights: torch.Tensor | None = None):
     """Weighted soft cross-entropy over ``ttt`` drafting steps, and top-1 agreement per step.
@@ -271,7 +206,7 @@ def unrolled_loss(head: Eagle3Head, teacher_w: torch.Tensor, batch, ttt: int, ch
     T = pos.shape[1] - context
     loss = torch.zeros(())
     agreement = []
-    for s, logits in enumerate(unrolled_logits(head, features, tokens, pos, ttt, chunk, context)):
+    for s, logits in enumerate(head.unrolled(features, tokens, pos, ttt, chunk, context)):
         with torch.no_grad():
             target_p = torch.softmax((final[:, context + s:context + s + T] @ teacher_w.T).float(), dim=-1)
         ce = -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # (W, T)

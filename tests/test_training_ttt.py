@@ -27,10 +27,10 @@ def _script():
     return load_script("train_demo_eagle3")
 
 
-def _head(seed: int) -> Eagle3Head:
+def _head(seed: int, **options) -> Eagle3Head:
     torch.manual_seed(seed)
     config = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
-                          vocab_size=50, draft_vocab_size=20, rope_theta=1000.0)
+                          vocab_size=50, draft_vocab_size=20, rope_theta=1000.0, **options)
     head = Eagle3Head(config).double()
     with torch.no_grad():
         for p in head.parameters():
@@ -39,19 +39,25 @@ def _head(seed: int) -> Eagle3Head:
     return head.eval()
 
 
+# the options a released head may carry (the demo heads use none): each changes the function the head computes
+OPTIONS = {"plain": {}, "qk-norm-residual-rotary": dict(qk_norm=True, norm_before_residual=True, rotary_dim=4),
+           "fc-norm-output": dict(fc_norm=True, final_norm=False, norm_output=True),
+           "window": dict(norm_before_fc=True, sliding_window=3)}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 @pytest.mark.parametrize("chunk", [3, 64])
 @pytest.mark.parametrize("context", [0, 5])
-def test_unrolled_steps_equal_the_chain_drafter(chunk, context):
-    """Every (base row, step), with and without context rows in front of the window."""
-    train = _script()
-    head = _head(seed=1)
+def test_unrolled_steps_equal_the_chain_drafter(chunk, context, options):
+    """Every (base row, step), with and without context rows in front of the window, with every option."""
+    head = _head(seed=1, **options)
     T, ttt, start = 10 + context, 4, 7
     gen = torch.Generator().manual_seed(2)
     features = torch.randn(1, T, 3 * 32, generator=gen, dtype=torch.float64)
     tokens = torch.randint(0, 50, (1, T + ttt - 1), generator=gen)
     pos = start + torch.arange(T)[None]
     with torch.no_grad():
-        unrolled = list(train.unrolled_logits(head, features, tokens, pos, ttt, chunk, context))
+        unrolled = list(head.unrolled(features, tokens, pos, ttt, chunk, context))
         assert unrolled[0].shape[1] == T - context
         for r in range(context, T):
             out = head(tokens[:, :r + 1], features[:, :r + 1], position_ids=pos[:, :r + 1])
@@ -75,7 +81,7 @@ def test_the_unrolled_chain_makes_every_tensor_on_the_heads_device(context):
     features = torch.empty(2, T, 3 * 32, device="meta")
     tokens = torch.empty(2, T + ttt - 1, dtype=torch.long, device="meta")
     pos = torch.arange(T, device="meta")[None].expand(2, T)
-    steps = list(train.unrolled_logits(head, features, tokens, pos, ttt, 3, context))
+    steps = list(head.unrolled(features, tokens, pos, ttt, 3, context))
     assert [tuple(s.shape) for s in steps] == [(2, T - context, 20)] * ttt
 
 
@@ -87,7 +93,7 @@ def test_a_later_step_differs_from_step_zero():
     features = torch.randn(2, 6, 96, generator=gen, dtype=torch.float64)
     tokens = torch.randint(0, 50, (2, 7), generator=gen)
     with torch.no_grad():
-        step0, step1 = train.unrolled_logits(head, features, tokens, torch.arange(6).expand(2, 6), 2, 4)
+        step0, step1 = head.unrolled(features, tokens, torch.arange(6).expand(2, 6), 2, 4)
     assert (step0 - step1).abs().max() > 1e-3
 
 
@@ -154,7 +160,7 @@ def test_drawn_far_keys_are_the_chain_drafters_whole_context(chunk):
     assert pos[0, :far].diff().max() > 1  # not vacuous: the drawn keys leave gaps
     features, tokens = features.double(), tokens
     with torch.no_grad():
-        unrolled = list(train.unrolled_logits(head, features, tokens, pos, ttt, chunk, context))
+        unrolled = list(head.unrolled(features, tokens, pos, ttt, chunk, context))
         for w in range(2):
             for r in range(context, context + rows):
                 out = head(tokens[w:w + 1, :r + 1], features[w:w + 1, :r + 1], position_ids=pos[w:w + 1, :r + 1])
