@@ -26,8 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-__all__ = ["tiny_target", "write_tiny_eagle3", "tiny_eagle3_head", "write_tiny_dflash", "corrupt_checkpoint",
-           "load_script"]
+__all__ = ["tiny_target", "write_tiny_eagle3", "tiny_eagle3_head", "write_tiny_dflash", "corrupt_checkpoint"]
 
 
 def tiny_target(seed: int = 0, num_layers: int = 8, vocab_size: int = 256):
@@ -168,16 +167,3 @@ def corrupt_checkpoint(src: Path, dst: Path, edit_weights=None, edit_config=None
     (dst / "config.json").write_text(json.dumps(config))
     save_file(weights, str(dst / "model.safetensors"))
     return dst
-
-
-def load_script(name: str):
-    """``scripts/<name>.py`` as a module (the scripts folder on ``sys.path`` for their own imports)."""
-    import importlib.util
-    import sys
-
-    scripts = Path(__file__).resolve().parent.parent / "scripts"
-    sys.path.insert(0, str(scripts))
-    spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
