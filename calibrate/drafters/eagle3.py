@@ -494,9 +494,9 @@ class Eagle3Head(nn.Module):
             out = self._chain_attention(query, keys, values, attn.scaling, chunk, context)  # (W, h, T, D)
             h = residual + attn.o_proj(out.transpose(1, 2).reshape(W, T, -1))
             out = h + mid.mlp(mid.post_attention_layernorm(h))
-            normed = self.norm(out)
-            logits.append(self.lm_head(normed if c.final_norm else out))
-            hidden = normed if c.norm_output else out
+            final = self.norm(out)
+            logits.append(self.lm_head(final if c.final_norm else out))
+            hidden = final if c.norm_output else out  # the next step's input state, as forward hands it back
         return logits
 
     def _chain_attention(self, query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
