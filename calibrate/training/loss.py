@@ -13,8 +13,10 @@ import torch
 __all__ = ["distillation_loss"]
 
 
-def distillation_loss(logits: torch.Tensor, teacher: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """``-sum_v p(v) log softmax(logits)(v)`` per row, shape ``logits.shape[:-1]``.
+def distillation_loss(logits: torch.Tensor, teacher: torch.Tensor, tokens: torch.Tensor | None = None,
+                      reduction: str = "none") -> torch.Tensor:
+    """``-sum_v p(v) log softmax(logits)(v)`` per row, shape ``logits.shape[:-1]``; summed over every row
+    too with ``reduction="sum"`` (one sum over all terms, as ``cross_entropy``'s ``reduction="sum"``).
 
     Parameters
     ----------
@@ -29,7 +31,9 @@ def distillation_loss(logits: torch.Tensor, teacher: torch.Tensor, tokens: torch
     >>> float(distillation_loss(torch.zeros(1, 4), torch.full((1, 4), 0.25))[0])  # log 4
     1.3862943649291992
     """
+    if reduction not in ("none", "sum"):
+        raise ValueError(f"reduction {reduction!r}: expected 'none' or 'sum'")
     log_q = logits.log_softmax(-1)
     if tokens is not None:
         log_q = log_q.gather(-1, tokens)
-    return -(teacher * log_q).sum(-1)
+    return -(teacher * log_q).sum(-1) if reduction == "none" else -(teacher * log_q).sum()

@@ -251,7 +251,7 @@ def row_loss(logits: torch.Tensor, rows, distill: float = 0.0, laws=None) -> tor
     kept = rows.targets != IGNORE
     probs, tokens = laws
     where = rows.position_ids[kept]
-    return (1 - distill) * text + distill * distillation_loss(logits[kept], probs[where], tokens[where]).sum()
+    return (1 - distill) * text + distill * distillation_loss(logits[kept], probs[where], tokens[where], "sum")
 
 
 def step_loss(model, rows: list, device, backward: bool = True, distill: float = 0.0, laws=None) -> float:
