@@ -55,6 +55,7 @@ from .drafters import drafter_kind
 from .drafters.base import TeacherForced
 from .errors import UserError
 from .taps import ScalingTap
+from .training.loss import distillation_loss
 
 __all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "OnlineOptions", "OnlineArm", "online_options",
            "online_arms", "check_rank", "Learner", "OnlineSequence", "online_pass", "tally_online", "extra_bytes",
@@ -300,8 +301,8 @@ class OnlineSequence:
         log_p = self.teacher[start:end]  # (rows, draft)
         for _ in range(steps):
             with torch.enable_grad():
-                log_q = torch.log_softmax(self._logits(start, end, ScalingTap(self.spec)).float(), dim=-1)
-                loss = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+                logits = self._logits(start, end, ScalingTap(self.spec)).float()
+                loss = distillation_loss(logits, log_p.exp()).mean()  # KL(p || q) + H(p): the KL's gradient
                 self.learner.step(loss)
             self._past = None  # the weights moved: the cache is recomputed when next needed
 

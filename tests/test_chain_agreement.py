@@ -1,9 +1,10 @@
-"""``scripts/chain_agreement.py``: teacher-forced agreement at every step of an EAGLE-3 head's chain.
+"""``scripts/chain_agreement.py`` (``calibrate.training.chain``): teacher-forced agreement at every step
+of an EAGLE-3 head's chain.
 
 A tiny random target and head (``tiny_checkpoints``) stand in for SmolLM2 and its heads; the chain
-itself is ``train_demo_eagle3.unrolled_logits``, tested equal to the chain drafter in
-``test_training_ttt.py``. Here: step 1 equals the head's own teacher-forced forward, a head paired
-with itself differs by exactly 0, and bad arguments are refused in one line.
+itself is ``Eagle3Head.unrolled``, tested equal to the chain drafter in ``test_training_ttt.py``. Here:
+step 1 equals the head's own teacher-forced forward (on a head with the options released heads carry
+too), a head paired with itself differs by exactly 0, and bad arguments are refused in one line.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from tiny_checkpoints import load_script, tiny_target, write_tiny_eagle3
+from calibrate.training import chain
+
+from tiny_checkpoints import tiny_target, write_tiny_eagle3
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
@@ -32,11 +35,9 @@ def tiny(tmp_path):
 
 def test_step_one_is_the_heads_teacher_forced_agreement(tiny):
     from calibrate.drafters import load_drafter
-
-    script = load_script("chain_agreement")
     drafter = load_drafter("eagle3", str(tiny / "a"), str(tiny / "target"), torch.device("cpu"), torch.float32)
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
-    steps = script.chain_agreement(drafter, ids, 3)
+    steps = chain.chain_agreement(drafter, ids, 3)
     with torch.no_grad():
         features, final = drafter.target_states(ids)
         logits = drafter.head(ids[:, 1:], features[:, :-1]).logits[0]  # rows 0 .. T - 2
@@ -48,8 +49,7 @@ def test_step_one_is_the_heads_teacher_forced_agreement(tiny):
 
 
 def test_a_head_paired_with_itself_differs_by_nothing_and_another_by_something(tiny, capsys):
-    script = load_script("chain_agreement")
-    script.main([str(tiny / "a"), str(tiny / "a"), str(tiny / "b"), "--target-path", str(tiny / "target"),
+    chain.main([str(tiny / "a"), str(tiny / "a"), str(tiny / "b"), "--target-path", str(tiny / "target"),
                  "--corpus", str(tiny / "corpus.txt"), "--sequences", "3", "--length", "48", "--steps", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tiny}")]
     assert len(rows) == 3
@@ -65,9 +65,32 @@ def test_a_head_paired_with_itself_differs_by_nothing_and_another_by_something(t
     (["--sequences", "500"], "sequences of 48 tokens, not 500"),
 ])
 def test_bad_arguments_are_refused_in_one_line(tiny, extra, named):
-    script = load_script("chain_agreement")
     with pytest.raises(SystemExit, match=named):
-        script.main([str(tiny / "a"), "--target-path", str(tiny / "target"), "--corpus", str(tiny / "corpus.txt"),
+        chain.main([str(tiny / "a"), "--target-path", str(tiny / "target"), "--corpus", str(tiny / "corpus.txt"),
                      "--length", "48", *extra])
     with pytest.raises(SystemExit, match="no config.json there"):
-        script.main([str(tiny / "nothing"), "--target-path", str(tiny / "target")])
+        chain.main([str(tiny / "nothing"), "--target-path", str(tiny / "target")])
+
+
+def test_first_step_logits_are_the_drafters_own_on_a_head_with_every_option():
+    """qk_norm, norm_before_residual and RoPE on 8 of 16 dimensions: the chain's step 0 is the head's forward.
+
+    float64 throughout; tolerance 1e-10: both sides sum the same few hundred O(1) products in another
+    order, so they differ by rounding (~1e-14), far below a real difference. The chain's former copy of
+    the head's math (RoPE over all 16 dimensions, no q/k norm, the un-normed residual) was off by up to
+    1.04 on these logits (max |logit| 3.6) and drafted another token on 27% of the rows."""
+    from calibrate.drafters.eagle3 import Eagle3Drafter
+    from tiny_checkpoints import tiny_eagle3_head
+
+    target = tiny_target(0).double()
+    head = tiny_eagle3_head(target, seed=1, qk_norm=True, norm_before_residual=True, rotary_dim=8).double()
+    assert head.config.head_dim == 16
+    drafter = Eagle3Drafter(head, target, None)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    steps = 3
+    with torch.no_grad():
+        features, _ = drafter.target_states(ids)
+        rows = 40 - steps
+        chain = head.unrolled(features[:, :rows], ids[:, 1:rows + steps], torch.arange(rows)[None], steps, chunk=64)
+        own = head(ids[:, 1:], features[:, :-1]).logits[0, :rows]
+    torch.testing.assert_close(chain[0][0], own, rtol=0, atol=1e-10)

@@ -16,8 +16,9 @@ from calibrate.drafters.target import hidden_state_features
 from calibrate.drafters.vocab import d2t_of
 from calibrate.errors import UserError
 from calibrate.speculative import Sampling, greedy_generate, softmax, speculative_generate
+from calibrate.training import draft_vocab
 
-from tiny_checkpoints import corrupt_checkpoint, load_script, tiny_target, write_tiny_dflash
+from tiny_checkpoints import corrupt_checkpoint, tiny_target, write_tiny_dflash
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
@@ -143,7 +144,7 @@ def shards(tmp_path_factory):
 
 def test_the_script_writes_a_head_that_drafts_from_the_most_frequent_tokens(plain, shards, target, tmp_path, capsys):
     out = tmp_path / "head"
-    load_script("dflash_draft_vocab").main([str(plain), "--features", str(shards), "--size", "10", "--out", str(out)])
+    draft_vocab.main([str(plain), "--features", str(shards), "--size", "10", "--out", str(out)])
     model = load_dflash(out, target)
     assert model.draft_ids().tolist() == list(range(10, 20))
     record = json.loads((out / "training_log.json").read_text())["draft_vocab"]
@@ -163,29 +164,29 @@ def test_the_script_writes_a_head_that_drafts_from_the_most_frequent_tokens(plai
 def test_the_scripts_bad_values_are_refused_before_any_work(plain, shards, tmp_path, args, named):
     argv = [str(plain), "--features", str(shards), "--out", str(tmp_path / "h"), *args]
     with pytest.raises(SystemExit, match=named):
-        load_script("dflash_draft_vocab").main(argv)
+        draft_vocab.main(argv)
     assert not (tmp_path / "h").exists()
 
 
 def test_the_script_overwrites_nothing_and_refuses_a_head_with_a_vocabulary(plain, folder, shards, tmp_path):
-    script = load_script("dflash_draft_vocab")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("x")
     with pytest.raises(SystemExit, match="exists"):
-        script.main([str(plain), "--features", str(shards), "--size", "10", "--out", str(tmp_path / "taken")])
+        draft_vocab.main([str(plain), "--features", str(shards), "--size", "10", "--out", str(tmp_path / "taken")])
     assert (tmp_path / "taken" / "x").read_text() == "x"
     with pytest.raises(SystemExit, match="already drafts from 86 tokens"):
-        script.main([str(folder), "--features", str(shards), "--size", "10", "--out", str(tmp_path / "h")])
+        draft_vocab.main([str(folder), "--features", str(shards), "--size", "10", "--out", str(tmp_path / "h")])
     with pytest.raises(SystemExit, match="exists"):  # --out the head itself
-        script.main([str(plain), "--features", str(shards), "--size", "10", "--out", str(plain)])
+        draft_vocab.main([str(plain), "--features", str(shards), "--size", "10", "--out", str(plain)])
     (shards.parent / "wide").mkdir()
     torch.save({"tokens": torch.tensor([3, 9999])}, shards.parent / "wide" / "seq-00000.pt")
     (shards.parent / "wide" / "manifest.json").write_text(json.dumps({"sequences": 1, "seq_len": 2}))
     with pytest.raises(SystemExit, match="not ids of the head's vocabulary of 256"):
-        script.main([str(plain), "--features", str(shards.parent / "wide"), "--size", "1", "--out", str(tmp_path / "h")])
+        draft_vocab.main([str(plain), "--features", str(shards.parent / "wide"), "--size", "1",
+                          "--out", str(tmp_path / "h")])
     assert not (tmp_path / "h").exists()
     with pytest.raises(SystemExit, match="not a DFlash head folder"):
-        script.main([str(shards), "--features", str(shards), "--size", "10", "--out", str(tmp_path / "h")])
+        draft_vocab.main([str(shards), "--features", str(shards), "--size", "10", "--out", str(tmp_path / "h")])
 
 
 def test_eval_runs_a_head_with_a_draft_vocabulary_end_to_end(tmp_path):

@@ -1,19 +1,17 @@
-"""scripts/extrapolation_check.py: measured mass per bucket past the fit, each law's error, intervals over sequences."""
+"""scripts/extrapolation_check.py (calibrate.extrapolation): measured mass per bucket past the fit, each law's
+error, intervals over sequences."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from calibrate import extrapolation as xc
 from sharpdraft_theory.stats import distance_edges, row_stats_from_logits
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "extrapolation_check.py"
-spec = importlib.util.spec_from_file_location("extrapolation_check", SCRIPT)
-xc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(xc)
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "extrapolation_check.py"  # its command, run as one
 
 
 def iid_rows(lengths, n_max, seqs, seed):

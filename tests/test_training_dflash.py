@@ -14,33 +14,29 @@ import json
 import pytest
 import torch
 
-from tiny_checkpoints import load_script
+from calibrate.training import dflash
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
 
-def _script():
-    return load_script("train_dflash")
-
 
 def test_context_keys_keep_the_window_and_the_match_spans_within_the_budget():
-    script = _script()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, 50, (400,), generator=g)
     tokens[100:110] = tokens[300:310]  # the block at 305 reads (x_304, x_305) = (x_104, x_105)
     p = 305
-    seen = script.context_keys(g, tokens, p, context=64, local=32, match=2, block=6)
+    seen = dflash.context_keys(g, tokens, p, context=64, local=32, match=2, block=6)
     assert int(seen.sum()) == 64 and not seen[p:].any()
     assert seen[p - 32:p].all()  # the local window
     assert seen[105:110].all()  # the match at 105 and the B - 1 positions after it
-    few = script.context_keys(g, tokens, 40, context=64, local=32, match=2, block=6)
+    few = dflash.context_keys(g, tokens, 40, context=64, local=32, match=2, block=6)
     assert int(few.sum()) == 40 and few[:40].all()  # fewer earlier positions than the budget: all of them
 
 
 def test_blocks_in_one_forward_equal_each_block_alone():
     from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel
 
-    script = _script()
     torch.manual_seed(0)
     H, V, T, B = 32, 40, 30, 4
     config = DFlashConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
@@ -53,15 +49,15 @@ def test_blocks_in_one_forward_equal_each_block_alone():
             "final": torch.randn(1, T, H, dtype=torch.float64)}
     g = torch.Generator().manual_seed(1)
     anchors = torch.tensor([3, 11, 20])
-    seen = torch.stack([script.context_keys(g, data["tokens"][0], int(p), 8, 4, 1, B) for p in anchors])
-    together, _ = script.block_loss(model, embed, lm_head, data, 0, anchors, seen, 7.0)
-    alone = [script.block_loss(model, embed, lm_head, data, 0, anchors[i:i + 1], seen[i:i + 1], 7.0)[0]
+    seen = torch.stack([dflash.context_keys(g, data["tokens"][0], int(p), 8, 4, 1, B) for p in anchors])
+    together, _ = dflash.block_loss(model, embed, lm_head, data, 0, anchors, seen, 7.0)
+    alone = [dflash.block_loss(model, embed, lm_head, data, 0, anchors[i:i + 1], seen[i:i + 1], 7.0)[0]
              for i in range(3)]
     # float64: sums of a few thousand O(1) products agree far below any real difference
     assert torch.allclose(together, torch.stack(alone).mean(), rtol=0, atol=1e-10)
     other = seen.clone()
     other[1, int(other[1].nonzero()[0])] = False  # one key fewer for block 2 changes its loss
-    changed, _ = script.block_loss(model, embed, lm_head, data, 0, anchors, other, 7.0)
+    changed, _ = dflash.block_loss(model, embed, lm_head, data, 0, anchors, other, 7.0)
     assert abs(float((changed - together).detach())) > 1e-8
 
 
@@ -83,11 +79,10 @@ def test_a_short_run_writes_a_head_smollm2_loads_and_resumes(shards, tmp_path, c
     from calibrate.drafters.dflash import load_dflash
     from calibrate.smollm2 import load_smollm2
 
-    script = _script()
     argv = ["--features", str(shards), "--out", str(tmp_path / "head"), "--work", str(tmp_path / "work"),
             "--layers", "1", "--block", "4", "--context", "16", "--local", "8", "--anchors", "4", "--steps", "2",
             "--save-every", "1", "--intermediate", "64", "--check", "1", "--check-every", "1"]
-    script.main(argv)
+    dflash.main(argv)
     record = json.loads((tmp_path / "head" / "training_log.json").read_text())
     assert record["n_ref"] == 20 and record["max_distance"] == 63 and record["steps_done"] == 2
     assert record["held_out"] == [1]  # sequence 1 is checked, never trained on
@@ -100,10 +95,10 @@ def test_a_short_run_writes_a_head_smollm2_loads_and_resumes(shards, tmp_path, c
     state = torch.load(progress, weights_only=False)
     del state["settings"]["layer_init"]  # a run saved before --layer-init existed was a random start
     torch.save(state, progress)
-    script.main(argv)  # finished: resumes at its last step and writes nothing new
+    dflash.main(argv)  # finished: resumes at its last step and writes nothing new
     assert "resuming at step 2/2" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="made with other options"):
-        script.main([*argv, "--layer-init", "target", "--intermediate", "1536"])
+        dflash.main([*argv, "--layer-init", "target", "--intermediate", "1536"])
 
 
 @pytest.mark.parametrize("args,named", [
@@ -117,41 +112,38 @@ def test_a_short_run_writes_a_head_smollm2_loads_and_resumes(shards, tmp_path, c
     (["--check-every", "0"], "--check-every 0"),
 ])
 def test_bad_options_are_refused_in_one_line(shards, tmp_path, args, named):
-    script = _script()
     with pytest.raises(SystemExit) as stop:
-        script.parse_args(["--features", str(shards), "--out", str(tmp_path / "h"), *args])
+        dflash.parse_args(["--features", str(shards), "--out", str(tmp_path / "h"), *args])
     assert named in str(stop.value)
 
 
 def test_an_unknown_norm_init_is_refused_naming_it(shards, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        _script().parse_args(["--features", str(shards), "--out", str(tmp_path / "h"), "--norm-init", "zeros"])
+        dflash.parse_args(["--features", str(shards), "--out", str(tmp_path / "h"), "--norm-init", "zeros"])
     assert stop.value.code != 0
     assert "--norm-init: invalid choice: 'zeros'" in capsys.readouterr().err
 
 
 def test_held_out_sequences_are_spread_over_the_shards_and_distinct():
-    script = _script()
-    assert script.held_out(320, 8) == [20, 60, 100, 140, 180, 220, 260, 300]
+    assert dflash.held_out(320, 8) == [20, 60, 100, 140, 180, 220, 260, 300]
     for S in range(2, 40):
         for n in range(1, S):
-            seqs = script.held_out(S, n)
+            seqs = dflash.held_out(S, n)
             assert len(set(seqs)) == n and 0 <= min(seqs) and max(seqs) < S
 
 
 def test_an_out_that_is_an_input_or_a_file_is_refused(shards, tmp_path):
-    script = _script()
     with pytest.raises(SystemExit, match="is also --features"):
-        script.parse_args(["--features", str(shards), "--out", str(shards)])
+        dflash.parse_args(["--features", str(shards), "--out", str(shards)])
     (tmp_path / "f").write_text("x")
     with pytest.raises(SystemExit, match="a file, not a folder"):
-        script.parse_args(["--features", str(shards), "--out", str(tmp_path / "f")])
+        dflash.parse_args(["--features", str(shards), "--out", str(tmp_path / "f")])
     assert (tmp_path / "f").read_text() == "x"
 
 
 def test_features_without_a_manifest_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="no manifest.json"):
-        _script().parse_args(["--features", str(tmp_path), "--out", str(tmp_path / "h")])
+        dflash.parse_args(["--features", str(tmp_path), "--out", str(tmp_path / "h")])
 
 
 def _more_shards(folder, count: int = 3, length: int = 64):
@@ -178,25 +170,24 @@ def test_several_shard_folders_refuse_a_repeat_a_gap_or_the_out_folder(shards, t
     (tmp_path / "h").mkdir()
     (tmp_path / "h" / "manifest.json").write_text("{}")
     with pytest.raises(SystemExit) as stop:
-        _script().parse_args(["--features", text, "--out", str(tmp_path / "h")])
+        dflash.parse_args(["--features", text, "--out", str(tmp_path / "h")])
     assert named in str(stop.value) and "\n" not in str(stop.value)
 
 
 @pytest.mark.slow
 def test_a_run_over_two_shard_folders_checks_on_the_first_and_trains_on_both(shards, tmp_path):
-    script = _script()
     more = _more_shards(tmp_path / "more")
     argv = ["--features", f"{shards},{more}", "--out", str(tmp_path / "head"), "--work", str(tmp_path / "work"),
             "--layers", "1", "--block", "4", "--context", "16", "--local", "8", "--anchors", "4", "--steps", "1",
             "--intermediate", "64", "--check", "1"]
-    script.main(argv)
+    dflash.main(argv)
     record = json.loads((tmp_path / "head" / "training_log.json").read_text())
     assert record["held_out"] == [1]  # of the first folder's 2: the same check as that folder alone
     assert record["corpus"] == {"test": 2, "more": 3}
     assert f"--features {shards},{more}" in record["command"]
     short = _more_shards(tmp_path / "short", count=2, length=32)
     with pytest.raises(SystemExit, match=r"sequences of different lengths \(64, 32\)"):
-        script.parse_args([*argv[:1], f"{shards},{short}", *argv[2:]])
+        dflash.parse_args([*argv[:1], f"{shards},{short}", *argv[2:]])
 
 
 def test_a_start_from_the_target_copies_its_last_layers_and_reads_its_residual_stream():
@@ -207,7 +198,6 @@ def test_a_start_from_the_target_copies_its_last_layers_and_reads_its_residual_s
 
     from calibrate.drafters.dflash import DFlashConfig, DFlashDraftModel
 
-    script = _script()
     torch.manual_seed(0)
     H = 32
     target = LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=5,
@@ -218,7 +208,7 @@ def test_a_start_from_the_target_copies_its_last_layers_and_reads_its_residual_s
                                           intermediate_size=48, num_hidden_layers=2, vocab_size=40, block_size=4,
                                           mask_token_id=39, target_layer_ids=(0, 1, 2), rope_theta=1000.0)).double()
     features = torch.randn(20, 3 * H, dtype=torch.float64)
-    scales = script.target_start(model, target, features)
+    scales = dflash.target_start(model, target, features)
     assert list(scales) == [3, 4]
     source = target.get_decoder().layers
     for mine, theirs in zip(model.layers, source[3:]):
@@ -241,14 +231,14 @@ def test_a_start_from_the_target_needs_its_shape(shards, tmp_path, extra, named)
     argv = ["--features", str(shards), "--out", str(tmp_path / "head"), "--work", str(tmp_path / "work"),
             "--layer-init", "target", "--block", "4", "--check", "1", *extra]
     with pytest.raises(SystemExit) as stop:
-        _script().main(argv)
+        dflash.main(argv)
     assert named in str(stop.value) and "--layer-init target" in str(stop.value)
     assert not (tmp_path / "head").exists() and not (tmp_path / "work").exists()
 
 
 def test_an_unknown_layer_init_is_refused_naming_it(shards, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        _script().parse_args(["--features", str(shards), "--out", str(tmp_path / "h"), "--layer-init", "smollm2"])
+        dflash.parse_args(["--features", str(shards), "--out", str(tmp_path / "h"), "--layer-init", "smollm2"])
     assert stop.value.code != 0
     assert "--layer-init: invalid choice: 'smollm2'" in capsys.readouterr().err
 

@@ -27,8 +27,9 @@ from calibrate.drafters.pard_smollm2 import build_pard_drafter, cut_drafter, lay
 from calibrate.drafters.parallel import PardParallelProposer
 from calibrate.errors import UserError
 from calibrate.speculative import greedy_generate, speculative_generate
+from calibrate.training import pard, pard_cut
 
-from tiny_checkpoints import load_script, tiny_target
+from tiny_checkpoints import tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest.py)
 
@@ -37,9 +38,6 @@ MASK = 63
 # summation order differs (~1e-6 on the tiny model's O(1) logits).
 ATOL_SAME32 = 1e-5
 
-
-def _script():
-    return load_script("train_pard")
 
 
 @pytest.mark.parametrize("ratio,minimum", [(1.0, 0.0), (0.7, 0.2)])
@@ -123,8 +121,8 @@ def test_the_cut_drafter_is_its_bases_first_and_last_layers():
                                            ("0+0", "do not fit"), ("3+1,", "'' is not F+L")])
 def test_cut_agreement_refuses_a_malformed_cut(cuts, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
-        load_script("pard_cut_agreement").parse_cuts(cuts)
-    assert load_script("pard_cut_agreement").parse_cuts("3+1,12+0") == [(3, 1), (12, 0)]
+        pard_cut.parse_cuts(cuts)
+    assert pard_cut.parse_cuts("3+1,12+0") == [(3, 1), (12, 0)]
 
 
 @pytest.fixture
@@ -143,10 +141,9 @@ def _argv(tmp, out, work, steps):
 def test_a_short_run_writes_a_small_folder_that_loads_drafts_exactly_and_resumes_to_the_same_losses(base):
     from transformers import AutoModelForCausalLM
 
-    script = _script()
-    script.main(_argv(base, "stopped", "w1", 4))
-    script.main(_argv(base, "stopped", "w1", 6))  # resumed at step 4
-    script.main(_argv(base, "straight", "w2", 6))
+    pard.main(_argv(base, "stopped", "w1", 4))
+    pard.main(_argv(base, "stopped", "w1", 6))  # resumed at step 4
+    pard.main(_argv(base, "straight", "w2", 6))
     logs = [json.loads((base / name / "training_log.json").read_text()) for name in ("stopped", "straight")]
     assert logs[0]["loss"] == logs[1]["loss"] and len(logs[0]["loss"]) == 6 and logs[0]["n_ref"] == 32
     assert logs[1]["layers_from"] == [0, 2] and logs[1]["k"] == 8 and "--layers 2" in logs[1]["command"]
@@ -186,10 +183,9 @@ def test_the_distilled_loss_is_the_text_and_the_targets_law_by_hand():
     """row_loss against a float64 sum written out row by row: (1 - w) of the text's cross-entropy plus w times the
     cross-entropy against the target's top-k law at the row's position (renormalised); teacher_laws' top tokens are
     the target's own ranking at each prefix."""
-    script = _script()
     target = tiny_target(num_layers=2, vocab_size=64)
     ids = torch.randint(1, 60, (2, 16), generator=torch.Generator().manual_seed(4))
-    probs, tokens = script.teacher_laws(target, ids, 5)
+    probs, tokens = pard.teacher_laws(target, ids, 5)
     assert probs.shape == tokens.shape == (2, 16, 5)
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, 16), rtol=0, atol=1e-6)  # float32 softmax of 5 values
     with torch.no_grad():
@@ -200,7 +196,7 @@ def test_the_distilled_loss_is_the_text_and_the_targets_law_by_hand():
     logits = torch.randn(len(rows.targets), 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     laws = (probs[1].double(), tokens[1])
     for w in (0.0, 0.3, 1.0):
-        got = script.row_loss(logits, rows, w, laws if w else None)
+        got = pard.row_loss(logits, rows, w, laws if w else None)
         want = 0.0
         for i in range(len(rows.targets)):
             if rows.targets[i] == IGNORE:
@@ -213,21 +209,19 @@ def test_the_distilled_loss_is_the_text_and_the_targets_law_by_hand():
 
 
 def test_a_distilled_run_resumes_to_the_same_losses_and_differs_from_the_text_alone(base):
-    script = _script()
-    script.main(_argv(base, "a", "wa", 2) + ["--distill", "0.5", "--distill-top", "8"])
-    script.main(_argv(base, "a", "wa", 4) + ["--distill", "0.5", "--distill-top", "8"])
-    script.main(_argv(base, "b", "wb", 4) + ["--distill", "0.5", "--distill-top", "8"])
-    script.main(_argv(base, "c", "wc", 4))
+    pard.main(_argv(base, "a", "wa", 2) + ["--distill", "0.5", "--distill-top", "8"])
+    pard.main(_argv(base, "a", "wa", 4) + ["--distill", "0.5", "--distill-top", "8"])
+    pard.main(_argv(base, "b", "wb", 4) + ["--distill", "0.5", "--distill-top", "8"])
+    pard.main(_argv(base, "c", "wc", 4))
     logs = [json.loads((base / name / "training_log.json").read_text()) for name in ("a", "b", "c")]
     assert logs[0]["loss"] == logs[1]["loss"] and logs[0]["loss"] != logs[2]["loss"]
     assert logs[0]["recipe"]["distill"] == "0.5" and logs[2]["recipe"]["distill"] == "0.0"
     with pytest.raises(SystemExit, match=r"other options \(distill\)"):
-        script.main(_argv(base, "a", "wa", 6) + ["--distill", "0.25", "--distill-top", "8"])
+        pard.main(_argv(base, "a", "wa", 6) + ["--distill", "0.25", "--distill-top", "8"])
 
 
 def test_the_loader_refuses_a_folder_that_does_not_fit(base):
-    script = _script()
-    script.main(_argv(base, "good", "w", 2))
+    pard.main(_argv(base, "good", "w", 2))
     good = base / "good"
     bad = base / "bad"
 
@@ -292,9 +286,8 @@ def test_the_loader_refuses_a_folder_that_does_not_fit(base):
     (["--distill-top", "65"], "--distill-top 65: the --base model has 64 tokens"),
 ])
 def test_bad_options_are_refused_in_one_line(base, args, named):
-    script = _script()
     with pytest.raises(SystemExit) as stop:
-        script.main(_argv(base, "out", "w", 2) + args)
+        pard.main(_argv(base, "out", "w", 2) + args)
     assert named in str(stop.value) and "\n" not in str(stop.value)
     assert not (base / "out").exists()
 
@@ -312,32 +305,30 @@ def test_smollm2_options_are_refused_before_smollm2_loads(tmp_path, monkeypatch,
 
     monkeypatch.setattr(calibrate.smollm2, "load_smollm2", lambda *a, **k: pytest.fail("SmolLM2 loaded"))
     with pytest.raises(SystemExit) as stop:
-        _script().main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "w")] + args)
+        pard.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "w")] + args)
     assert named in str(stop.value) and "\n" not in str(stop.value)
 
 
 def test_outputs_that_are_inputs_or_files_are_refused(base):
-    script = _script()
     (base / "f").write_text("x")
     for option, value, fragment in (("--out", "f", "--out .*f: is a file"), ("--out", "base", "is the --base folder"),
                                     ("--work", "f", "--work .*f: is a file"), ("--work", "out", "is --out")):
         argv = _argv(base, "out", "w", 2)
         argv[argv.index(option) + 1] = str(base / value)
         with pytest.raises(SystemExit, match=fragment):
-            script.parse(argv)
+            pard.parse(argv)
     assert (base / "f").read_text() == "x"
-    script.main(_argv(base, "out", "w3", 2))
+    pard.main(_argv(base, "out", "w3", 2))
     with pytest.raises(SystemExit, match=r"other options \(lr\)"):
-        script.main(_argv(base, "out", "w3", 2) + ["--lr", "2e-3"])
+        pard.main(_argv(base, "out", "w3", 2) + ["--lr", "2e-3"])
 
 
 def test_tokens_of_the_wrong_shape_or_holding_the_mask_are_refused(base):
-    script = _script()
     np.save(base / "flat.npy", np.arange(1, 33))
     argv = _argv(base, "out", "w", 2)
     argv[argv.index("--tokens") + 1] = str(base / "flat.npy")
     with pytest.raises(SystemExit, match=r"shape \(32,\); expected \(N, --seq-len 32\)"):
-        script.main(argv)
+        pard.main(argv)
     with pytest.raises(SystemExit, match="--mask-token 5: present in the training text"):
-        script.main(_argv(base, "out", "w", 2) + ["--mask-token", "5"])
+        pard.main(_argv(base, "out", "w", 2) + ["--mask-token", "5"])
     assert not (base / "out").exists()

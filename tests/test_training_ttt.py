@@ -1,4 +1,5 @@
-"""The training-time test of ``scripts/train_demo_eagle3.py`` computes what the chain drafter runs.
+"""The training-time test (``Eagle3Head.unrolled``, which ``scripts/train_demo_eagle3.py`` trains by) computes
+what the chain drafter runs.
 
 Drafting step ``s`` after a true context ending at base row ``r`` is computed for every row at once
 in training (one attention over the step-0 keys plus the chain's own keys). Here each (r, s) is
@@ -17,20 +18,15 @@ import pytest
 import torch
 
 from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head
-
-from tiny_checkpoints import load_script
+from calibrate.training import eagle3 as train, features
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _script():
-    return load_script("train_demo_eagle3")
-
-
-def _head(seed: int) -> Eagle3Head:
+def _head(seed: int, **options) -> Eagle3Head:
     torch.manual_seed(seed)
     config = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
-                          vocab_size=50, draft_vocab_size=20, rope_theta=1000.0)
+                          vocab_size=50, draft_vocab_size=20, rope_theta=1000.0, **options)
     head = Eagle3Head(config).double()
     with torch.no_grad():
         for p in head.parameters():
@@ -39,19 +35,25 @@ def _head(seed: int) -> Eagle3Head:
     return head.eval()
 
 
+# the options a released head may carry (the demo heads use none): each changes the function the head computes
+OPTIONS = {"plain": {}, "qk-norm-residual-rotary": dict(qk_norm=True, norm_before_residual=True, rotary_dim=4),
+           "fc-norm-output": dict(fc_norm=True, final_norm=False, norm_output=True),
+           "window": dict(norm_before_fc=True, sliding_window=3)}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 @pytest.mark.parametrize("chunk", [3, 64])
 @pytest.mark.parametrize("context", [0, 5])
-def test_unrolled_steps_equal_the_chain_drafter(chunk, context):
-    """Every (base row, step), with and without context rows in front of the window."""
-    train = _script()
-    head = _head(seed=1)
+def test_unrolled_steps_equal_the_chain_drafter(chunk, context, options):
+    """Every (base row, step), with and without context rows in front of the window, with every option."""
+    head = _head(seed=1, **options)
     T, ttt, start = 10 + context, 4, 7
     gen = torch.Generator().manual_seed(2)
     features = torch.randn(1, T, 3 * 32, generator=gen, dtype=torch.float64)
     tokens = torch.randint(0, 50, (1, T + ttt - 1), generator=gen)
     pos = start + torch.arange(T)[None]
     with torch.no_grad():
-        unrolled = list(train.unrolled_logits(head, features, tokens, pos, ttt, chunk, context))
+        unrolled = list(head.unrolled(features, tokens, pos, ttt, chunk, context))
         assert unrolled[0].shape[1] == T - context
         for r in range(context, T):
             out = head(tokens[:, :r + 1], features[:, :r + 1], position_ids=pos[:, :r + 1])
@@ -67,7 +69,6 @@ def test_unrolled_steps_equal_the_chain_drafter(chunk, context):
 def test_the_unrolled_chain_makes_every_tensor_on_the_heads_device(context):
     """On PyTorch's meta device (shapes, no data), which refuses a CPU operand as CUDA does: a mask made on
     the CPU stopped the first GPU run of this script, and a CPU-only suite could not see it."""
-    train = _script()
     config = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
                           vocab_size=50, draft_vocab_size=20, rope_theta=1000.0)
     head = Eagle3Head(config).to("meta")
@@ -75,24 +76,22 @@ def test_the_unrolled_chain_makes_every_tensor_on_the_heads_device(context):
     features = torch.empty(2, T, 3 * 32, device="meta")
     tokens = torch.empty(2, T + ttt - 1, dtype=torch.long, device="meta")
     pos = torch.arange(T, device="meta")[None].expand(2, T)
-    steps = list(train.unrolled_logits(head, features, tokens, pos, ttt, 3, context))
+    steps = list(head.unrolled(features, tokens, pos, ttt, 3, context))
     assert [tuple(s.shape) for s in steps] == [(2, T - context, 20)] * ttt
 
 
 def test_a_later_step_differs_from_step_zero():
     """Not vacuous: step 1 reads the head's own output, so its logits differ from step 0's."""
-    train = _script()
     head = _head(seed=3)
     gen = torch.Generator().manual_seed(4)
     features = torch.randn(2, 6, 96, generator=gen, dtype=torch.float64)
     tokens = torch.randint(0, 50, (2, 7), generator=gen)
     with torch.no_grad():
-        step0, step1 = train.unrolled_logits(head, features, tokens, torch.arange(6).expand(2, 6), 2, 4)
+        step0, step1 = head.unrolled(features, tokens, torch.arange(6).expand(2, 6), 2, 4)
     assert (step0 - step1).abs().max() > 1e-3
 
 
 def test_windows_with_context_see_their_sequence_from_its_start():
-    train = _script()
     data = {"tokens": torch.arange(40).view(2, 20), "features": torch.randn(2, 20, 6), "final": torch.randn(2, 20, 2)}
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -125,20 +124,19 @@ def test_init_refuses_a_folder_it_cannot_continue(tmp_path, case):
 
 
 def test_steps_behind_a_record():
-    steps_of = _script()._steps_of
+    steps_of = train._steps_of
     assert steps_of({"command": "python x.py --span 256 --steps 360 --lr 0.002"}) == 360
     assert steps_of({"command": "python x.py --steps 720", "steps_total": 1080}) == 1080
     # a head grown by scripts/induction_head.py keeps its source head's record under "head"
     grown = {"command": "python scripts/induction_head.py --epochs 12", "head": {"steps_total": 1080, "train_seconds": 9.5}}
-    assert steps_of(grown) == 1080 and _script()._seconds_of(grown) == 9.5
-    assert steps_of({"command": "python scripts/induction_head.py"}) == 0 and _script()._seconds_of({}) == 0.0
+    assert steps_of(grown) == 1080 and train._seconds_of(grown) == 9.5
+    assert steps_of({"command": "python scripts/induction_head.py"}) == 0 and train._seconds_of({}) == 0.0
 
 
 @pytest.mark.parametrize("chunk", [3, 64])
 def test_drawn_far_keys_are_the_chain_drafters_whole_context(chunk):
     """With ``--far``, row ``r`` at step ``s`` is the chain drafter over exactly the drawn keys and the
     window's rows ``<= r``, each at its true position (positions with gaps: the head's RoPE reads them)."""
-    train = _script()
     head = _head(seed=5)
     gen = torch.Generator().manual_seed(6)
     data = {"tokens": torch.randint(0, 50, (2, 60), generator=gen),
@@ -154,7 +152,7 @@ def test_drawn_far_keys_are_the_chain_drafters_whole_context(chunk):
     assert pos[0, :far].diff().max() > 1  # not vacuous: the drawn keys leave gaps
     features, tokens = features.double(), tokens
     with torch.no_grad():
-        unrolled = list(train.unrolled_logits(head, features, tokens, pos, ttt, chunk, context))
+        unrolled = list(head.unrolled(features, tokens, pos, ttt, chunk, context))
         for w in range(2):
             for r in range(context, context + rows):
                 out = head(tokens[w:w + 1, :r + 1], features[w:w + 1, :r + 1], position_ids=pos[w:w + 1, :r + 1])
@@ -169,7 +167,6 @@ def test_drawn_far_keys_are_the_chain_drafters_whole_context(chunk):
 
 def test_drawn_keys_are_the_true_tokens_and_features():
     """The drawn rows carry their own position's feature and next token (a data check, not geometry)."""
-    train = _script()
     data = {"tokens": torch.arange(200).view(2, 100), "features": torch.arange(200.).view(2, 100, 1),
             "final": torch.zeros(2, 100, 1)}
     gen = torch.Generator().manual_seed(1)
@@ -195,7 +192,6 @@ def _recall_data(length: int = 400):
 def test_match_keys_are_the_copy_sources():
     """In a copy, row p's match key is p + 1 - D (its two tokens are the row's two tokens), and with room
     for every match all of them are drawn, whatever the uniform keys."""
-    train = _script()
     data, seq = _recall_data()
     p = 96 + 10  # the second copy of the first block runs from 96 for 48 tokens
     assert bool(seq.copied[p]) and bool(seq.copied[p + 1])
@@ -210,7 +206,6 @@ def test_match_keys_are_the_copy_sources():
 
 
 def test_copy_share_weights_the_sequences_whose_copies_a_head_reaches():
-    train = _script()
     data, _ = _recall_data()
     w = train.copy_weights(data, 0.5, reach=256)
     assert torch.allclose(w, torch.tensor([0.25 + 0.5, 0.25], dtype=torch.float64))
@@ -222,7 +217,6 @@ def test_copied_flags_are_those_of_the_guessed_tokens():
     """With ``copied=True`` each row's flag at step s is the copied mask of token p + 2 + s, the token the
     loss compares that row with (a flag off by one would weight the passage's first token, which the
     row cannot copy)."""
-    train = _script()
     data, _ = _recall_data()
     gen = torch.Generator().manual_seed(3)
     *_, pos, context, flags = train.sample_windows(gen, data, 4, 30, 3, 0, copied=True)
@@ -257,7 +251,7 @@ def test_training_options_are_refused_in_one_line_before_any_work(tmp_path, monk
     the target loads or anything is written."""
     import calibrate.smollm2
 
-    module = _script() if script == "train_demo_eagle3" else load_script("target_features")
+    module = train if script == "train_demo_eagle3" else features
     monkeypatch.setattr(module, "load_smollm2", lambda *a, **k: pytest.fail("the target loaded"), raising=False)
     monkeypatch.setattr(calibrate.smollm2, "load_smollm2", lambda *a, **k: pytest.fail("the target loaded"))
     work = ["--work", str(tmp_path / "work")] if script == "train_demo_eagle3" else []
@@ -272,7 +266,6 @@ def test_training_options_are_refused_in_one_line_before_any_work(tmp_path, monk
 def test_a_second_folder_with_skip_continues_the_text_of_the_first(source):
     """target_features --skip N plans exactly the sequences after the first N of a longer plan: a source is
     consumed in order, so two folders (the second with --skip) hold consecutive text, none of it twice."""
-    module = load_script("target_features")
 
     class Chars:  # a tokenizer of code points: the plan depends only on encode and the eos id
         eos_token_id = 0
@@ -281,8 +274,8 @@ def test_a_second_folder_with_skip_continues_the_text_of_the_first(source):
         def encode(text, add_special_tokens=False):
             return [1 + ord(c) % 500 for c in text]
 
-    both = module.plan_sequences(Chars, [source], 256, 256 * 8, [8])
-    first = module.plan_sequences(Chars, [source], 256, 256 * 3, [3])
-    rest = module.plan_sequences(Chars, [source], 256, 256 * 5, [5], [3])
+    both = features.plan_sequences(Chars, [source], 256, 256 * 8, [8])
+    first = features.plan_sequences(Chars, [source], 256, 256 * 3, [3])
+    rest = features.plan_sequences(Chars, [source], 256, 256 * 5, [5], [3])
     assert [s[1] for s in first + rest] == [s[1] for s in both] and len(both) == 8
     assert [s[2] for s in first + rest] == [s[2] for s in both]  # the copied masks too (None for plain text)

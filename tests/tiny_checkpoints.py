@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-__all__ = ["tiny_target", "write_tiny_eagle3", "write_tiny_dflash", "corrupt_checkpoint", "load_script"]
+__all__ = ["tiny_target", "write_tiny_eagle3", "tiny_eagle3_head", "write_tiny_dflash", "corrupt_checkpoint"]
 
 
 def tiny_target(seed: int = 0, num_layers: int = 8, vocab_size: int = 256):
@@ -101,6 +101,31 @@ def write_tiny_eagle3(directory, target, seed: int = 0, *, hidden_size: int | No
     return _write(directory, config.to_dict(), state)
 
 
+def tiny_eagle3_head(target, seed: int = 0, draft_vocab_size: int = 128, **options):
+    """A random EAGLE-3 head for ``target`` in memory (float32, eval mode), with any ``Eagle3Config`` options.
+
+    Options only other layouts carry (``qk_norm``, ``sliding_window``, ...) have no EAGLE-layout
+    ``config.json``; this builds the module itself, with the target's embedding and weights drawn as
+    :func:`write_tiny_eagle3` draws them.
+    """
+    from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head
+
+    tc = target.config
+    config = Eagle3Config(hidden_size=tc.hidden_size, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=2 * tc.hidden_size, vocab_size=tc.vocab_size,
+                          draft_vocab_size=draft_vocab_size, rope_theta=10000.0, **options)
+    head = Eagle3Head(config, embed_tokens=target.get_input_embeddings())
+    g = torch.Generator().manual_seed(seed + 1)
+    used = torch.randperm(tc.vocab_size, generator=g)[:draft_vocab_size].sort().values
+    with torch.no_grad():
+        state = {k: v for k, v in _random_state(head, seed).items() if not k.startswith("embed_tokens")}
+        head.load_state_dict(state, strict=False)
+        head.d2t.copy_(used - torch.arange(draft_vocab_size))
+        head.t2d.zero_()
+        head.t2d[used] = True
+    return head.eval()
+
+
 def write_tiny_dflash(directory, target, seed: int = 0, *, num_layers: int = 2, block_size: int = 4,
                       target_layer_ids=(1, 3, 5), mask_token_id: int | None = None,
                       nested: bool = True) -> Path:
@@ -142,16 +167,3 @@ def corrupt_checkpoint(src: Path, dst: Path, edit_weights=None, edit_config=None
     (dst / "config.json").write_text(json.dumps(config))
     save_file(weights, str(dst / "model.safetensors"))
     return dst
-
-
-def load_script(name: str):
-    """``scripts/<name>.py`` as a module (the scripts folder on ``sys.path`` for their own imports)."""
-    import importlib.util
-    import sys
-
-    scripts = Path(__file__).resolve().parent.parent / "scripts"
-    sys.path.insert(0, str(scripts))
-    spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

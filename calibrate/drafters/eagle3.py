@@ -452,6 +452,84 @@ class Eagle3Head(nn.Module):
         """Target vocabulary ids of draft ids: ``i + d2t[i]``."""
         return draft_ids + self.d2t[draft_ids]
 
+    def unrolled(self, features: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor, steps: int,
+                 chunk: int = 1024, context: int = 0) -> list[torch.Tensor]:
+        """EAGLE-3's training-time test: the logits of drafting steps ``0 .. steps - 1`` at every base row
+        at once, each (W, T, draft_vocab_size), equal to what the chain drafter computes row by row.
+
+        ``features`` (W, C + T, n * H_t) at RoPE positions ``position_ids`` (W, C + T): the first
+        ``C = context`` rows are keys only, in front of the ``T`` base rows. ``tokens``
+        (W, C + T + steps - 1): the token after each position, then the ``steps - 1`` after the last.
+        Step ``s`` at base row ``r`` is drafting step ``s`` after a true context ending at row
+        ``C + r``: it reads token ``C + r + s`` at position ``position_ids[C + r] + s`` and, in place
+        of a target feature, step ``s - 1``'s output state (``fc`` of the features at step 0), and its
+        query sees the step-0 keys of rows ``<= C + r`` plus the keys of steps ``1 .. s`` at row ``r``
+        (the chain's own drafts): :meth:`forward` over the true rows ``0 .. C + r``, then ``s``
+        one-row calls with its cache. The config's options act as in :meth:`forward` (its
+        ``sliding_window`` counted in cache slots, as there); no spec, tap or distance fix.
+        Queries go ``chunk`` rows at a time: memory ``chunk x (C + T + s * chunk)`` per head.
+        """
+        c, mid = self.config, self.midlayer
+        attn = mid.self_attn
+        W, total = position_ids.shape
+        T = total - context
+        hidden = self.fc(self.combine(features))  # (W, C + T, H)
+        keys, values, logits = [], [], []
+        for s in range(steps):
+            rows = total if s == 0 else T  # step 0 also makes the context rows' keys
+            first = 0 if s == 0 else context + s
+            embeds = self.embed_tokens(tokens[:, first:first + rows]).to(hidden.dtype)
+            normed = mid.hidden_norm(hidden)
+            residual = normed if c.norm_before_residual else hidden
+            x = torch.cat((mid.input_layernorm(embeds), normed), dim=-1)  # (W, rows, 2H), embedding first
+            where = position_ids if s == 0 else position_ids[:, context:] + s
+            cos, sin = rope_cos_sin(where, c.rotary_dim, c.rope_theta, x.dtype, c.rope_scaling)
+            key = attn.k_proj(x).view(W, rows, c.num_key_value_heads, c.head_dim)
+            keys.append(apply_rope((attn.k_norm(key) if c.qk_norm else key).transpose(1, 2), cos, sin))
+            values.append(attn.v_proj(x).view(W, rows, c.num_key_value_heads, c.head_dim).transpose(1, 2))
+            if s == 0:  # from here on only the base rows
+                x, residual, cos, sin = x[:, context:], residual[:, context:], cos[:, :, context:], sin[:, :, context:]
+            query = attn.q_proj(x).view(W, T, c.num_attention_heads, c.head_dim)
+            query = apply_rope((attn.q_norm(query) if c.qk_norm else query).transpose(1, 2), cos, sin)
+            out = self._chain_attention(query, keys, values, attn.scaling, chunk, context)  # (W, h, T, D)
+            h = residual + attn.o_proj(out.transpose(1, 2).reshape(W, T, -1))
+            out = h + mid.mlp(mid.post_attention_layernorm(h))
+            final = self.norm(out)
+            logits.append(self.lm_head(final if c.final_norm else out))
+            hidden = final if c.norm_output else out  # the next step's input state, as forward hands it back
+        return logits
+
+    def _chain_attention(self, query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                         scaling: float, chunk: int, context: int) -> torch.Tensor:
+        """Attention of drafting step ``s = len(keys) - 1`` in :meth:`unrolled`, (B, h, T, D).
+
+        ``query`` (B, h, T, D); ``keys[0]``, ``values[0]`` (B, kv, C + T, D): step 0's; ``keys[j]``
+        (B, kv, T, D): step ``j``'s. Query row ``r`` sits at cache slot ``C + r + s`` and sees rows
+        ``<= C + r`` of step 0 and row ``r`` of steps ``1 .. s``, those within the head's
+        ``sliding_window`` of its slot when it has one.
+        """
+        from .layers import repeat_kv
+
+        B, H, T, D = query.shape
+        groups, s, window = H // keys[0].shape[1], len(keys) - 1, self.config.sliding_window
+        k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)
+        if s == 0 and context == 0 and window is None:
+            return nn.functional.scaled_dot_product_attention(query, k0, v0, is_causal=True, scale=scaling)
+        device = query.device
+        drafts = torch.arange(1, s + 1, device=device) > (-1 if window is None else s - window)  # (s,) in the window
+        outs = []
+        for a in range(0, T, chunk):
+            b = min(T, a + chunk)
+            k = torch.cat([k0[:, :, :context + b]] + [repeat_kv(kj[:, :, a:b], groups) for kj in keys[1:]], dim=2)
+            v = torch.cat([v0[:, :, :context + b]] + [repeat_kv(vj[:, :, a:b], groups) for vj in values[1:]], dim=2)
+            rows = context + torch.arange(a, b, device=device)[:, None]  # (c, 1): each query's last true row
+            slot = torch.arange(context + b, device=device)[None, :]  # (1, context + b)
+            visible = (slot <= rows) if window is None else (slot <= rows) & (slot > rows + s - window)
+            own = torch.eye(b - a, dtype=torch.bool, device=device).repeat(1, s) & drafts.repeat_interleave(b - a)
+            outs.append(nn.functional.scaled_dot_product_attention(query[:, :, a:b], k, v, scale=scaling,
+                                                                   attn_mask=torch.cat((visible, own), 1)))
+        return torch.cat(outs, dim=2)
+
 
 # ----------------------------------------------------------------------------------------------
 # Target features
