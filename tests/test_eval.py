@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -18,6 +17,7 @@ from calibrate.cli import app
 from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
 from calibrate.drafters.hf import CausalLMDrafter
 from calibrate.errors import UserError
+from calibrate.eval import tables
 from calibrate.eval.options import EvalOptions
 from calibrate.eval.run import evaluate
 from calibrate.eval.variants import DEFAULT_VARIANTS, POSITION_VARIANTS, bucket_edges, default_spec
@@ -96,18 +96,10 @@ def test_eagle3_result_shape(eagle3_result):
     json.dumps(r)  # JSON-ready
 
 
-def _eval_table():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "eval_table.py"
-    spec = importlib.util.spec_from_file_location("eval_table", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_per_sequence_sums_pair_any_two_variants(eagle3_result):
     """The per-sequence sums eval keeps give back every mean and every difference from none it reports
     (so eval_table's pairing against any other variant is the same statistic), and pair two variants."""
-    table = _eval_table()
+    table = tables
     for row in eagle3_result["buckets"]:
         rows = np.asarray(row["rows_per_sequence"])
         assert rows.sum() == row["rows"] and rows.size == 2
@@ -134,7 +126,7 @@ def test_per_sequence_sums_pair_any_two_variants(eagle3_result):
 def test_two_evals_of_the_same_prompts_pair_by_sequence(eagle3_result):
     """eval_table --against: one drafter's cells against another's on the same rows; a copy with one more hit per
     sequence in every bucket differs by exactly sequences / rows, with an interval; other prompts are refused."""
-    table = _eval_table()
+    table = tables
     other = copy.deepcopy(eagle3_result)
     for row in other["buckets"]:
         hits = row["none"]["per_sequence"]["agreement"]
@@ -159,7 +151,7 @@ def test_two_evals_of_the_same_prompts_pair_by_sequence(eagle3_result):
 def test_two_drafters_reading_other_rows_pair_their_per_sequence_rates(eagle3_result):
     """A block drafter's anchors are not a chain's rows: --against pairs the rates of each sequence (each
     sequence weighing the same), says so in the table's first line, and pairs acceptance length by prompt."""
-    table = _eval_table()
+    table = tables
     other = copy.deepcopy(eagle3_result)
     for row in other["buckets"]:
         row["rows_per_sequence"] = [2 * r for r in row["rows_per_sequence"]]  # twice the rows, the same hits
@@ -188,7 +180,7 @@ def test_two_drafters_reading_other_rows_pair_their_per_sequence_rates(eagle3_re
     ('{"buckets": []}', "not an eval result"),
 ])
 def test_eval_table_refuses_a_file_that_is_not_an_eval_result(tmp_path, content, named):
-    table = _eval_table()
+    table = tables
     path = tmp_path / "other.json"
     if content == "folder":
         path.mkdir()
@@ -472,7 +464,7 @@ def test_extra_specs_share_the_passes_and_pair_with_spec(eagle3, corpus):
                                      extra_specs={"spec:heads": heads, "spec:steep": steeper}))
     assert list(r["variants"]) == ["none", "spec", "spec:heads", "spec:steep"]
     assert r["speculative"]["outputs_identical"] is True
-    table = _eval_table()
+    table = tables
     for row in r["buckets"]:
         for metric in ("mass", "agreement", "expected_acceptance", "acceptance_length"):
             assert row["spec:heads"][metric] == row["spec"][metric]

@@ -201,11 +201,10 @@ def test_cli_resume_on_a_recall_corpus_and_refusal_of_another_corpus(tmp_path, m
 
 
 def test_eval_table_pairs_copy_agreement_over_the_copied_rows(recall_result):
-    """scripts/eval_table.py gives back eval's copy and other deltas (the same bootstrap over the subset's
+    """calibrate.eval.tables (scripts/eval_table.py) gives back eval's copy and other deltas (the same bootstrap over the subset's
     rows), and its tables name the copied rows and the target without a target column among the variants."""
-    from test_eval import _eval_table
+    from calibrate.eval import tables as table
 
-    table = _eval_table()
     for row in recall_result["buckets"]:
         if not sum(row["copy_rows_per_sequence"]):
             continue

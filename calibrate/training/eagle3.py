@@ -25,7 +25,7 @@ Recipe, seeded and deterministic given the same torch build and thread count:
 3. Training-time test (EAGLE-3's): each window of head rows is unrolled ``--ttt`` drafting steps.
    Step 0 reads the target's features; step ``s`` reads the head's own output of step ``s - 1`` in
    place of the unknown target feature, the next token, and RoPE position ``+ s``, exactly as
-   ``Eagle3ChainDrafter.draft`` runs at inference. Its query at base row ``r`` attends to the
+   ``Eagle3Proposer.propose`` runs at inference. Its query at base row ``r`` attends to the
    step-0 keys of rows ``<= r`` (the true context) plus the keys of steps ``1 .. s`` at row ``r``
    (its own earlier drafts), which is the chain drafter's cache at that point. The head computes
    this itself (``Eagle3Head.unrolled``). Loss: the distillation loss (``.loss``), cross-entropy
