@@ -32,6 +32,9 @@ The fast paths assume what a causal cache gives: keys at their slots ``0 .. k_le
   columns some row of the chunk sees as far, the neighbour logits only those some row sees as near
   (the two overlap on a band as wide as the chunk), and GQA query heads share their key head by a
   reshape, never a copy of the keys.
+* A DFlash block (:func:`attention_at`: its keys named by position) whose keys sit at their slots: on the
+  CPU in float32 one compiled pass per row group (:func:`fused.block_logits`), each key read once, a far
+  one rotated in a small buffer and dotted with every row and query head; elsewhere eager math.
 
 Angles are formed in float64 (``shift * inv_freq``, a shift of thousands of positions keeps full
 precision) and applied in the working precision (float32 at least). Nothing outlives a call.
@@ -253,8 +256,8 @@ def _block_logits(query: torch.Tensor, key: torch.Tensor, scaling: float, fix: P
     """``scaling`` times :func:`remapped_logits` (B, H, q_len, k_len), float32, for query rows at positions ``i_all``
     (q_len,) and keys at their slots, by :func:`fused.block_logits`: per row group (:meth:`PositionFix.key_group`)
     the rows' queries rotated to their far positions (a small tensor), then one pass over the keys, each far key
-    rotated by the group's law (:func:`_key_law`) in registers and dotted with every row and query head that share
-    it."""
+    rotated by the group's law (:func:`_key_law`) in a small buffer, never a copy of all keys, and dotted with every
+    row and query head that share it."""
     B, H, q_len, _ = query.shape
     k_len = key.shape[2]
     row_group = fix.key_group(i_all)  # (q_len,)
