@@ -9,9 +9,12 @@ and ``clamp+spec``. Each kind is paired with the plain block by ``bench_runtime.
 alternated call by call, the ratio the median of per-pair ratios ``kind / plain``; ``+peak`` the extra
 peak memory of one call, ``kept`` what outlives it).
 
-A distance fix on a block runs in eager math over every context key
-(``sharpdraft_runtime.positions.attention_at``: the far keys rotated, two logit matrices merged),
-where the plain block runs the fused kernel; a window attends to n_ref keys only.
+A distance fix on a block (``sharpdraft_runtime.positions.attention_at``) takes, on the CPU in float32, one
+compiled pass over the context keys (``sharpdraft_runtime.fused.block_logits``: each key read once, a far
+key rotated in a small buffer and dotted with every row and query head that share it), then one softmax
+and one product with the values, where the plain block runs the fused kernel; a window attends to n_ref
+keys only. ``NUMBA_DISABLE_JIT=1`` times the eager path instead (the far keys rotated into a copy, two
+logit matrices merged), which CUDA, half precision and gradients take.
 """
 
 from __future__ import annotations

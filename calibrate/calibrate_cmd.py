@@ -146,28 +146,38 @@ def _summary(result, out: Path) -> None:
 
 
 def print_selection(record: dict, collection_seconds: float | None = None) -> None:
-    """The candidates' gains over none past n_ref (and from the best by mean), the decision and why, its cost."""
+    """The candidates' gains over none past n_ref in the record's metric (and from the best by mean), every
+    other gain the record holds, the decision and why, its cost. Only what the spec validator requires is
+    indexed (``sharpdraft_theory.spec``: a measured candidate's gains hold the metric); a gain some candidates
+    lack shows as -."""
     from .select import decision_line
 
+    metric = record["metric"]
+    cells = {name: cell for name, cell in record["candidates"].items() if name != "none"}
+    others = list(dict.fromkeys(m for cell in cells.values() for m in cell["gain"] if m != metric))
+    within = any("within_n_ref" in cell for cell in cells.values())
     table = Table(title=f"Candidates on the {record['sequences']} calibration sequences: gain over none, "
                         f"mean of n in {record['buckets']}")
-    within = any("within_n_ref" in c for c in record["candidates"].values())
-    for col in ("candidate", "agreement [95%]", f"minus {record['best'] or 'the best'} [95%]",
-                "expected accept. [95%]") + (("agreement at n <= n_ref [95%]",) if within else ()):
+    for col in (("candidate", f"{_metric_label(metric)} [95%]", f"minus {record['best'] or 'the best'} [95%]")
+                + tuple(f"{_metric_label(m)} [95%]" for m in others)
+                + ((f"{metric} at n <= n_ref [95%]",) if within else ())):
         table.add_column(col)
-    for name, cell in record["candidates"].items():
-        if name == "none":
-            continue
+    for name, cell in cells.items():
         style = "bold green" if name == record["chosen"] else None
-        short = ((_triple((cell.get("within_n_ref") or {}).get("agreement")),) if within else ())
-        table.add_row(name, _triple(cell["gain"]["agreement"]), _triple(cell.get("versus_best")),
-                      _triple(cell["gain"]["expected_acceptance"]), *short, style=style)
+        short = ((_triple((cell.get("within_n_ref") or {}).get(metric)),) if within else ())
+        table.add_row(name, _triple(cell["gain"][metric]), _triple(cell.get("versus_best")),
+                      *(_triple(cell["gain"].get(m)) for m in others), *short, style=style)
     console.print(table)
     console.print(f"[bold]{decision_line(record)}[/]")
     console.print(f"Why: {record['reason']}")
     cost = (f" ({record['seconds'] / collection_seconds:.1f} x the collection)"
             if collection_seconds else "")
     console.print(f"Selection: {record['seconds']:.1f} s{cost}; rule: {record['rule']}")
+
+
+def _metric_label(metric: str) -> str:
+    """A metric's column heading: ``expected accept.`` for expected_acceptance, else its name."""
+    return {"expected_acceptance": "expected accept."}.get(metric, metric)
 
 
 def _triple(t) -> str:

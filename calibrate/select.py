@@ -226,6 +226,6 @@ def decision_line(record: dict) -> str:
         return "deploy none (no candidate beats the drafter as it is)" + (
             f"; the fitted spec: {at_last('spec')} agreement at {last}" if "spec" in c else "")
     line = f"deploy {chosen}: {at_last(chosen)} agreement at {last}"
-    if best != chosen:
+    if best not in (None, chosen):
         line += f"; the best by mean, {best}: {at_last(best)}, is within noise of it and more machinery"
     return line + (f"; the fitted spec: {at_last('spec')}" if "spec" in c and "spec" not in (chosen, best) else "")

@@ -4,7 +4,9 @@ Far key ``j`` of a decoding step is rotated by the angles ``(a j + b (j // G) + 
 and sin come from row ``j - 1``'s by angle addition in float64 (one of two fixed steps: ``a``, or
 ``a + b`` where ``j // G`` grows), exact again every ``ANCHOR`` rows, and are formed for ``CHUNK`` rows
 at a time (a 16 KB table that stays in the first-level cache), so no table over the whole context is
-made. Rotation is rotate-half RoPE; dimensions past ``2 len(inv_freq)`` (partial rotary) are not rotated.
+made. A block of query rows (:func:`block_logits`) rotates its far keys by their own law (``c = 0``), its
+rows' queries rotated to their far positions beforehand. Rotation is rotate-half RoPE; dimensions past
+``2 len(inv_freq)`` (partial rotary) are not rotated.
 
 Floating-point: ``reassoc`` and ``contract`` let the dot products vectorise (their sums are reordered, a
 float32 rounding); infinities and NaNs keep their meaning (no ``nnan`` / ``ninf``).
@@ -78,14 +80,20 @@ def _rotate_row(x, y, cos, sin):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
+def _dot(q, x):
+    """``q . x`` in float32 (vectorised: the sum reordered)."""
+    s = np.float32(0.0)
+    for p in range(x.shape[0]):
+        s += q[p] * x[p]
+    return s
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
 def _dot_heads(query, bb, heads, x, out, j, scaling):
     """``out[bb, r, 0, j]``: ``scaling`` times query row ``query[bb, r, 0]`` dotted with the key row ``x``, for
     each query head ``r`` in ``heads`` (those that share ``x``'s key head)."""
     for r in heads:
-        q, s = query[bb, r, 0], np.float32(0.0)
-        for p in range(x.shape[0]):
-            s += q[p] * x[p]
-        out[bb, r, 0, j] = s * scaling
+        out[bb, r, 0, j] = _dot(query[bb, r, 0], x) * scaling
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
@@ -126,3 +134,43 @@ def far_logits(query, key, out, far, a, b, G, c, inv_freq, scaling):
         for h in range(H):
             for j in range(far, T):
                 _dot_heads(query, bb, range(g * h, g * h + g), key[bb, h, j], out, j, scaling)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def block_logits(query, q_far, key, rows_at, window, out, far, a, b, G, inv_freq, scaling):
+    """``out`` (B, heads, r, T): ``scaling`` times the logits of a block's ``r`` query rows, at positions ``rows_at``
+    (r,), against ``key`` (B, H, T, D) at slots ``0 .. T - 1``. A pair is near while ``i - j < window``: ``query``
+    (B, heads, r, D) dotted with the key as it is; a far one: ``q_far`` (the rows rotated to their far positions)
+    dotted with key ``j`` rotated by ``(a j + b (j // G)) inv_freq``. Keys from ``far`` on are near for every row.
+    Query heads ``g h .. g h + g - 1`` read key head ``h`` (GQA).
+
+    ``CHUNK`` keys at a time are rotated into a small buffer that stays in the first-level cache (never a copy of
+    all keys), then every row and query head that shares their key head dots them: row ``i``'s far keys are a
+    prefix (``j <= i - window``), so its loop splits in two without a test per pair."""
+    B, H, T, D = key.shape
+    g, r = query.shape[1] // H, query.shape[2]
+    freq, steps, run, cos, sin = _angle_state(a, b, inv_freq)
+    rotated = np.empty((CHUNK, D), np.float32)
+    for j0 in range(0, far, CHUNK):
+        rows = min(CHUNK, far - j0)
+        _fill(j0, rows, a, b, G, 0.0, freq, steps, run, cos, sin)
+        for bb in range(B):
+            for h in range(H):
+                for t in range(rows):
+                    _rotate_row(key[bb, h, j0 + t], rotated[t], cos[t], sin[t])
+                for e in range(g * h, g * h + g):
+                    for s in range(r):
+                        split = min(max(rows_at[s] - window + 1 - j0, 0), rows)  # rows t < split: far pairs
+                        q, o = q_far[bb, e, s], out[bb, e, s]
+                        for t in range(split):
+                            o[j0 + t] = scaling * _dot(q, rotated[t])
+                        q = query[bb, e, s]
+                        for t in range(split, rows):
+                            o[j0 + t] = scaling * _dot(q, key[bb, h, j0 + t])
+    for bb in range(B):
+        for h in range(H):
+            for e in range(g * h, g * h + g):
+                for s in range(r):
+                    q, o = query[bb, e, s], out[bb, e, s]
+                    for j in range(far, T):
+                        o[j] = scaling * _dot(q, key[bb, h, j])

@@ -1,4 +1,4 @@
-"""A decoding step's far keys, rotated in one compiled pass on the CPU.
+"""A decoding step's far keys (and a block's), rotated in one compiled pass on the CPU.
 
 A decoding step's far key ``j`` is rotated by its own shift ``a j + b (j // G) + c``
 (:func:`positions._decode_law`: clamp, group and pi all have that form for one query row). In torch's
@@ -9,7 +9,10 @@ the far key rows, their cos and sin formed by angle addition a few rows at a tim
 
 * :func:`rotate_far_keys` writes the rotated keys (a new tensor) for the caller's own kernel to attend;
 * :func:`decode_logits` writes only the logits: each far key is rotated in registers and dotted with the
-  query heads that share it, so no copy of the keys is written or read again.
+  query heads that share it, so no copy of the keys is written or read again;
+* :func:`block_logits` does the same for a block of query rows (a DFlash block): each key read once, a far
+  one rotated in registers and dotted with every row and query head that share it, a near one (the pair
+  inside the neighbour window) dotted as it is.
 
 Used for float32 tensors on the CPU that need no gradient; anything else (CUDA, half precision,
 autograd), a Python without numba, or numba told to compile nothing (``NUMBA_DISABLE_JIT=1``), takes
@@ -19,9 +22,10 @@ Nothing outlives a call: no table, no buffer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["available", "usable", "rotate_far_keys", "decode_logits"]
+__all__ = ["available", "usable", "rotate_far_keys", "decode_logits", "block_logits"]
 
 _KERNELS = None  # the compiled kernels' module; False when numba cannot be imported or compiles nothing
 
@@ -71,6 +75,26 @@ def decode_logits(query: torch.Tensor, key: torch.Tensor, far: int, law: tuple[f
     a, b, G, c = law
     _KERNELS.far_logits(query.detach().numpy(), key.numpy(), logits.numpy(), far, float(a), float(b), int(G), float(c),
                         _freq(inv_freq), float(scaling))
+    return logits
+
+
+def block_logits(query: torch.Tensor, q_far: torch.Tensor, key: torch.Tensor, rows_at, window: int | None, far: int,
+                 law: tuple[float, float, int], inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The logits ``scaling * q . k`` (B, heads, r, k_len), float32, of a block's query rows at positions ``rows_at``
+    (r,), integers, against ``key`` (:func:`usable`) at slots ``0 .. k_len - 1``, in one pass over the keys: a pair
+    with ``i - j < window`` (near; None: no pair is) dots ``query`` (B, heads, r, D) with the key as it is, any other
+    dots ``q_far`` (the rows rotated to their far positions) with key ``j`` rotated by ``a j + b (j // G)``
+    (``law = (a, b, G)``), a few keys at a time in a buffer of the first-level cache. Keys from ``far`` on must be
+    near for every row. GQA as in :func:`decode_logits`."""
+    B, heads, r, _ = query.shape
+    logits = torch.empty((B, heads, r, key.shape[2]), dtype=torch.float32)
+    a, b, G = law
+    rows_at = np.ascontiguousarray(rows_at, dtype=np.int64)
+    # None: a window no pair is within (i - j > min(i) - k_len for every row i and key j < k_len)
+    near_below = int(rows_at.min()) - key.shape[2] if window is None else int(window)
+    _KERNELS.block_logits(query.detach().contiguous().numpy(), q_far.detach().contiguous().numpy(), key.numpy(),
+                          rows_at, near_below, logits.numpy(), far, float(a), float(b), int(G), _freq(inv_freq),
+                          float(scaling))
     return logits
 
 

@@ -32,6 +32,9 @@ The fast paths assume what a causal cache gives: keys at their slots ``0 .. k_le
   columns some row of the chunk sees as far, the neighbour logits only those some row sees as near
   (the two overlap on a band as wide as the chunk), and GQA query heads share their key head by a
   reshape, never a copy of the keys.
+* A DFlash block (:func:`attention_at`: its keys named by position) whose keys sit at their slots: on the
+  CPU in float32 one compiled pass per row group (:func:`fused.block_logits`), each key read once, a far
+  one rotated in a small buffer and dotted with every row and query head; elsewhere eager math.
 
 Angles are formed in float64 (``shift * inv_freq``, a shift of thousands of positions keeps full
 precision) and applied in the working precision (float32 at least). Nothing outlives a call.
@@ -223,14 +226,52 @@ def attention_at(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     :func:`remapped_logits` is the definition; ``visible`` (bool, broadcastable to (batch, heads, q_len,
     k_len), True where a key is visible; None: every key) is the call's mask. Returns (batch, heads, q_len,
     head_dim) in ``query``'s dtype; the softmax in float32 at least.
+
+    Keys at their slots (``k_pos`` is ``0 .. k_len - 1``: one DFlash block after its whole context), float32 on
+    the CPU and no gradient (:func:`_block_pass`) take one compiled pass over the keys per row group
+    (:func:`_block_logits`): no rotated copy of the keys, no second logit matrix to merge.
     """
     B, H, q_len, D = query.shape
     kv, k_len = key.shape[1], key.shape[2]
-    logits = remapped_logits(query, key, fix, inv_freq, q_pos, k_pos) * scaling  # (B, H, q_len, k_len)
+    if _block_pass(query, key, value, k_pos):
+        logits = _block_logits(query, key, scaling, fix, inv_freq, q_pos.cpu().numpy())
+    else:
+        logits = remapped_logits(query, key, fix, inv_freq, q_pos, k_pos) * scaling  # (B, H, q_len, k_len)
     if visible is not None:
         logits = logits.masked_fill(~visible, torch.finfo(logits.dtype).min)
     weights = torch.softmax(logits, dim=-1).to(value.dtype).view(B, kv, (H // kv) * q_len, k_len)  # GQA by reshape
     return (weights @ value).view(B, H, q_len, D).to(query.dtype)
+
+
+def _block_pass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """Whether :func:`attention_at` takes the compiled block pass: float32 on the CPU with no gradient wanted
+    (:func:`fused.usable`; the pass's logits carry none back), and the keys at their slots."""
+    return (fused.usable(key) and query.dtype == value.dtype == torch.float32 and value.device.type == "cpu"
+            and not query.requires_grad and k_pos.shape == (key.shape[2],)
+            and torch.equal(k_pos.cpu(), torch.arange(key.shape[2])))
+
+
+def _block_logits(query: torch.Tensor, key: torch.Tensor, scaling: float, fix: PositionFix, inv_freq: torch.Tensor,
+                  i_all: np.ndarray) -> torch.Tensor:
+    """``scaling`` times :func:`remapped_logits` (B, H, q_len, k_len), float32, for query rows at positions ``i_all``
+    (q_len,) and keys at their slots, by :func:`fused.block_logits`: per row group (:meth:`PositionFix.key_group`)
+    the rows' queries rotated to their far positions (a small tensor), then one pass over the keys, each far key
+    rotated by the group's law (:func:`_key_law`) in a small buffer, never a copy of all keys, and dotted with every
+    row and query head that share it."""
+    B, H, q_len, _ = query.shape
+    k_len = key.shape[2]
+    row_group = fix.key_group(i_all)  # (q_len,)
+    logits = torch.empty(B, H, q_len, k_len, dtype=torch.float32)
+    window = None if fix.near(0, 0) is None else fix.window
+    for g in np.unique(row_group):
+        rows = np.flatnonzero(row_group == g)
+        i = i_all[rows]
+        q_shift, _ = _shifts(fix, i, np.arange(0))
+        q_rows = query[:, :, rows]
+        _, far_to = _far_columns(fix, int(i.min()), int(i.max()), k_len)
+        logits[:, :, rows] = fused.block_logits(q_rows, rotate(q_rows, q_shift, inv_freq), key, i, window, far_to,
+                                                _key_law(fix, i[0]), inv_freq, scaling)
+    return logits
 
 
 def _far_columns(fix: PositionFix, first: int, last: int, k_len: int) -> tuple[int, int]:

@@ -43,8 +43,9 @@ from .estimators import ESTIMATORS, Bucket, EstimatorResult
 from .laws import LAWS, MAX_N, alpha_law, get_law
 from .positions import PositionFix
 
-__all__ = ["SCHEMA", "GRANULARITIES", "SELECTION_FIELDS", "CANDIDATE_FIELDS", "DRAFTER_KIND_PATTERN", "DrafterInfo", "Bucket", "EstimatorResult",
-           "Calibration", "AlphaTable", "PositionFix", "ScaleSpec", "SpecError", "schema_path"]
+__all__ = ["SCHEMA", "GRANULARITIES", "SELECTION_FIELDS", "SELECTION_METRIC", "CANDIDATE_FIELDS",
+           "DRAFTER_KIND_PATTERN", "DrafterInfo", "Bucket", "EstimatorResult", "Calibration", "AlphaTable",
+           "PositionFix", "ScaleSpec", "SpecError", "schema_path"]
 
 SCHEMA = "sharpdraft.scale-spec/v1"
 GRANULARITIES = ("global", "layer", "head")
@@ -130,9 +131,11 @@ class Calibration:
 
 
 #: ``calibration.selection``'s fields (calibrate.select.judge writes them; all required) and a candidate's
-#: (``deployment`` always; ``gain`` and ``per_bucket`` for every candidate but none; ``within_n_ref``, its gains at
-#: n <= n_ref, written since the rule reads them; ``versus_best`` for one that qualified). The JSON Schema's
-#: ``selection`` names the same (tests/test_spec.py keeps them in sync).
+#: (``deployment`` always, and none has nothing else; ``gain`` and ``per_bucket`` for every other candidate;
+#: ``within_n_ref``, its gains at n <= n_ref, written since the rule reads them; ``versus_best`` for one that
+#: qualified). Gains hold the record's ``metric`` (``SELECTION_METRIC``), and any other metric besides: a reader
+#: indexes that one only. The JSON Schema's ``selection`` names the same (tests/test_spec.py keeps them in sync).
+SELECTION_METRIC = "agreement"  # the metric the rule reads (``calibrate.select.RULE``); a record's only ``metric``
 SELECTION_FIELDS = ("rule", "simplicity", "metric", "weights", "sequences", "buckets", "seconds", "candidates", "best",
                     "chosen", "reason")
 CANDIDATE_FIELDS = ("deployment", "gain", "per_bucket", "within_n_ref", "versus_best")
@@ -145,8 +148,9 @@ def _selection(where: str, value) -> dict | None:
     if value is None:
         return None
     _fields(where, value, SELECTION_FIELDS, SELECTION_FIELDS)
-    for name in ("rule", "metric", "weights", "reason"):
+    for name in ("rule", "weights", "reason"):
         check_str(f"{where}.{name}", value[name])
+    check_str(f"{where}.metric", value["metric"], (SELECTION_METRIC,))
     if not isinstance(value["simplicity"], list) or not value["simplicity"]:
         raise field_error(f"{where}.simplicity", "expected a non-empty list of kinds", value["simplicity"])
     for i, kind in enumerate(value["simplicity"]):
@@ -163,8 +167,9 @@ def _selection(where: str, value) -> dict | None:
         raise field_error(f"{where}.candidates", "expected an object of candidates, none among them", cells)
     for name, cell in cells.items():
         _candidate(f"{where}.candidates.{name}", cell, name != "none", value["metric"], [str(n) for n in buckets])
-    if value["best"] is not None and value["best"] not in cells:
-        raise field_error(f"{where}.best", "expected null or the name of one of its candidates", value["best"])
+    if value["best"] is not None and (value["best"] not in cells or value["best"] == "none"):
+        raise field_error(f"{where}.best", "expected null or the name of one of its candidates but none (the best "
+                                           "by mean has a gain over none)", value["best"])
     if value["chosen"] not in cells:
         raise field_error(f"{where}.chosen", "expected the name of one of its candidates", value["chosen"])
     return value
@@ -185,7 +190,10 @@ def _fields(where: str, value, known, required) -> None:
 
 def _candidate(where: str, cell, measured: bool, metric: str, buckets: list[str]) -> None:
     """One candidate's cell; ``measured``: it has gains over none (every candidate but none itself)."""
-    _fields(where, cell, CANDIDATE_FIELDS, ("deployment", "gain", "per_bucket") if measured else ("deployment",))
+    if measured:
+        _fields(where, cell, CANDIDATE_FIELDS, ("deployment", "gain", "per_bucket"))
+    else:
+        _fields(where, cell, ("deployment",), ("deployment",))
     if cell["deployment"] is not None and not isinstance(cell["deployment"], dict):
         raise field_error(f"{where}.deployment", "expected an object or null", cell["deployment"])
     if not measured:
@@ -384,6 +392,10 @@ class ScaleSpec:
                 raise field_error("positions.window", f"must be below n_ref={n_ref} (the neighbour window keeps "
                                                       "trained distances exact; past n_ref a distance is itself "
                                                       "untrained)", positions.window)
+            if positions.n_ref is not None and n_ref is not None and positions.n_ref > n_ref:
+                raise field_error("positions.n_ref", f"must be at most n_ref={n_ref} (pi leaves a row up to its own "
+                                                     "n_ref as it is, and past the spec's n_ref a distance is "
+                                                     f"untrained); write {n_ref}", positions.n_ref)
         # A table's values were checked one by one (> 0, finite in float32): they are its extremes, with 1.
         low, high = (1.0, 1.0) if law.has_table else law.bounds(
             n_ref=n_ref, values=None if slope is None else np.asarray(slope, dtype=np.float64))

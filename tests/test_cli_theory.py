@@ -76,6 +76,51 @@ def test_inspect_bad_spec_is_one_line_exit_1(tmp_path):
     assert missing.returncode == 1 and "cannot read it" in missing.stderr
 
 
+def _sparse_selection(**over) -> dict:
+    """A ``calibrate --select`` record with only what the validator requires: gains holding the metric alone,
+    no ``within_n_ref``, no ``versus_best``."""
+    def only(g):
+        return {"agreement": g}
+
+    return {"rule": "r", "simplicity": ["none", "scale", "fix"], "metric": "agreement", "weights": "equal",
+            "sequences": 2, "buckets": [128, 256], "seconds": 1.0, "best": "spec", "chosen": "spec",
+            "reason": "spec: best", "candidates": {
+                "none": {"deployment": None},
+                "spec": {"deployment": None, "gain": only([0.02, 0.01, 0.03]),
+                         "per_bucket": {"128": only(None), "256": only([0.03, 0.01, 0.05])}}}, **over}
+
+
+def _mixed_selection() -> dict:
+    """One candidate with every optional gain, one with none of them."""
+    record = _sparse_selection()
+    full = {"agreement": [0.01, -0.01, 0.02], "expected_acceptance": [0.005, 0.0, 0.01]}
+    record["candidates"]["clamp"] = {"deployment": {"positions": "clamp"}, "gain": full, "within_n_ref": full,
+                                     "per_bucket": {"128": full, "256": full}, "versus_best": [-0.01, -0.02, 0.0]}
+    return record
+
+
+@pytest.mark.parametrize("record,shown", [
+    (_sparse_selection(), "deploy spec: +0.030 [+0.010, +0.050] agreement at 256"),
+    (_sparse_selection(best=None), "deploy spec: +0.030 [+0.010, +0.050] agreement at 256"),
+    (_sparse_selection(best=None, chosen="none"), "deploy none"),
+    (_mixed_selection(), "+0.0050"),  # clamp's expected acceptance: the column a candidate lacks shows -
+], ids=["gains-metric-only", "no-best", "none-chosen", "optional-gains-on-one"])
+def test_inspect_shows_every_selection_record_the_validator_accepts(tmp_path, record, shown):
+    """inspect indexes only what the validator requires of a selection record; what a record lacks shows as -."""
+    import jsonschema
+
+    from sharpdraft_theory.spec import schema_path
+
+    spec = {"law": "log-linear", "n_ref": 64, "slope": 0.2, "top_k": 4, "calibration": {
+        "estimator": "mass-matching", "corpus": "pydoc", "sequences": 2, "max_length": 256, "rows": 10, "buckets": [],
+        "results": [], "tool_version": "0.1.0", "selection": record}}
+    jsonschema.validate(spec, json.loads(schema_path().read_text()))
+    ScaleSpec.from_dict(spec).save(tmp_path / "s.json")
+    res = runner.invoke(app, ["inspect", str(tmp_path / "s.json")], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert shown in res.output
+
+
 def test_theory_imports_without_torch():
     code = "import sys, sharpdraft_theory, sharpdraft_theory.estimators; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

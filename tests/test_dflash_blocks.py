@@ -334,3 +334,33 @@ def test_the_runtime_enabled_on_a_dflash_model_drafts_what_eval_measures(model, 
     assert not torch.allclose(plain, want, atol=1e-3)  # the scale acts at 30 + 4 keys past n_ref = 8
     with pytest.raises(ValueError, match="drafts non-causal blocks"):
         sharpdraft_runtime.enable(model, SPECS["window"])
+
+
+# float32 block logits on the compiled pass against the eager path: the attention outputs differ by float32 rounding
+# (~1e-7, tests/test_positions.py bounds it against float64), carried through two layers and the output head to
+# O(1) logits: ~1e-6; 1e-5 leaves a margin.
+ATOL_COMPILED32 = 1e-5
+
+
+@pytest.mark.parametrize("name", ["clamp", "group", "pi", "clamp+spec", "pi+spec"])
+def test_a_blocks_compiled_distance_fix_drafts_what_the_eager_path_drafts(name, model, target, text, monkeypatch):
+    """A block with a distance fix (alone and with the scale; GQA, 4 query heads over 2 key heads) takes the
+    compiled pass (``sharpdraft_runtime.fused.block_logits``) when its keys are at their slots, float32 on the CPU;
+    its row logits equal the eager path's (numba unavailable) at anchors whose block crosses the fix's threshold
+    (pi: its rows straddle n_ref), lies just past it, and far past it."""
+    from sharpdraft_runtime import fused
+
+    spec = SPECS[name] if name in SPECS else _fixed("pi", slope=0.5)
+    used = []
+    real = fused.block_logits
+    monkeypatch.setattr(fused, "block_logits", lambda *a, **k: used.append(1) or real(*a, **k))
+    threshold = spec.positions.identity_limit
+    for p in (threshold - 2, threshold + 1, 20, T - BS):
+        used.clear()
+        compiled = one_block_logits(model, target, text, p, spec)
+        assert used  # the compiled pass served (this test can fail)
+        monkeypatch.setattr(fused, "_KERNELS", False)  # as without numba, or under NUMBA_DISABLE_JIT=1
+        eager = one_block_logits(model, target, text, p, spec)
+        monkeypatch.setattr(fused, "_KERNELS", None)  # decided again: numba here
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=ATOL_COMPILED32)
+    assert not torch.allclose(eager, one_block_logits(model, target, text, p, None), atol=1e-3)  # the fix acts

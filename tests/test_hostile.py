@@ -534,6 +534,8 @@ def _with_gain(agreement) -> dict:
 SPEC_CLAMP_AT_N_REF = _spec(positions={"fix": "clamp", "window": 64})  # n_ref 64: the window must lie below it
 SPEC_CLAMP_ONLY = _spec(law="constant", n_ref=None, slope=0.0, positions={"fix": "clamp", "window": 64})
 SPEC_WITH_CLAMP = _spec(positions={"fix": "clamp", "window": 32})
+# pi with its own n_ref far past the spec's: rows up to 2^31 keep their positions, a no-op fix
+SPEC_PI_PAST_N_REF = _spec(n_ref=128, positions={"fix": "pi", "n_ref": 2**31})
 
 def _with_within(value) -> dict:
     record = _selection()
@@ -558,7 +560,17 @@ SELECTION_CASES = [
              "calibration.selection.candidates.spec.gain.agreement[1]"),
     _inspect("selection-chosen-unknown", _spec(calibration=_calibration(_selection(chosen="window 64"))),
              "calibration.selection.chosen"),
+    _inspect("selection-metric-unread", _spec(calibration=_calibration(_selection(metric="expected_acceptance"))),
+             "calibration.selection.metric"),
+    _inspect("selection-best-none", _spec(calibration=_calibration(_selection(best="none"))),
+             "calibration.selection.best"),
+    _inspect("selection-none-with-gain", _spec(calibration=_calibration(_selection(candidates={
+        "none": {"deployment": None, "gain": {"agreement": [0.0, 0.0, 0.0]}}}, best=None, chosen="none"))),
+             "calibration.selection.candidates.none.gain"),
     _inspect("positions-window-at-n-ref", SPEC_CLAMP_AT_N_REF, "positions.window"),
+    _inspect("positions-pi-n-ref-past-n-ref", SPEC_PI_PAST_N_REF, "positions.n_ref': must be at most n_ref=128"),
+    Case("eval-spec-pi-n-ref-past-n-ref", EVAL + " --spec {w}/s.json", "positions.n_ref",
+         (("s.json", SPEC_PI_PAST_N_REF),)),
     Case("eval-spec-positions-window-at-n-ref", EVAL + " --spec {w}/s.json", "positions.window",
          (("s.json", SPEC_CLAMP_AT_N_REF),)),
     Case("eval-spec-positions-window-past-drafter-n-ref", EVAL + " --n-ref 32 --spec {w}/s.json --variants spec",

@@ -307,6 +307,82 @@ def test_decode_attention_hands_what_the_pass_cannot_take_to_the_callers_kernel(
     torch.testing.assert_close(seen[0], decode_keys(key, fix, inv_freq), rtol=0, atol=0)
 
 
+# A block's float32 logits (compiled pass) against the float64 definition: 20-dimensional unit-variance rows, so
+# |q . k| ~ 5 (up to ~20) times 0.3; each rotated key element carries a few float32 ulps (~1e-6) and the dot
+# sums 20 products rounded to float32, ~1e-6 of the largest logit; 2e-5 leaves a margin.
+ATOL_BLOCK_LOGITS32 = 2e-5
+
+
+def _block_call(fix: PositionFix, p: int, seed: int, q_len: int = 5):
+    """A DFlash-like call: a block of ``q_len`` rows at positions ``p ..`` after ``p`` context keys, the keys at
+    their slots ``0 .. p + q_len - 1`` (the block's own last); batch 2, GQA (6 query heads over 2 key heads), partial
+    rotary (16 of 20 dimensions), float32."""
+    gen = torch.Generator().manual_seed(seed)
+    k_len = p + q_len
+    query = torch.randn(2, 6, q_len, 20, generator=gen)
+    key, value = (torch.randn(2, 2, k_len, 20, generator=gen) for _ in range(2))
+    return query, key, value, torch.arange(p, k_len), torch.arange(k_len)
+
+
+BLOCK_FIXES = FIXES + [PositionFix("group", window=4, group=40)]
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all-keys", "masked"])
+@pytest.mark.parametrize("fix", BLOCK_FIXES, ids=["clamp", "group", "pi", "group40"])
+def test_a_block_takes_the_compiled_pass_and_keeps_the_eager_result(fix, masked, monkeypatch):
+    """A block of rows after its context (keys at their slots, float32 on the CPU) takes one compiled pass over the
+    keys (``fused.block_logits``): its logits equal the float64 definition (:func:`remapped_logits`) and its
+    attention the eager path's, within float32 rounding, at context lengths whose block lies wholly past the fix's
+    threshold, crosses it (some rows or pairs near, some far; pi: rows on both sides of a power of two), and
+    thousands of keys past it; and without numba the eager path serves."""
+    inv_freq = rope_inv_freq(16, 10000.0)[0]
+    used = []
+    real = fused.block_logits
+    monkeypatch.setattr(fused, "block_logits", lambda *a, **k: used.append(a[3]) or real(*a, **k))
+    crossing = fix.identity_limit - 2  # rows p .. p + 4 straddle the threshold
+    for p in (crossing, fix.identity_limit + 1, 60, 3000):
+        query, key, value, q_pos, k_pos = _block_call(fix, p, seed=p)
+        visible = (torch.arange(p + 5) % 3 != 1)[None, None, None] if masked else None
+        want = positions.attention_at(query.double(), key.double(), value.double(), 0.3, fix, inv_freq.double(),
+                                      q_pos, k_pos, visible)  # float64: the eager path
+        used.clear()
+        got = positions.attention_at(query, key, value, 0.3, fix, inv_freq, q_pos, k_pos, visible)
+        assert used and got.dtype == torch.float32  # the compiled pass served (this test can fail)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=ATOL_ATTENTION32)
+        logits = positions._block_logits(query, key, 0.3, fix, inv_freq, q_pos.numpy())
+        definition = 0.3 * remapped_logits(query.double(), key.double(), fix, inv_freq.double(), q_pos, k_pos)
+        torch.testing.assert_close(logits.double(), definition, rtol=0, atol=ATOL_BLOCK_LOGITS32)
+        monkeypatch.setattr(fused, "_KERNELS", False)  # as without numba (or NUMBA_DISABLE_JIT=1): the eager path
+        used.clear()
+        eager = positions.attention_at(query, key, value, 0.3, fix, inv_freq, q_pos, k_pos, visible)
+        monkeypatch.setattr(fused, "_KERNELS", None)  # decided again: numba here
+        assert not used
+        torch.testing.assert_close(eager.double(), want, rtol=0, atol=ATOL_ATTENTION32)
+    plain = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=0.3,
+                                                             enable_gqa=True)
+    assert (plain.double() - want).abs().max() > 100 * ATOL_ATTENTION32  # the fix moves it (this test can fail)
+
+
+@pytest.mark.parametrize("case", ["float64", "query-needs-gradient", "keys-not-at-their-slots"])
+def test_a_block_the_compiled_pass_cannot_take_runs_in_eager_math(case, monkeypatch):
+    """float64 (or CUDA, half precision), a query that wants a gradient (the pass's logits would carry none), or keys
+    not at their slots (many blocks side by side in one teacher-forced call) run :func:`remapped_logits`, the
+    definition, unchanged (the eager rotation writes into buffers, so a gradient call itself runs under no_grad)."""
+    fix, inv_freq = PositionFix("clamp", window=3), rope_inv_freq(16, 10000.0)[0]
+    query, key, value, q_pos, k_pos = _block_call(fix, 30, seed=1)
+    if case == "float64":
+        query, key, value, inv_freq = query.double(), key.double(), value.double(), inv_freq.double()
+    query.requires_grad_(case == "query-needs-gradient")
+    if case == "keys-not-at-their-slots":
+        k_pos = torch.cat((torch.arange(30), torch.arange(40, 45)))
+    monkeypatch.setattr(fused, "block_logits", lambda *a, **k: pytest.fail("the compiled pass ran"))
+    with torch.no_grad():
+        got = positions.attention_at(query, key, value, 0.3, fix, inv_freq, q_pos, k_pos)
+        logits = 0.3 * remapped_logits(query, key, fix, inv_freq, q_pos, k_pos)
+    want = torch.softmax(logits, -1).view(2, 2, 15, -1) @ value
+    torch.testing.assert_close(got, want.view(2, 6, 5, 20), rtol=0, atol=0)
+
+
 # cos_sin against numpy's float64 cos and sin of the product: angles up to ~1e4 rad carry ~1e-12 of rounding in
 # either computation (the angle addition rounds two partial angles instead of one); float32 tables: the products
 # of two rounded float32 values, a few ulps of numbers <= 1.

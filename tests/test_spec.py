@@ -118,7 +118,8 @@ def test_valid_specs_pass_the_schema(schema):
                  full_spec(window=252, sinks=4), tabulated_spec(),
                  *(full_spec(positions=fix) for fix in (PositionFix("clamp", window=255),
                                                         PositionFix("group", window=128, group=16),
-                                                        PositionFix("pi", n_ref=256))),
+                                                        PositionFix("pi", n_ref=256),
+                                                        PositionFix("pi", n_ref=128))),
                  ScaleSpec(law="tabulated", n_ref=64, slope=None, top_k=4, table=AlphaTable(**TABLE_64)),
                  ScaleSpec(law="tabulated", n_ref=64, slope=None, top_k=4, granularity="layer",
                            table=AlphaTable(n=(128,), alpha=((1.2,), (1.3,))))):
@@ -215,6 +216,9 @@ MALFORMED = [
     (("positions",), {"fix": "pi", "n_ref": 64, "window": 8}, "positions.window", "pi takes n_ref only", True),
     (("positions",), {"fix": "pi", "n_ref": 64, "scale": 2}, "positions.scale", "unknown field", True),
     (("positions",), 3, "positions", "expected an object", True),
+    # pi leaves rows up to its own n_ref as they are: past the spec's (256) that keeps untrained distances
+    (("positions",), {"fix": "pi", "n_ref": 2**31}, "positions.n_ref", "must be at most n_ref=256", False),
+    (("positions",), {"fix": "pi", "n_ref": 257}, "positions.n_ref", "write 256", False),
 ]
 
 
@@ -272,6 +276,11 @@ MALFORMED_SELECTION = [
     (_S + ("candidates", "spec", "gain"), _DELETE, "calibration.selection.candidates.spec.gain",
      "required field is missing", False),
     (_S + ("candidates", "none"), "x", "calibration.selection.candidates.none", "expected an object", True),
+    # what a reader indexes: the rule's metric, a best with gains, none without any of its own
+    (_S + ("metric",), "expected_acceptance", "calibration.selection.metric", "expected one of agreement", True),
+    (_S + ("best",), "none", "calibration.selection.best", "but none", True),
+    (_S + ("candidates", "none", "gain"), {"agreement": [0.0, 0.0, 0.0]},
+     "calibration.selection.candidates.none.gain", "unknown field (known: deployment)", True),
 ]
 CASES = ([(full_spec, m) for m in MALFORMED] + [(tabulated_spec, m) for m in MALFORMED_TABULATED]
          + [(selected_spec, m) for m in MALFORMED_SELECTION])
