@@ -177,9 +177,11 @@ def variant_specs(spec: ScaleSpec, n_ref: int, variants=DEFAULT_VARIANTS, *, win
             else:
                 try:
                     made[name] = ScaleSpec.from_dict({**spec.to_dict(), "positions": fix.to_dict()})
-                except SpecError as err:  # the fix's neighbour window at or past the spec's own n_ref
-                    raise UserError(f"--variants {name}: {err}; pass a --neighbour-window below the spec's n_ref "
-                                    f"({spec.n_ref}), or a spec calibrated at the drafter's n_ref ({n_ref})") from None
+                except SpecError as err:  # the fix's window, or pi's trained length, past the spec's own n_ref
+                    mend = ("pass --n-ref at most the spec's n_ref" if fix.fix == "pi" else
+                            "pass a --neighbour-window below the spec's n_ref")
+                    raise UserError(f"--variants {name}: {err}; {mend} ({spec.n_ref}), or a spec calibrated at the "
+                                    f"drafter's n_ref ({n_ref})") from None
     return {v: made[v] for v in variants if v != "reference"}
 
 
@@ -219,12 +221,16 @@ def at_top_k(spec, k: int, label: str):
 
 
 def check_on_drafter(spec, d, kind: str, n_ref: int, label: str) -> None:
-    """A spec file against the loaded drafter: its layers and heads, and a fix's window below n_ref."""
+    """A spec file against the loaded drafter: its layers and heads, a fix's window below n_ref and pi's at most n_ref."""
     try:
         spec.check_fits(d.info.num_layers, d.info.num_heads, what=f"the {kind} drafter")
     except SpecError as err:
         raise UserError(f"{label}: {err}") from None
     fix = spec.positions
+    if fix is not None and fix.n_ref is not None and fix.n_ref > n_ref:
+        raise UserError(f"{label}: positions.n_ref {fix.n_ref} (pi's trained length) must be at most the drafter's "
+                        f"n_ref ({n_ref}): past it the fix leaves untrained positions as they are; write {n_ref} or "
+                        "less, or pass --n-ref if the drafter's training length is larger")
     if fix is not None and fix.window is not None and fix.window >= n_ref:
         raise UserError(f"{label}: positions.window {fix.window} must be below the drafter's n_ref ({n_ref}), "
                         "as --neighbour-window: past n_ref a distance is itself untrained; write a smaller "
