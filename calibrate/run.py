@@ -140,7 +140,7 @@ def run_calibration(opts: CalibrateOptions, *, drafter=None,
 class _Setup:
     """What every rank settles before collecting: the same on all of them."""
 
-    drafter: object  # the loaded adapter (calibrate.drafters.base.Drafter)
+    drafter: object  # the loaded adapter (calibrate.drafters.base.Adapter)
     n_ref: int  # reference length
     max_length: int  # tokens per sequence
     grid: np.ndarray  # sampled visible-key counts

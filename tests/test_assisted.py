@@ -19,7 +19,7 @@ import torch
 from typer.testing import CliRunner
 
 from calibrate.cli import app
-from calibrate.drafters.hf import CausalLMDrafter
+from calibrate.drafters.hf import CausalLMAdapter
 from calibrate.errors import UserError
 from calibrate.speculative import greedy_generate, speculative_generate
 from sharpdraft_runtime import disable, enable, is_enabled
@@ -48,7 +48,7 @@ def target():
 @pytest.fixture(scope="module")
 def drafters(target):
     """A smaller drafter (2 layers, other weights) and an exact copy of the target (its own module)."""
-    return {name: CausalLMDrafter(model, ByteTokenizer(), kind="hf", path=name, default_n_ref=N_REF, target=target)
+    return {name: CausalLMAdapter(model, ByteTokenizer(), kind="hf", path=name, default_n_ref=N_REF, target=target)
             for name, model in (("small", tiny_target(3, num_layers=2)), ("copy", tiny_target(0)))}
 
 
@@ -177,7 +177,7 @@ def test_chain_length_is_fixed(target, drafters):
 
 
 def test_assistant_must_differ_from_the_target(target):
-    same = CausalLMDrafter(target, ByteTokenizer(), kind="hf", path=None, default_n_ref=N_REF, target=target)
+    same = CausalLMAdapter(target, ByteTokenizer(), kind="hf", path=None, default_n_ref=N_REF, target=target)
     with pytest.raises(UserError, match="a drafter different from the target"):
         same.proposer(None)
     with pytest.raises(ValueError, match="a module other than the target"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from calibrate.bench import BenchOptions, partial_dir, plot_result, report_tables, run_bench
-from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
+from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.errors import UserError
 
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
@@ -34,7 +34,7 @@ class _Bytes:
 def drafter(tmp_path_factory):
     target = tiny_target(0)
     head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target)
-    return Eagle3Drafter(head, target, tokenizer=_Bytes())
+    return Eagle3Adapter(head, target, tokenizer=_Bytes())
 
 
 @pytest.fixture()

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from calibrate.drafters import blocks as block_module
-from calibrate.drafters.dflash import DFlashDrafter, load_dflash
-from calibrate.drafters.hf import CausalLMDrafter
+from calibrate.drafters.dflash import DFlashAdapter, load_dflash
+from calibrate.drafters.hf import CausalLMAdapter
 from calibrate.measure import blocks
 from calibrate.measure.blocks import block_anchors, block_rows, block_sums, check_block_unit, summarize_blocks
 from sharpdraft_theory import ScaleSpec
@@ -76,7 +76,7 @@ def _check(rows, anchors, direct_rows):
 
 def test_dflash_rows_equal_each_block_run_alone(target, text, tmp_path):
     model = load_dflash(write_tiny_dflash(tmp_path, target, seed=2, block_size=BS), target)
-    drafter = DFlashDrafter(model, target, tokenizer=None)
+    drafter = DFlashAdapter(model, target, tokenizer=None)
     anchors, _ = block_anchors(np.array([16, T]), T, K, 4)
     rows = block_rows(drafter, text, SPECS, anchors, K, TEMP)
 
@@ -112,7 +112,7 @@ def test_pard_rows_equal_an_uncached_pass_over_text_and_masks(target, text):
 
 def _pard(model, target):
     """A pard adapter around ``model`` without a tokenizer (block_rows reads none)."""
-    drafter = CausalLMDrafter.__new__(CausalLMDrafter)
+    drafter = CausalLMAdapter.__new__(CausalLMAdapter)
     drafter.model, drafter.kind, drafter._target = model, "pard", target
     drafter.device = torch.device("cpu")
     drafter.info = type("Info", (), {"path": None})()

@@ -10,7 +10,7 @@ import torch
 
 from calibrate import smollm2
 from calibrate.collect import RowCollector, log_grid
-from calibrate.drafters.hf import CausalLMDrafter
+from calibrate.drafters.hf import CausalLMAdapter
 from calibrate.errors import UserError
 from calibrate.run import CalibrateOptions, run_calibration
 from calibrate.taps import attention_tap
@@ -28,7 +28,7 @@ def test_missing_weights_say_what_was_looked_for(monkeypatch):
 @pytest.fixture(scope="module")
 def drafter():
     model, tokenizer = smollm2.load_smollm2("cpu", torch.float32)
-    return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=smollm2.SMOLLM2_N_REF, target=model)
+    return CausalLMAdapter(model, tokenizer, kind="hf", path=None, default_n_ref=smollm2.SMOLLM2_N_REF, target=model)
 
 
 @pytest.mark.slow

@@ -79,13 +79,13 @@ def test_first_step_logits_are_the_drafters_own_on_a_head_with_every_option():
     order, so they differ by rounding (~1e-14), far below a real difference. The chain's former copy of
     the head's math (RoPE over all 16 dimensions, no q/k norm, the un-normed residual) was off by up to
     1.04 on these logits (max |logit| 3.6) and drafted another token on 27% of the rows."""
-    from calibrate.drafters.eagle3 import Eagle3Drafter
+    from calibrate.drafters.eagle3 import Eagle3Adapter
     from tiny_checkpoints import tiny_eagle3_head
 
     target = tiny_target(0).double()
     head = tiny_eagle3_head(target, seed=1, qk_norm=True, norm_before_residual=True, rotary_dim=8).double()
     assert head.config.head_dim == 16
-    drafter = Eagle3Drafter(head, target, None)
+    drafter = Eagle3Adapter(head, target, None)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     steps = 3
     with torch.no_grad():

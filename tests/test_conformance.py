@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from calibrate.drafters.dflash import DFlashDrafter, load_dflash
-from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
-from calibrate.drafters.hf import CausalLMDrafter
+from calibrate.drafters.dflash import DFlashAdapter, load_dflash
+from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
+from calibrate.drafters.hf import CausalLMAdapter
 from calibrate.drafters.pointer import CopyPointer
 from calibrate.eval.variants import variant_specs
 from calibrate.lookup import LookupProposer, LookupSettings
@@ -70,12 +70,12 @@ def adapters(target, tmp_path_factory):
     hf = tiny_target(3, num_layers=2, vocab_size=V)
 
     def causal(model, kind, pointer=None):
-        return CausalLMDrafter(model, ByteTokenizer(), kind=kind, path=None, default_n_ref=N_REF, target=target,
+        return CausalLMAdapter(model, ByteTokenizer(), kind=kind, path=None, default_n_ref=N_REF, target=target,
                                pointer=pointer)
 
-    return {"eagle3": Eagle3Drafter(head, target, None), "eagle3+pointer": Eagle3Drafter(head, target, None,
+    return {"eagle3": Eagle3Adapter(head, target, None), "eagle3+pointer": Eagle3Adapter(head, target, None,
                                                                                          pointer=POINTER),
-            "dflash": DFlashDrafter(block, target, None), "dflash+pointer": DFlashDrafter(block, target, None,
+            "dflash": DFlashAdapter(block, target, None), "dflash+pointer": DFlashAdapter(block, target, None,
                                                                                          pointer=POINTER),
             "pard": causal(pard, "pard"), "pard+pointer": causal(pard, "pard", POINTER),
             "hf": causal(hf, "hf"), "hf+pointer": causal(hf, "hf", POINTER)}

@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from calibrate.drafters import dflash
-from calibrate.drafters.dflash import DFlashConfig, DFlashDrafter, context_features, load_dflash
+from calibrate.drafters.dflash import DFlashConfig, DFlashAdapter, context_features, load_dflash
 from calibrate.errors import UserError
 from sharpdraft_runtime import visible_keys
 
@@ -190,11 +190,11 @@ def test_dspark_and_domino_load_as_dflash_and_say_so(arch, ckpt, model, target, 
     path = corrupt_checkpoint(ckpt, tmp_path, edit_weights=lambda s: s.update(state),
                               edit_config=lambda c: _variant(c, {}, arch))
     loaded = load_dflash(path, target)
-    drafter = DFlashDrafter(loaded, target, tokenizer=None)
+    drafter = DFlashAdapter(loaded, target, tokenizer=None)
     assert f"{arch} loaded as DFlash" in drafter.notes[1] and "are not run" in drafter.notes[1]
     ours, plain = [], []
     drafter.collect(input_ids, lambda *a: ours.append(a), torch.tensor([7]))
-    DFlashDrafter(model, target, tokenizer=None).collect(input_ids, lambda *a: plain.append(a), torch.tensor([7]))
+    DFlashAdapter(model, target, tokenizer=None).collect(input_ids, lambda *a: plain.append(a), torch.tensor([7]))
     for a, b in zip(ours, plain, strict=True):
         assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and torch.equal(a[4], b[4])
     bad = corrupt_checkpoint(path, tmp_path / "bad", edit_weights=lambda s: s.__setitem__("gate.weight", torch.ones(1)))
@@ -241,7 +241,7 @@ def test_block_attention_is_non_causal(model, target, input_ids, p=9):
 def test_collect_places_one_block_per_position(model, target, input_ids):
     calls = []
     positions = torch.tensor([0, 5, 12, T - 1])
-    DFlashDrafter(model, target, tokenizer=None).collect(input_ids, lambda *a: calls.append(a), positions)
+    DFlashAdapter(model, target, tokenizer=None).collect(input_ids, lambda *a: calls.append(a), positions)
     L = model.config.num_hidden_layers
     assert [c[0] for c in calls] == list(range(L)) * len(positions)
     feats = hf_context_features(target, input_ids, model.config.target_layer_ids)
@@ -288,7 +288,7 @@ def test_registered_query_scaling_equals_scaled_softmax(model, target, input_ids
 
 
 def test_adapter_identity(model, target):
-    d = DFlashDrafter(model, target, tokenizer=None, path="x")
+    d = DFlashAdapter(model, target, tokenizer=None, path="x")
     assert d.kind == "dflash" and d.default_n_ref == 3072
     assert (d.info.num_layers, d.info.num_heads, d.info.num_kv_heads, d.info.head_dim) == (2, 4, 2, 16)
 

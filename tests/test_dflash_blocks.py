@@ -22,7 +22,7 @@ import torch
 
 from calibrate.drafters.blocks import (DFlashBlockProposer, _embed, anchored_masks, block_ids, block_tap,
                                        block_teacher_forced, context_columns)
-from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+from calibrate.drafters.dflash import DFlashAdapter, load_dflash
 from calibrate.errors import UserError
 from calibrate.speculative import Sampling, greedy_generate, speculative_generate
 from sharpdraft_theory.positions import PositionFix
@@ -132,7 +132,7 @@ def test_a_window_leaves_a_block_alone_up_to_its_width(model, target, text):
 
 
 def test_block_teacher_forced_matches_the_adapter(model, target, text):
-    drafter = DFlashDrafter(model, target, tokenizer=None)
+    drafter = DFlashAdapter(model, target, tokenizer=None)
     out = drafter.teacher_forced(text, [(None, None)])
     assert drafter.predicts == 1 and out.drafted.shape == (1, T)
 

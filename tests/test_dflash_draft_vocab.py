@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from calibrate.drafters.blocks import DFlashBlockProposer, block_teacher_forced
-from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+from calibrate.drafters.dflash import DFlashAdapter, load_dflash
 from calibrate.drafters.target import hidden_state_features
 from calibrate.drafters.vocab import d2t_of
 from calibrate.errors import UserError
@@ -61,7 +61,7 @@ def test_logits_are_the_heads_rows_on_the_vocabulary_and_minus_infinity_elsewher
     # the same rows of the same matrix: equal up to float32 rounding of a matmul over fewer rows
     torch.testing.assert_close(part[..., VOCAB], full[..., VOCAB], rtol=1e-5, atol=1e-6)
     assert restricted.config.draft_vocab_size == len(VOCAB) and whole.draft_ids() is None
-    notes = DFlashDrafter(restricted, target, tokenizer=None).notes
+    notes = DFlashAdapter(restricted, target, tokenizer=None).notes
     assert any("drafts from 86 of the target's 256 tokens" in n for n in notes)
 
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from calibrate.drafters import eagle3
-from calibrate.drafters.dflash import DFlashConfig, DFlashDrafter, load_dflash
+from calibrate.drafters.dflash import DFlashConfig, DFlashAdapter, load_dflash
 from calibrate.drafters.eagle3 import Eagle3Config
 from calibrate.drafters.fields import FORMATS, READ, docs_table
 from calibrate.errors import UserError
@@ -105,7 +105,7 @@ def check_eagle(name, target, tokens, hidden, tmp_path):
     edit, expected = shrunk(name)
     path = write_eagle(tmp_path / "head", name, edit=edit)
     head = eagle3.load_eagle3_head(path, target)
-    drafter = eagle3.Eagle3Drafter(head, target, tokenizer=None, path=str(path))
+    drafter = eagle3.Eagle3Adapter(head, target, tokenizer=None, path=str(path))
     assert drafter.feature_ids == expected
     calls = []
     drafter.collect(tokens, lambda *a: calls.append(a), torch.tensor([5]))
@@ -129,7 +129,7 @@ def check_dflash(name, target, tokens, hidden, tmp_path, p=11):
     path = write_dflash(tmp_path / "dflash", name)
     d = json.loads((path / "config.json").read_text())
     model = load_dflash(path, target)
-    drafter = DFlashDrafter(model, target, tokenizer=None)
+    drafter = DFlashAdapter(model, target, tokenizer=None)
     calls = collect_calls(drafter, tokens, p)
     state = load_file(str(path / "model.safetensors"))
     embed = state.get("embed_tokens.weight", target.get_input_embeddings().weight.detach())

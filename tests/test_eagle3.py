@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from calibrate.drafters import eagle3
-from calibrate.drafters.eagle3 import (Eagle3Config, Eagle3Drafter, feature_layer_ids, load_eagle3_head,
+from calibrate.drafters.eagle3 import (Eagle3Config, Eagle3Adapter, feature_layer_ids, load_eagle3_head,
                                        target_features)
 from calibrate.errors import UserError
 
@@ -203,7 +203,7 @@ def test_head_matches_float64_reference(head, target, input_ids):
 
 def test_collect_pairs_feature_t_with_token_t_plus_1(head, target, input_ids):
     calls = []
-    drafter = Eagle3Drafter(head, target, tokenizer=None)
+    drafter = Eagle3Adapter(head, target, tokenizer=None)
     drafter.collect(input_ids, lambda *a: calls.append(a), torch.tensor([3, 10, 20]))
     assert len(calls) == 1
     layer, q, k, scaling, n_visible = calls[0]
@@ -219,7 +219,7 @@ def test_collect_pairs_feature_t_with_token_t_plus_1(head, target, input_ids):
 
 
 def test_adapter_identity(head, target):
-    d = Eagle3Drafter(head, target, tokenizer=None, path="some/dir")
+    d = Eagle3Adapter(head, target, tokenizer=None, path="some/dir")
     assert d.kind == "eagle3" and d.default_n_ref == 64 and d.device == torch.device("cpu")
     assert (d.info.num_layers, d.info.num_heads, d.info.num_kv_heads, d.info.head_dim) == (1, 4, 2, 16)
 

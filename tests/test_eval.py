@@ -14,8 +14,8 @@ import torch
 from typer.testing import CliRunner
 
 from calibrate.cli import app
-from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
-from calibrate.drafters.hf import CausalLMDrafter
+from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
+from calibrate.drafters.hf import CausalLMAdapter
 from calibrate.errors import UserError
 from calibrate.eval import tables
 from calibrate.eval.options import EvalOptions
@@ -60,7 +60,7 @@ def corpus(tmp_path_factory):
 def eagle3(tmp_path_factory):
     target = tiny_target(0)
     head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target)
-    return Eagle3Drafter(head, target, ByteTokenizer())
+    return Eagle3Adapter(head, target, ByteTokenizer())
 
 
 SPEC = ScaleSpec(law="log-linear", n_ref=64, slope=0.5, top_k=2)
@@ -228,7 +228,7 @@ def test_scaling_tap_shows_the_meter_the_scaled_query():
 
 def test_causal_lm_drafter(corpus):
     target = tiny_target(0)
-    drafter = CausalLMDrafter(tiny_target(3), ByteTokenizer(), kind="hf", path="tiny", default_n_ref=64,
+    drafter = CausalLMAdapter(tiny_target(3), ByteTokenizer(), kind="hf", path="tiny", default_n_ref=64,
                               target=target)
     r = evaluate(drafter, EvalOptions(drafter="hf", spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=1,
                                       rows_per_bucket=8, speculative=True, new_tokens=6, num_draft=2))
@@ -337,7 +337,7 @@ def test_mass_meter_sees_the_window():
 
 def test_reference_head_and_the_share_it_recovers(eagle3, corpus, tmp_path):
     target = eagle3.target
-    other = Eagle3Drafter(load_eagle3_head(write_tiny_eagle3(tmp_path, target, seed=7), target), target,
+    other = Eagle3Adapter(load_eagle3_head(write_tiny_eagle3(tmp_path, target, seed=7), target), target,
                           ByteTokenizer(), path="other")
     r = evaluate(eagle3, EvalOptions(spec=SPEC, lengths=LENGTHS, corpus=corpus, sequences=3, rows_per_bucket=8,
                                      variants=("none", "spec", "window", "reference"),

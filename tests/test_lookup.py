@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import calibrate.lookup as lookup_module
-from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
+from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.lookup import LookupProposer, LookupSettings, PromptLookup, next_token_drafts
 from calibrate.speculative import greedy_generate, speculative_generate
 
@@ -112,7 +112,7 @@ def target():
 @pytest.fixture(scope="module")
 def eagle3(target, tmp_path_factory):
     head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target)
-    return Eagle3Drafter(head, target, tokenizer=None)
+    return Eagle3Adapter(head, target, tokenizer=None)
 
 
 def _prompts(vocab: int):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from calibrate.cli import app
-from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
+from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.eval.options import EvalOptions
 from calibrate.eval.run import evaluate
 from calibrate.measure import Arm, NextTokenLaw, SavedUnits, expected_acceptance, gain, summarize, tally_sequence
@@ -95,7 +95,7 @@ def test_bucket_averaged_bootstrap_is_the_average_of_bucket_ratios():
 def drafter(tmp_path_factory):
     target = tiny_target(0)
     head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target)
-    return Eagle3Drafter(head, target, ByteTokenizer())
+    return Eagle3Adapter(head, target, ByteTokenizer())
 
 
 def test_tally_is_the_adapters_rows(drafter):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
+from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.eval.options import EvalOptions
 from calibrate.eval.run import evaluate
 from calibrate.online import (LORA_MODULES, Learner, OnlineArm, OnlineOptions, OnlineSequence, PeakMemory,
@@ -39,7 +39,7 @@ def drafter(tmp_path_factory):
     # the whole vocabulary as the draft vocabulary: acceptance can reach 1, so memorising shows
     head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1,
                                               draft_vocab_size=256), target)
-    return Eagle3Drafter(head, target, ByteTokenizer())
+    return Eagle3Adapter(head, target, ByteTokenizer())
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from calibrate.drafters.eagle3 import Eagle3Drafter, load, load_eagle3_head
+from calibrate.drafters.eagle3 import Eagle3Adapter, load, load_eagle3_head
 from calibrate.drafters.pointer import FILE, CopyPointer, keeping_slope, matches, read, write
 from calibrate.errors import UserError
 from calibrate.speculative import GREEDY, prefill, speculative_generate
@@ -197,7 +197,7 @@ SPEC = ScaleSpec(law="log-linear", n_ref=8, slope=0.5, top_k=2)
 def drafters(tmp_path_factory):
     target = tiny_target(0)
     head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target)
-    return Eagle3Drafter(head, target, None), Eagle3Drafter(head, target, None, pointer=POINTER)
+    return Eagle3Adapter(head, target, None), Eagle3Adapter(head, target, None, pointer=POINTER)
 
 
 def repeating_prompt(n: int, seed: int) -> torch.Tensor:
@@ -294,13 +294,13 @@ def test_block_rows_copy_further_along_the_source():
 
 @pytest.fixture(scope="module")
 def dflash(tmp_path_factory):
-    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    from calibrate.drafters.dflash import DFlashAdapter, load_dflash
 
     from tiny_checkpoints import write_tiny_dflash
 
     target = tiny_target(0)
     model = load_dflash(write_tiny_dflash(tmp_path_factory.mktemp("dflash"), target, seed=2, block_size=4), target)
-    return DFlashDrafter(model, target, None), DFlashDrafter(model, target, None, pointer=POINTER)
+    return DFlashAdapter(model, target, None), DFlashAdapter(model, target, None, pointer=POINTER)
 
 
 @pytest.mark.parametrize("spec", [None, SPEC, ScaleSpec(law="constant", n_ref=None, slope=0.0, top_k=2, window=8)],
@@ -330,7 +330,7 @@ def test_dflash_with_a_pointer_forces_as_it_drafts(dflash, spec):
 def test_pard_with_a_pointer_drafts_once_a_step_and_forces_as_it_drafts(spec):
     """PARD's K drafts from one forward, each row with its copies: one drafter forward per verification;
     the teacher-forced guess of x_{t+1} is the drafter's row 0 after x_t; on a repeat it copies."""
-    from calibrate.drafters.hf import CausalLMDrafter
+    from calibrate.drafters.hf import CausalLMAdapter
     from calibrate.drafters.parallel import PardParallelProposer
     from calibrate.drafters.pointer import with_pointer
 
@@ -341,7 +341,7 @@ def test_pard_with_a_pointer_drafts_once_a_step_and_forces_as_it_drafts(spec):
     assert drafter.forwards == out.steps
     from test_eval import ByteTokenizer
 
-    adapter = CausalLMDrafter(model, ByteTokenizer(), kind="pard", path=None, default_n_ref=8, target=target,
+    adapter = CausalLMAdapter(model, ByteTokenizer(), kind="pard", path=None, default_n_ref=8, target=target,
                               pointer=POINTER)
     forced = adapter.teacher_forced(prompt, [(spec, None)])
     for p in (3, 13, 20):

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sharpdraft_runtime as sr
-from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
-from calibrate.drafters.hf import CausalLMDrafter
+from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
+from calibrate.drafters.hf import CausalLMAdapter
 from calibrate.drafters.layers import RopeScaling, rope_inv_freq
 from calibrate.drafters.target import hidden_state_features
 from calibrate.errors import UserError
@@ -520,7 +520,7 @@ def target():
 @pytest.fixture(scope="module")
 def eagle3(target, tmp_path_factory):
     head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target).eval()
-    return Eagle3Drafter(head, target, tokenizer=None)
+    return Eagle3Adapter(head, target, tokenizer=None)
 
 
 @pytest.mark.parametrize("variant", POSITION_VARIANTS)
@@ -585,7 +585,7 @@ def test_enable_gives_what_eval_measured(variant):
     and up to the identity limit the model is the plain one bit for bit."""
     model = _tiny_llama()
     spec = variant_specs(SPEC, 8, [variant], longest=40)[variant]
-    drafter = CausalLMDrafter(model, SimpleNamespace(eos_token_id=None), kind="hf", path="tiny", default_n_ref=8,
+    drafter = CausalLMAdapter(model, SimpleNamespace(eos_token_id=None), kind="hf", path="tiny", default_n_ref=8,
                               target=model)
     ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():

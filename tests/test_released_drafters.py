@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from calibrate.cli import app
 from calibrate.drafters import eagle3
 from calibrate.drafters.checkpoint import MPE_TRUST_LIMIT
-from calibrate.drafters.dflash import DFlashDrafter
+from calibrate.drafters.dflash import DFlashAdapter
 from calibrate.drafters.eagle3 import Eagle3Config, Eagle3Head
 from calibrate.drafters.layers import read_rope
 from calibrate.errors import UserError
@@ -228,9 +228,9 @@ EXPECTED_H = {"specforge-llama3-70b-eagle3-llama3rope": (2, 4, 5), "specforge-qw
               "speculators-eagle3-qwen3moe-swa-normbeforefc": (2, 4, 5, 6)}
 
 
-def drafter_for(path, target) -> eagle3.Eagle3Drafter:
+def drafter_for(path, target) -> eagle3.Eagle3Adapter:
     head = eagle3.load_eagle3_head(path, target)
-    return eagle3.Eagle3Drafter(head, target, tokenizer=None, path=str(path))
+    return eagle3.Eagle3Adapter(head, target, tokenizer=None, path=str(path))
 
 
 @pytest.mark.parametrize("name", EAGLE_CONFIGS)
@@ -302,7 +302,7 @@ def test_training_length_rule(target, tmp_path):
                        edit=lambda d: d.__setitem__("max_position_embeddings", 131072))
     from calibrate.drafters.checkpoint import training_length
     t = training_length(path, 131072, trust_mpe=True)
-    drafter = eagle3.Eagle3Drafter(eagle3.load_eagle3_head(path, target), target, None, training=t)
+    drafter = eagle3.Eagle3Adapter(eagle3.load_eagle3_head(path, target), target, None, training=t)
     with pytest.raises(UserError, match=rf"max_position_embeddings 131072 is not below {MPE_TRUST_LIMIT}.*pass --n-ref"):
         drafter.default_n_ref
     # a SpecForge recipe beside it states the length
@@ -426,12 +426,12 @@ def test_dflash_with_only_rope_parameters_matches_its_reference(target, tokens, 
     """theta 1e6 from rope_parameters reaches the post-RoPE queries and keys (not 10000)."""
     from safetensors.torch import load_file
 
-    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    from calibrate.drafters.dflash import DFlashAdapter, load_dflash
     path = write_tiny_dflash(tmp_path / "dflash", target, seed=3, target_layer_ids=(1, 3, 5))
     d = only_rope_parameters(path, 1e6)
     model = load_dflash(path, target)
     assert model.config.rope_theta == 1e6
-    calls = collect_calls(DFlashDrafter(model, target, tokenizer=None), tokens, p)
+    calls = collect_calls(DFlashAdapter(model, target, tokenizer=None), tokens, p)
     state = load_file(str(path / "model.safetensors"))
     with torch.no_grad():
         hs = target(tokens, output_hidden_states=True).hidden_states
@@ -494,12 +494,12 @@ def test_sliding_window_dflash_matches_its_reference(p, target, tokens, tmp_path
     call hands a row exactly the keys it sees, as the first n_visible, and the block output matches."""
     from safetensors.torch import load_file
 
-    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    from calibrate.drafters.dflash import DFlashAdapter, load_dflash
     name = "specforge-qwen3.6-27b-dflash-swa"
     path = write_dflash(tmp_path / "swa", name)
     d = json.loads((path / "config.json").read_text())
     model = load_dflash(path, target)
-    drafter = DFlashDrafter(model, target, tokenizer=None)
+    drafter = DFlashAdapter(model, target, tokenizer=None)
     assert "sliding-window layers [0, 1, 2, 3] (W = 8) use SpecForge's training mask" in " ".join(drafter.notes)
     state = load_file(str(path / "model.safetensors"))
     with torch.no_grad():
@@ -535,10 +535,10 @@ def test_sliding_window_dflash_matches_its_reference(p, target, tokens, tmp_path
 def test_sliding_window_statistics_use_the_visible_keys(target, tokens, tmp_path, p=15):
     """RowCollector's statistics of a sliding layer's rows equal those of the keys each row sees."""
     from calibrate.collect import RowCollector
-    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    from calibrate.drafters.dflash import DFlashAdapter, load_dflash
     from sharpdraft_theory.stats import row_stats_from_logits
     path = write_dflash(tmp_path / "swa", "specforge-qwen3.6-27b-dflash-swa")
-    drafter = DFlashDrafter(load_dflash(path, target), target, tokenizer=None)
+    drafter = DFlashAdapter(load_dflash(path, target), target, tokenizer=None)
     calls = collect_calls(drafter, tokens, p)
     collector = RowCollector([WINDOW], k_max=4)
     collector.start(0)
@@ -561,7 +561,7 @@ def test_speculators_dflash_matches_its_reference(target, tokens, tmp_path, p=9)
     yarn RoPE (factor 64, theta 1e7: a = 0.1 ln 64 + 1 on cos and sin), its own embed_tokens."""
     from safetensors.torch import load_file
 
-    from calibrate.drafters.dflash import DFlashDrafter, load_dflash
+    from calibrate.drafters.dflash import DFlashAdapter, load_dflash
     name = "speculators-dflash-qwen3.6-35b-a3b-converted-yarn"
     path = write_dflash(tmp_path / "spec", name)
     d = json.loads((path / "config.json").read_text())
@@ -569,7 +569,7 @@ def test_speculators_dflash_matches_its_reference(target, tokens, tmp_path, p=9)
     c = model.config
     assert (c.source, c.hidden_state_ids, c.rope_theta, c.rope_scaling.rope_type) == (
         "speculators", (1, 2, 4, 5, 7), 1e7, "yarn")
-    drafter = DFlashDrafter(model, target, tokenizer=None)
+    drafter = DFlashAdapter(model, target, tokenizer=None)
     assert "reads target hidden_states [1, 2, 4, 5, 7]: aux_hidden_state_layer_ids are hidden-state indices" in \
         drafter.notes[0]
     calls = collect_calls(drafter, tokens, p)
@@ -679,7 +679,7 @@ def test_partial_rotary_factor_rotates_the_first_fraction(spelling, target, toke
     head = eagle3.load_eagle3_head(path, target)
     assert head.config.rotary_dim == 8
     calls = []
-    eagle3.Eagle3Drafter(head, target, None).collect(tokens, lambda *a: calls.append(a), torch.tensor([5]))
+    eagle3.Eagle3Adapter(head, target, None).collect(tokens, lambda *a: calls.append(a), torch.tensor([5]))
     (_, q, k, _, _), = calls
     d = json.loads((path / "config.json").read_text())
     from safetensors.torch import load_file
@@ -735,10 +735,10 @@ def test_dflash_reads_its_training_record(target, tmp_path):
     from calibrate.drafters.dflash import DFLASH_DEFAULT_N_REF, load_dflash
     path = write_dflash(tmp_path / "swa", "specforge-qwen3.6-27b-dflash-swa")
     model = load_dflash(path, target)
-    plain = DFlashDrafter(model, target, None, training=training_length(path, 262144, trust_mpe=False))
+    plain = DFlashAdapter(model, target, None, training=training_length(path, 262144, trust_mpe=False))
     assert plain.default_n_ref == DFLASH_DEFAULT_N_REF and "copies max_position_embeddings" in plain.notes[-1]
     (path / "recipe.yaml").write_text("data:\n  max_length: 4096\n")
-    drafter = DFlashDrafter(model, target, None, training=training_length(path, 262144, trust_mpe=False))
+    drafter = DFlashAdapter(model, target, None, training=training_length(path, 262144, trust_mpe=False))
     assert drafter.default_n_ref == 4096 and "data.max_length 4096" in " ".join(drafter.notes)
 
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from calibrate.cli import app
-from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
+from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.eval.options import EvalOptions
 from calibrate.eval.run import evaluate
 from calibrate.speculative import GREEDY, Sampling, prefill, speculative_generate
@@ -287,7 +287,7 @@ def test_block_drafts_in_the_chain_loop_keep_the_target_law():
 def eagle3(tmp_path_factory):
     target = tiny_target(0)
     head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1), target)
-    return Eagle3Drafter(head, target, ByteTokenizer())
+    return Eagle3Adapter(head, target, ByteTokenizer())
 
 
 def test_eagle3_drafts_from_its_law_over_the_draft_vocabulary(eagle3):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calibrate.drafters.eagle3 import Eagle3Drafter, load_eagle3_head
+from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.drafters.causal import CausalLMProposer
 from calibrate.speculative import NoProposer, greedy_generate, speculative_generate
 from sharpdraft_theory import ScaleSpec
@@ -30,7 +30,7 @@ def head(target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eagle3(head, target):
-    return Eagle3Drafter(head, target, tokenizer=None)
+    return Eagle3Adapter(head, target, tokenizer=None)
 
 
 def prompts(vocab: int):

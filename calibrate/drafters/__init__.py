@@ -3,7 +3,7 @@
 ``KINDS`` is the one list of drafter kinds: the CLI's help and validation, ``load_drafter`` and
 ``sharpdraft eval`` all read it. Adding a kind is one adapter module under this package, whose
 ``load(kind, drafter_path, target_path, device, dtype)`` returns an object satisfying
-``calibrate.drafters.base.Drafter``, and one line in ``KINDS``.
+``calibrate.drafters.base.Adapter``, and one line in ``KINDS``.
 
 Shared pieces live beside the adapters: ``layers`` (RMSNorm, RoPE, attention), ``checkpoint``
 (config.json fields, weights with shape checks) and ``target`` (loading causal LMs and their

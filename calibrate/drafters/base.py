@@ -31,7 +31,7 @@ import torch
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.spec import DrafterInfo
 
-__all__ = ["AttentionTap", "Drafter", "Proposer", "BlockProposer", "ChainProposer", "TeacherForced", "ForcedRows",
+__all__ = ["AttentionTap", "Adapter", "Proposer", "BlockProposer", "ChainProposer", "TeacherForced", "ForcedRows",
            "ForcedArm", "forced_runs", "pick_rows"]
 
 
@@ -197,7 +197,7 @@ def pick_rows(logits: torch.Tensor, rule) -> tuple[list[int], np.ndarray | None]
     return drafts, (np.stack(laws) if laws else None)
 
 
-class Drafter(Protocol):
+class Adapter(Protocol):
     kind: str  # a key of calibrate.drafters.KINDS
     info: DrafterInfo  # identity and attention shape, recorded in the spec
     default_n_ref: int  # the drafter's training length (its training record, its config or a documented preset);

