@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,8 +60,8 @@ class BenchOptions:
     bin_size: int = 512
     temperature: float = 0.0
     seed: int = 0
+    threads: int | None = None  # CPU threads for torch (None: torch's default)
     resume: bool = False
-    extra: dict = field(default_factory=dict, compare=False)  # what check() found: the workload
 
     def check(self) -> Workload:
         """The prompts to decode; ``UserError`` naming the first bad option."""
@@ -81,6 +81,8 @@ class BenchOptions:
             raise UserError(f"--temperature {self.temperature}: expected 0 (greedy) or 0.01 to 100")
         if not 0 <= self.seed < 2**63:
             raise UserError(f"--seed {self.seed}: expected 0 to 2^63 - 1")
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"--threads {self.threads}: expected at least 1 (or leave it out for torch's default)")
         check_variants(list(self.variants), window=self.window, sinks=4, has_reference=False)
         if "spec" in self.variants and self.spec is None:
             raise UserError("--variants spec: pass --spec with the spec to check (sharpdraft calibrate --out), or "
@@ -101,7 +103,7 @@ class BenchOptions:
     def to_dict(self) -> dict:
         """The options a resumed run must match (the resume key)."""
         d = asdict(self)
-        for name in ("out", "resume", "extra"):
+        for name in ("out", "resume", "threads"):
             d.pop(name)
         d["spec"] = None if self.spec is None else str(self.spec)
         d["variants"] = list(self.variants)
@@ -142,6 +144,8 @@ def run_bench(opts: BenchOptions, *, drafter=None, progress=None) -> dict:
     from .eval.variants import default_spec, variant_specs
 
     workload = opts.check()
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
     spec = None if opts.spec is None else ScaleSpec.load(opts.spec)
     if drafter is None:
         drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, torch.device("cpu"), torch.float32)

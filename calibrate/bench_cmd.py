@@ -57,16 +57,11 @@ def bench(
     opts = BenchOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path, spec=spec,
                         workload=workload, prompts=prompts, new_tokens=new_tokens,
                         variants=tuple(v.strip() for v in variants.split(",") if v.strip()), window=window,
-                        num_draft=num_draft, bin_size=bin_size, temperature=temperature, seed=seed, resume=resume)
+                        num_draft=num_draft, bin_size=bin_size, temperature=temperature, seed=seed, threads=threads,
+                        resume=resume)
     total = len(opts.check().prompts)  # every bad value refused before any model loads
     if plot is not None and plot.suffix.lower() != ".png":
         raise UserError(f"--plot {plot}: expected a .png file")
-    if threads is not None:
-        if threads < 1:
-            raise UserError(f"--threads {threads}: expected at least 1")
-        import torch
-
-        torch.set_num_threads(threads)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("loading", total=total)

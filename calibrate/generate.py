@@ -50,6 +50,7 @@ class GenerateOptions:
     batch: int = 4
     prompts: int | None = None  # the first N prompts of the split (None: all)
     target_path: str | None = None
+    threads: int | None = None  # CPU threads for torch (None: torch's default)
     resume: bool = False
 
     def check(self) -> Workload:
@@ -66,6 +67,8 @@ class GenerateOptions:
             raise UserError(f"--batch {self.batch}: expected 1 to 256 prompts decoded together")
         if self.prompts is not None and self.prompts < 1:
             raise UserError(f"--prompts {self.prompts}: expected at least 1 (or leave it out for all)")
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"--threads {self.threads}: expected at least 1 (or leave it out for torch's default)")
         if self.out.exists() and not self.out.is_dir():
             raise UserError(f"--out {self.out}: a file is there; name a folder for the generations")
         workload = load_workload(self.workload)
@@ -77,7 +80,7 @@ class GenerateOptions:
     def settings(self, workload: Workload) -> dict:
         """What a resumed run must match: every option but ``out`` and ``resume``, and the prompts' ids."""
         d = asdict(self)
-        for name in ("out", "resume", "workload", "prompts"):
+        for name in ("out", "resume", "workload", "prompts", "threads"):
             d.pop(name)
         d["greedy"] = self.temperature == 0
         d["workload"] = workload.to_dict()
@@ -135,6 +138,8 @@ def run_generation(opts: GenerateOptions, *, model=None, tokenizer=None, progres
     from .drafters.target import load_target
 
     workload = opts.check()
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
     checked = False
     if model is None:
         tokenizer, context = _tokenizer_and_context(opts.target_path)

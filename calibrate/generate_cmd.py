@@ -41,16 +41,9 @@ def generate(
 ) -> None:
     """Write what the target generates for a workload's prompts: the corpus of its own long text."""
     opts = GenerateOptions(workload=workload, out=out, new_tokens=new_tokens, temperature=temperature, top_p=top_p,
-                           seed=seed, batch=batch, prompts=prompts, target_path=target_path, resume=resume)
+                           seed=seed, batch=batch, prompts=prompts, target_path=target_path, threads=threads,
+                           resume=resume)
     total = len(opts.check().prompts)  # every bad value refused before the model loads
-    if threads is not None:
-        if threads < 1:
-            from .errors import UserError
-
-            raise UserError(f"--threads {threads}: expected at least 1")
-        import torch
-
-        torch.set_num_threads(threads)
     columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("prompts", total=total)
