@@ -52,6 +52,17 @@ def test_the_fit_writes_the_best_point_beside_its_head(tiny):
         r["order"], r["scale"], r["sink"], r["gain"]) == pointer))) < 1e-9
 
 
+def test_a_masked_fit_writes_a_masked_pointer(tiny):
+    out = tiny / "masked"
+    corpus = str(tiny / "corpus.txt")
+    assert fit.main([str(tiny / "head"), "--out", str(out), "--target-path", str(tiny / "target"), "--corpora",
+                     corpus, "--sequences", "1", "--length", "64", "--orders", "2", "--scales", "4", "--sinks", "1",
+                     "--gains", "1", "--unmatched", "masked"]) == 0
+    pointer, _ = read(out)
+    assert pointer in (CopyPointer(2, 4.0, 4.0, 1.0, "masked"), CopyPointer(1, 1.0, 0.0, 0.0, "masked"))  # or alone
+    assert json.loads((out / "copy_pointer.json").read_text())["fitted"]["unmatched"] == "masked"
+
+
 def test_a_dflash_fit_scores_blocks_by_their_accepted_length(tiny):
     """--drafter dflash: the grid is scored by a block's accepted length (leading agreements of its 3 rows), the
     record says so, and the head alone's figure is what eval's teacher-forced blocks measure on the same text."""
@@ -103,6 +114,8 @@ def test_a_head_of_the_other_kind_is_refused_in_one_line(tiny):
     (["--out", "{w}/o", "--gains", "2"], "gain must be from 0 to 1"),
     (["--out", "{w}/o", "--sequences", "0"], "--sequences 0"),
     (["--out", "{w}/o", "--anchors", "0"], "--anchors 0"),
+    (["--out", "{w}/o", "--unmatched", "hidden"], "--unmatched hidden: give scored or masked"),
+    (["--out", "{w}/o", "--unmatched", ""], "--unmatched : give scored or masked"),
     (["--out", "{w}/o", "--drafter", "hf"], "--drafter hf: give eagle3 or dflash"),
     (["--out", "{w}/o", "--drafter", ""], "--drafter : give eagle3 or dflash"),
 ])

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calibrate.drafters.eagle3 import Eagle3Adapter, load, load_eagle3_head
-from calibrate.drafters.pointer import FILE, CopyPointer, keeping_slope, matches, read, write
+from calibrate.drafters.pointer import FILE, UNMATCHED, CopyPointer, keeping_slope, matches, read, write
 from calibrate.errors import UserError
 from calibrate.speculative import GREEDY, prefill, speculative_generate
 from sharpdraft_theory import ScaleSpec
@@ -55,6 +55,7 @@ def brute_law(pointer, head_logits, columns, tokens, t, alpha, vocab, window, si
     weights, sink = [], math.exp(alpha * pointer.sink)
     for i in range(t + 1):
         seen = (window is None or i > t - window or (sinks or 0) > i) and i + shift <= t + 1
+        seen = seen and (pointer.unmatched == "scored" or match[i] > 0)  # a masked pointer's unmatched: no key
         weights.append(math.exp(alpha * pointer.scale * match[i]) if seen else 0.0)
     total = sink + sum(weights)
     head = np.exp(np.asarray(head_logits, dtype=np.float64))
@@ -68,9 +69,10 @@ def brute_law(pointer, head_logits, columns, tokens, t, alpha, vocab, window, si
 
 @settings(derandomize=True, max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 7), min_size=4, max_size=40), st.integers(1, 3), st.floats(0.5, 8.0),
-       st.floats(-2.0, 10.0), st.floats(0.0, 1.0), st.floats(0.5, 2.0), st.data())
-def test_the_law_is_the_docstrings_on_every_row_alone_and_together(tokens, order, scale, sink, gain, alpha, data):
-    pointer = CopyPointer(order, scale, sink, gain)
+       st.floats(-2.0, 10.0), st.floats(0.0, 1.0), st.floats(0.5, 2.0), st.sampled_from(UNMATCHED), st.data())
+def test_the_law_is_the_docstrings_on_every_row_alone_and_together(tokens, order, scale, sink, gain, alpha, unmatched,
+                                                                   data):
+    pointer = CopyPointer(order, scale, sink, gain, unmatched)
     shift = data.draw(st.integers(1, 3))
     window = data.draw(st.one_of(st.none(), st.integers(1, 12)))
     sinks = data.draw(st.one_of(st.none(), st.integers(1, 3))) if window else None
@@ -150,7 +152,56 @@ def test_the_keeping_slope_holds_the_sinks_share_at_every_length():
         keeping_slope(CopyPointer(2, 3.0, 0.0, 1.0))
 
 
-@pytest.mark.parametrize("fields, what", [({"order": 0}, "order"), ({"order": 9}, "order"), ({"order": 1.5}, "order"),
+@pytest.mark.parametrize("unmatched", UNMATCHED)
+def test_the_share_on_keys_that_match_nothing_grows_with_n_unless_they_are_masked(unmatched):
+    """The mechanism behind the scale's win on a copying drafter: a scored pointer's rows that match nothing
+    take ``U / (e^sink + U + sum e^{scale m})`` of its attention (float64 formula; float32 softmax: 1e-4), a
+    share that grows toward 1 with the context; a masked pointer gives them nothing at any length."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 5000, (8200,), generator=g)  # random text: few chance matches
+    pointer = CopyPointer(2, 8.0, 12.0, 1.0, unmatched)
+    shares = []
+    for n in (256, 1024, 8192):
+        split = pointer.mass(tokens, torch.tensor([n - 1]))[0]  # sink, matched, unmatched
+        assert abs(float(split.sum()) - 1) < 1e-4  # a float32 softmax over up to 8,193 logits, summed
+        match = matches(tokens, n - 1, n, 2)[0].double()
+        hits = match[match > 0]
+        unmatched_keys = int((match == 0).sum()) if unmatched == "scored" else 0
+        total = math.exp(12.0) + unmatched_keys + float(torch.exp(8.0 * hits).sum())
+        assert abs(float(split[2]) - unmatched_keys / total) < 1e-4
+        assert abs(float(split[0]) - math.exp(12.0) / total) < 1e-4
+        shares.append(float(split[2]))
+    if unmatched == "scored":
+        assert shares[0] < shares[1] < shares[2] and shares[2] > 0.03  # 8,191 keys at e^0 against e^12 = 162,755
+    else:
+        assert shares == [0.0, 0.0, 0.0]
+
+
+def test_a_masked_pointer_falls_back_to_the_head_where_nothing_matches():
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    logits = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    masked, columns = _mix(CopyPointer(2, 8.0, -5.0, 1.0, "masked"), logits, tokens)  # even a sink below 0
+    expect = torch.full((6, 8), float("-inf"))
+    expect[:, columns] = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(masked, expect, rtol=0, atol=1e-6)  # float32 log of a softmax
+    scored, _ = _mix(CopyPointer(2, 8.0, -5.0, 1.0), logits, tokens)
+    assert float((scored.exp() - expect.exp()).abs().max()) > 0.3  # the scored pointer's unmatched keys take mass
+
+
+def test_a_masked_pointer_round_trips_and_a_scored_file_keeps_its_old_fields(tmp_path):
+    masked = CopyPointer(3, 4.0, 8.0, 0.8, "masked")
+    write(tmp_path / "m", masked)
+    assert read(tmp_path / "m")[0] == masked
+    write(tmp_path / "s", CopyPointer(3, 4.0, 8.0, 0.8))
+    assert "unmatched" not in json.loads((tmp_path / "s" / FILE).read_text())  # files as before the option
+    data = json.loads((tmp_path / "m" / FILE).read_text())
+    (tmp_path / "m" / FILE).write_text(json.dumps({**data, "unmatched": "ignored"}))
+    with pytest.raises(UserError, match="unmatched must be scored or masked, got 'ignored'"):
+        read(tmp_path / "m")
+
+
+@pytest.mark.parametrize("fields, what", [({"unmatched": "hidden"}, "unmatched"), ({"unmatched": None}, "unmatched"),
+                                          ({"order": 0}, "order"), ({"order": 9}, "order"), ({"order": 1.5}, "order"),
                                           ({"scale": 0.0}, "scale"), ({"scale": float("nan")}, "scale"),
                                           ({"sink": float("inf")}, "sink"), ({"gain": 1.5}, "gain"),
                                           ({"gain": -0.1}, "gain"), ({"gain": True}, "gain")])

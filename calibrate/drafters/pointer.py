@@ -9,7 +9,8 @@ is the token that followed there, ``x_{i+1}``: where ``x_i = x_{t+1}`` (and the 
 what came next last time is the guess now. That is prompt lookup's rule (:mod:`calibrate.lookup`),
 written as attention:
 
-* logit of key ``i``: ``alpha(n) * scale * match(t, i)`` (0 for a row that matches nothing);
+* logit of key ``i``: ``alpha(n) * scale * match(t, i)`` (0 for a row that matches nothing; with
+  ``unmatched = "masked"``, a row that matches nothing is no key at all, prompt lookup's own rule);
 * one **sink** with logit ``alpha(n) * sink``: the head's own law;
 * ``w = softmax`` over the sink and the ``n`` visible keys; the drafted law
   ``q = (1 - gain * (1 - w_sink)) * p_head + gain * sum_i w_i [x_{i+1}]``, over the target's whole
@@ -19,7 +20,9 @@ written as attention:
 query heads for a per-head spec), so a query scale acts on the pointer as on the head's attention, and a
 spec's window and sinks hide the same keys from both. Distance fixes do not touch it: its logits depend
 on content only. Every row that matches nothing adds ``exp(0)`` to the normaliser, so as ``n`` grows
-the mass on a real match and on the sink dilutes, as the module's theory describes for any attention.
+the mass on a real match and on the sink dilutes, as the module's theory describes for any attention;
+a masked pointer (``unmatched = "masked"``) has no such rows and does not dilute
+(:meth:`CopyPointer.mass`; tests/test_pointer.py holds both against the float64 formula).
 
 In decoding the pointer is a proposer that wraps the drafter's own (:func:`with_pointer`): it mixes
 the copies into each law the inner proposer drafts from, a chain's row by row (each row knows the drafts
@@ -53,6 +56,7 @@ __all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "PointerArm", "PointerB
 FILE = "copy_pointer.json"
 FORMAT = "sharpdraft-copy-pointer"
 MAX_ORDER = 8  # a longer suffix than this adds nothing a copy needs; bounds the work per row
+UNMATCHED = ("scored", "masked")  # a row matching nothing: a key of logit 0, or no key
 _CHUNK = 256  # query rows per pass over the vocabulary: (rows, vocab) float32 is 50 MB at SmolLM2's 49,152
 
 
@@ -64,6 +68,7 @@ class CopyPointer:
     scale: float = 8.0  # logit per matched token, > 0
     sink: float = 12.0  # the sink's logit (the head's own law), finite
     gain: float = 1.0  # share of the non-sink mass given to the copies, 0 .. 1
+    unmatched: str = "scored"  # a row that matches nothing: "scored" (a key of logit 0) or "masked" (no key)
 
     def __post_init__(self):
         if isinstance(self.order, bool) or not isinstance(self.order, int) or not 1 <= self.order <= MAX_ORDER:
@@ -76,6 +81,16 @@ class CopyPointer:
             raise ValueError(f"scale must be > 0, got {self.scale!r}")
         if not 0 <= self.gain <= 1:
             raise ValueError(f"gain must be from 0 to 1, got {self.gain!r}")
+        if self.unmatched not in UNMATCHED:
+            raise ValueError(f"unmatched must be {' or '.join(UNMATCHED)}, got {self.unmatched!r}")
+
+    def to_dict(self) -> dict:
+        """The numbers as a file and a result record them (``unmatched`` only when masked: files from before
+        the option read as they were written)."""
+        d = asdict(self)
+        if d["unmatched"] == "scored":
+            del d["unmatched"]
+        return d
 
     def mix(self, head_logits: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor,
             alpha: torch.Tensor | float, vocab_size: int, *, window: int | None = None,
@@ -93,23 +108,13 @@ class CopyPointer:
         take part. ``shift = 1`` is the EAGLE-3 row's own next guess.
         """
         first, count = int(rows[0]), len(rows)
-        if shift < 1:
-            raise ValueError(f"shift must be >= 1, got {shift}")
         alpha = torch.as_tensor(alpha, dtype=torch.float32, device=head_logits.device).expand(count)
         out = torch.empty(count, vocab_size, dtype=torch.float32, device=head_logits.device)
         tokens = tokens.reshape(-1)
         for a in range(0, count, _CHUNK):
             b = min(a + _CHUNK, count)
-            lo, hi = first + a, first + b  # query rows lo .. hi - 1 see keys 0 .. hi - 1
-            match = matches(tokens, lo, hi, self.order)  # (c, hi)
-            visible = causal_mask(hi - lo, lo, sliding_window=window, sinks=sinks, device=match.device)
-            source = torch.arange(hi, device=match.device) + shift  # where key i's value sits
-            if shift > 1:  # a value past the query's last known token is not known yet
-                visible &= source[None] <= torch.arange(lo, hi, device=match.device)[:, None] + 1
-            scaled = alpha[a:b, None]
-            logits = (scaled * self.scale * match).masked_fill(~visible, float("-inf"))  # (c, hi)
-            w = torch.softmax(torch.cat((scaled * self.sink, logits), dim=1), dim=1)  # (c, 1 + hi)
-            values = tokens[source.clamp(max=tokens.numel() - 1)].to(out.device)[None].expand(b - a, hi)  # x_{i+s}
+            w, values, _ = self._attend(tokens, first + a, first + b, alpha[a:b], window, sinks, shift)
+            values = values.to(out.device)
             copies = torch.zeros(b - a, vocab_size, dtype=torch.float32, device=out.device)
             copies.scatter_add_(1, values, w[:, 1:] * self.gain)  # each token's copied mass
             keep = 1 - self.gain * (1 - w[:, :1])  # (c, 1): the head's share
@@ -121,6 +126,39 @@ class CopyPointer:
             head_there = part.gather(1, values).exp()
             part.scatter_(1, values, (head_there + copies.gather(1, values)).log())
         return out
+
+    def mass(self, tokens: torch.Tensor, rows: torch.Tensor, alpha: torch.Tensor | float = 1.0, *,
+             window: int | None = None, sinks: int | None = None) -> torch.Tensor:
+        """(rows, 3) float32: the share of the pointer's attention on the sink, on keys that match, and on keys
+        that match nothing (always 0 for a masked pointer), for ``rows`` of the text ``tokens`` (as :meth:`mix`).
+
+        A scored pointer's ``U`` unmatched keys hold ``U / (e^{alpha sink} + U + sum_matched e^{alpha scale m})``,
+        which grows toward 1 with the context: the dilution a query scale hands back.
+        """
+        first, count = int(rows[0]), len(rows)
+        alpha = torch.as_tensor(alpha, dtype=torch.float32, device=tokens.device).expand(count)
+        w, _, match = self._attend(tokens.reshape(-1), first, first + count, alpha, window, sinks, 1)
+        keys = w[:, 1:]
+        return torch.stack((w[:, 0], (keys * (match > 0)).sum(1), (keys * (match == 0)).sum(1)), dim=1)
+
+    def _attend(self, tokens: torch.Tensor, lo: int, hi: int, alpha: torch.Tensor, window: int | None,
+                sinks: int | None, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query rows ``lo .. hi - 1`` over keys ``0 .. hi - 1``: ``(w, values, match)``, ``w`` (c, 1 + hi) the
+        softmax over the sink and the keys, ``values`` (c, hi) the token each key brings back, ``match`` (c, hi)."""
+        if shift < 1:
+            raise ValueError(f"shift must be >= 1, got {shift}")
+        match = matches(tokens, lo, hi, self.order)  # (c, hi)
+        visible = causal_mask(hi - lo, lo, sliding_window=window, sinks=sinks, device=match.device)
+        source = torch.arange(hi, device=match.device) + shift  # where key i's value sits
+        if shift > 1:  # a value past the query's last known token is not known yet
+            visible &= source[None] <= torch.arange(lo, hi, device=match.device)[:, None] + 1
+        if self.unmatched == "masked":
+            visible &= match > 0
+        scaled = alpha[:, None]
+        logits = (scaled * self.scale * match).masked_fill(~visible, float("-inf"))  # (c, hi)
+        w = torch.softmax(torch.cat((scaled * self.sink, logits), dim=1), dim=1)  # (c, 1 + hi)
+        values = tokens[source.clamp(max=tokens.numel() - 1)][None].expand(hi - lo, hi)  # x_{i+s}
+        return w, values, match
 
 
 def block_mix(pointer: CopyPointer, logits: torch.Tensor, tokens: torch.Tensor, alpha, *, window: int | None = None,
@@ -262,7 +300,7 @@ class PointerArm:
 def describe(pointer: CopyPointer) -> str:
     """One line for a command's notes."""
     return (f"exact match of up to {pointer.order} tokens, logit {pointer.scale:g} a token, sink {pointer.sink:g}, "
-            f"gain {pointer.gain:g}")
+            f"gain {pointer.gain:g}" + (", rows matching nothing masked" if pointer.unmatched == "masked" else ""))
 
 
 def alpha(spec, n_visible) -> torch.Tensor | float:
@@ -330,7 +368,7 @@ def read(folder: str | Path) -> tuple[CopyPointer, Path] | None:
         raise UserError(f"{path}: not a copy pointer (expected an object with \"format\": \"{FORMAT}\")")
     if data.get("version") != 1:
         raise UserError(f"{path}: version {data.get('version')!r} is not supported (this toolkit reads version 1)")
-    fields = {k: data[k] for k in ("order", "scale", "sink", "gain") if k in data}
+    fields = {k: data[k] for k in ("order", "scale", "sink", "gain", "unmatched") if k in data}
     try:
         pointer = CopyPointer(**fields)
     except ValueError as err:
@@ -362,7 +400,7 @@ def write(folder: str | Path, pointer: CopyPointer, head: str | None = None, rec
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    data = {"format": FORMAT, "version": 1, **asdict(pointer)}
+    data = {"format": FORMAT, "version": 1, **pointer.to_dict()}
     if head is not None:
         data["head"] = head
     if record is not None:

@@ -11,7 +11,6 @@ documents the result.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import replace
@@ -295,7 +294,7 @@ def _oracle(tallies, grid, edges: np.ndarray, n_ref: int) -> dict | None:
 def _pointer(drafter) -> dict:
     """``{"copy_pointer": its four numbers}`` for a head drafting with a copy pointer, else nothing."""
     pointer = drafter.pointer if drafter_kind(drafter.kind).pointer else None
-    return {} if pointer is None else {"copy_pointer": dataclasses.asdict(pointer)}
+    return {} if pointer is None else {"copy_pointer": pointer.to_dict()}
 
 
 def _recovered(buckets: list[dict], names: list[str]) -> None:

@@ -36,7 +36,7 @@ import torch
 
 from ..corpus import pack, recall_corpus
 from ..drafters import load_drafter
-from ..drafters.pointer import FILE, MAX_ORDER, CopyPointer, spec_block_mix, write
+from ..drafters.pointer import FILE, MAX_ORDER, UNMATCHED, CopyPointer, describe, spec_block_mix, write
 from ..errors import UserError
 from ..measure.blocks import block_anchors, proposed, target_along
 from ..measure.metrics import NextTokenLaw
@@ -69,6 +69,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--scales", default=",".join(map(str, SCALES)))
     ap.add_argument("--sinks", default=",".join(map(str, SINKS)), help="sink logits as multiples of the scale")
     ap.add_argument("--gains", default=",".join(map(str, GAINS)))
+    ap.add_argument("--unmatched", default="scored", help="a row that matches nothing: scored (a key of logit 0, "
+                                                            "the shipped pointers) or masked (no key: prompt "
+                                                            "lookup's rule, which does not dilute)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     if args.drafter not in ("eagle3", "dflash"):
@@ -85,9 +88,11 @@ def parse(argv=None) -> argparse.Namespace:
         raise SystemExit(f"--orders: give integers from 1 to {MAX_ORDER}")
     args.scales, args.sinks, args.gains = (floats(args.scales, "scales"), floats(args.sinks, "sinks"),
                                            floats(args.gains, "gains"))
+    if args.unmatched not in UNMATCHED:
+        raise SystemExit(f"--unmatched {args.unmatched}: give {' or '.join(UNMATCHED)}")
     try:
-        [CopyPointer(o, s, s * r, g) for o, s, r, g in itertools.product(args.orders, args.scales, args.sinks,
-                                                                           args.gains)]
+        [CopyPointer(o, s, s * r, g, args.unmatched) for o, s, r, g in itertools.product(args.orders, args.scales,
+                                                                                          args.sinks, args.gains)]
     except ValueError as err:
         raise SystemExit(f"a grid point is not a pointer: {err}") from None
     args.corpora = [c for c in args.corpora.split(",") if c]
@@ -143,9 +148,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: {err} (--drafter {args.drafter})") from None
     if drafter.pointer is not None:
         raise SystemExit(f"{args.head}: this head has a copy pointer already; give the plain head")
-    grid = [CopyPointer(o, s, s * r, g) for o, s, r, g in itertools.product(args.orders, args.scales, args.sinks,
-                                                                          args.gains)]
-    grid.insert(0, CopyPointer(1, 1.0, 0.0, 0.0))  # gain 0: the head alone, the baseline
+    grid = [CopyPointer(o, s, s * r, g, args.unmatched)
+            for o, s, r, g in itertools.product(args.orders, args.scales, args.sinks, args.gains)]
+    grid.insert(0, CopyPointer(1, 1.0, 0.0, 0.0, args.unmatched))  # gain 0: the head alone, the baseline
     tokenize = drafter.tokenize
     per_corpus = {}
     start = time.time()
@@ -176,7 +181,8 @@ def main(argv=None) -> int:
     rule = ("highest mean greedy accepted length of a block over the corpora (ties: expected accepted length at "
             "T = 1)" if args.drafter == "dflash" else
             "highest mean greedy agreement over the corpora (ties: expected acceptance at T = 1)")
-    record = {"drafter": args.drafter, "corpora": args.corpora, "sequences": args.sequences, "length": args.length,
+    record = {"drafter": args.drafter, "unmatched": args.unmatched, "corpora": args.corpora,
+              "sequences": args.sequences, "length": args.length,
               **({"anchors": args.anchors} if args.drafter == "dflash" else {}),
               "rule": rule, "head_alone": table[0], "grid": table[1:]}
     head = os.path.relpath(args.head.resolve(), args.out.resolve())
@@ -184,7 +190,7 @@ def main(argv=None) -> int:
     for c, v in per_corpus.items():
         print(f"{c}: head alone {names[0].replace('_', ' ')} {v[0, 0]:.4f}, {names[1].replace('_', ' ')} "
               f"{v[0, 1]:.4f}; with the pointer {v[best, 0]:.4f}, {v[best, 1]:.4f}")
-    print(f"chosen: order {chosen.order}, scale {chosen.scale:g}, sink {chosen.sink:g}, gain {chosen.gain:g} -> {path}")
+    print(f"chosen: {describe(chosen)} -> {path}")
     return 0
 
 
