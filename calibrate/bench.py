@@ -33,7 +33,7 @@ from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.atomic import atomic_path, atomic_write_text
 
 from .errors import UserError
-from .measure.longgen import acceptance_by_bin, fade, geometric_mean, looped, text_by_bin
+from .measure.longgen import acceptance_by_bin, fade, geometric_mean, looped, prompts_by_bin, text_by_bin
 from .workloads import Workload, chat_ids, check_fits, load_workload
 
 __all__ = ["BenchOptions", "run_bench", "report_tables"]
@@ -252,6 +252,7 @@ def _result(opts: BenchOptions, workload: Workload, units: list[dict], num_draft
         seconds = sum(r["decode_seconds"] for r in runs)
         arms[name] = {
             "acceptance_by_bin": [_triple(t) for t in acceptance_by_bin(accepted, opts.bin_size, bins)],
+            "prompts_by_bin": prompts_by_bin(accepted, opts.bin_size, bins),
             "acceptance_length": _r(sum(len(a) + sum(a) for a in accepted) / max(sum(len(a) for a in accepted), 1)),
             "fade": _triple(fade([accepted[i] for i in full], opts.bin_size)) if full else None,
             "fade_prompts": len(full),

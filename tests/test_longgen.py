@@ -51,6 +51,8 @@ def test_the_fade_of_a_drafter_that_stops_being_accepted_and_of_one_that_does_no
 
 def test_bins_past_the_end_are_none_and_the_geometric_mean_brackets_its_interval():
     assert acceptance_by_bin([[0, 0]], bin_size=2, bins=3)[2] is None
+    early, late = acceptance_by_bin([[3] * 10, [0, 0]], bin_size=8, bins=3)[::2]  # the second ends in bin 0
+    assert early[1] is not None and late == [4.0, None, None]  # one prompt behind a bin: no interval
     g = geometric_mean([1.5, 2.0, 2.5, 1.8])
     assert g[1] <= g[0] <= g[2] and g[0] == pytest.approx((1.5 * 2.0 * 2.5 * 1.8) ** 0.25)
     with pytest.raises(ValueError, match="positive"):

@@ -31,7 +31,8 @@ from sharpdraft_theory.bootstrap import RESAMPLES
 
 from ..lookup import LookupSettings, next_token_drafts
 
-__all__ = ["step_positions", "bin_tallies", "acceptance_by_bin", "fade", "geometric_mean", "text_by_bin", "looped"]
+__all__ = ["step_positions", "bin_tallies", "acceptance_by_bin", "prompts_by_bin", "fade", "geometric_mean",
+           "text_by_bin", "looped"]
 
 LOOP_TAIL = 256  # tokens at the end of an output examined by looped()
 LOOP_AGREEMENT = 0.95  # share of the tail equal to the token one period back that makes a loop
@@ -78,8 +79,9 @@ def _bootstrap(statistic, units: int, resamples: int = RESAMPLES, seed: int = 0)
 
 
 def acceptance_by_bin(runs: Sequence[Sequence[int]], bin_size: int, bins: int) -> list[list[float | None] | None]:
-    """Per bin, ``[mean, lo, hi]`` of the pooled acceptance length over ``runs`` (one accepted list a prompt);
-    None for a bin no verification reached.
+    """Per bin, ``[mean, lo, hi]`` of the pooled acceptance length over the ``runs`` (one accepted list a prompt)
+    that reach the bin, resampling those prompts only (a prompt that ended before the bin says nothing about it;
+    with one prompt there, ``lo`` and ``hi`` are None); None for a bin no verification reached.
 
     >>> acceptance_by_bin([[1, 1], [3, 0]], bin_size=100, bins=1)
     [[2.25, 2.0, 2.5]]
@@ -89,12 +91,23 @@ def acceptance_by_bin(runs: Sequence[Sequence[int]], bin_size: int, bins: int) -
     tokens = np.stack([t for _, t in tallies])
     out = []
     for b in range(bins):
-        if forwards[:, b].sum() == 0:
+        there = np.flatnonzero(forwards[:, b])
+        if not len(there):
             out.append(None)
             continue
-        lo, hi = _bootstrap(lambda p: tokens[p, b].sum() / forwards[p, b].sum(), len(runs))
-        out.append([float(tokens[:, b].sum() / forwards[:, b].sum()), lo, hi])
+        f, t = forwards[there, b], tokens[there, b]
+        lo, hi = _bootstrap(lambda p: t[p].sum() / f[p].sum(), len(there))
+        out.append([float(t.sum() / f.sum()), lo, hi])
     return out
+
+
+def prompts_by_bin(runs: Sequence[Sequence[int]], bin_size: int, bins: int) -> list[int]:
+    """How many of ``runs`` have a verification starting in each bin (the prompts behind each bin's figure).
+
+    >>> prompts_by_bin([[3] * 10, [0, 0]], bin_size=8, bins=3)
+    [2, 1, 1]
+    """
+    return [int(n) for n in (np.stack([bin_tallies(r, bin_size, bins)[0] for r in runs]) > 0).sum(0)]
 
 
 def fade(runs: Sequence[Sequence[int]], bin_size: int) -> list[float | None] | None:
