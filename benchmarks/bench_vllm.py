@@ -14,8 +14,8 @@ sequences of the longest length packed from ``--corpus`` with the drafter's toke
   the plugin and once through vLLM's own kernel, switched in the worker between the two calls (in
   alternating order): the plugin's cost is the median of the paired ratios of seconds, under the same load.
 
-Acceptance length per arm and length: 1 + accepted / drafts from vLLM's ``spec_decode`` counters over the
-first round's prompts (greedy: a repeat drafts the same). Speed, from the paired rounds, whose prompts
+Acceptance length per arm and length: per prompt 1 + accepted / drafts from vLLM's ``spec_decode`` counters
+(the first round's; greedy: a repeat drafts the same), averaged over the prompts as eval averages its. Speed, from the paired rounds, whose prompts
 vLLM's prefix cache holds (so they time decoding, with hardly any prefill): new tokens over the mean
 seconds of a ``generate`` call with and without the plugin. Writes ``--out`` (JSON) and prints a table.
 
@@ -114,10 +114,11 @@ def _table(results: dict, lengths: list[int], sequences: int, new_tokens: int) -
         for arm, result in results.items():
             runs = [r for r in result["runs"] if r["prompt"] in picked]
             first = [r for r in runs if r["round"] == 0]
-            drafts = sum(r["counters"].get("vllm:spec_decode_num_drafts", 0) for r in first)
-            accepted = sum(r["counters"].get("vllm:spec_decode_num_accepted_tokens", 0) for r in first)
-            row = {"n": n, "arm": arm, "acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-                   "drafts": drafts, "accepted": accepted,
+            drafts, accepted = ([r["counters"].get(f"vllm:spec_decode_num_{k}", 0) for r in first]
+                                for k in ("drafts", "accepted_tokens"))
+            per_prompt = [1 + a / d for a, d in zip(accepted, drafts) if d]  # eval's: the mean of the prompts' values
+            row = {"n": n, "arm": arm, "acceptance_length": round(float(np.mean(per_prompt)), 4) if per_prompt else None,
+                   "drafts": sum(drafts), "accepted": sum(accepted),
                    "output_as_none": all(base.get(r["prompt"], r["output"]) == r["output"] for r in runs)}
             on, off = ([r["seconds"] for r in runs if r["plugin"] is flag] for flag in (True, False))
             if on:
