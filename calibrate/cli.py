@@ -215,6 +215,7 @@ from .eval_cmd import eval_command as _eval; app.command(name="eval")(_eval)  # 
 from .fit_cmd import fit as _fit; app.command(name="fit")(_fit)  # noqa: E402, E702
 from .generate_cmd import generate as _generate; app.command(name="generate")(_generate)  # noqa: E402, E702
 from .bench_cmd import bench as _bench; app.command(name="bench")(_bench)  # noqa: E402, E702
+from .export_cmd import export as _export; app.command(name="export")(_export)  # noqa: E402, E702
 
 
 def _fail(message: str) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from calibrate.cli import main
 from calibrate.run import CalibrateOptions, partial_dir, run_calibration
+from sharpdraft_runtime.serving import check_engine, load_spec
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.stats import RowStats
 
@@ -724,6 +725,25 @@ BENCH = [
 
 CASES = (GENERATE + BENCH + PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES + ONLINE
          + ONLINE_AFTER_LOADING)
+_EXP = "export --out {w}/o --spec {w}/s.json"
+EXPORT = [Case(f"export-{how}", f"{_EXP} {extra}".strip(), fragment, (("s.json", spec),) + files) for how, extra, spec, fragment, files in (
+    ("drafter-pard", "--drafter pard", _spec(), "--drafter pard", ()),
+    ("copy-pointer", "--drafter-path {w}/p", _spec(), "copy pointer", (("p", None), ("p/copy_pointer.json", "{}"))),
+    ("no-head", "--drafter-path {w}/p", _spec(), "no config.json", (("p", None),)),
+    ("spec-positions", "", _spec(positions={"fix": "clamp", "window": 32}), "field 'positions'", ()),
+    ("spec-sinks", "", _spec(window=32, sinks=4), "field 'sinks'", ()),
+    ("spec-other-kind", "", _spec(drafter=_drafter_info(1, 9, "pard")), "field 'drafter.kind' (pard)", ()),
+    ("spec-other-shape", "", _spec(drafter=_drafter_info(2, 9, "eagle3")), "2 layers", ()),
+    ("spec-head-slopes", "", _spec(granularity="head", slope=[[0.1] * 4]), "4 heads", ()),
+    ("spec-invalid", "", _spec(slope=-1), "slope", ()),
+    ("spec-missing", "--spec {w}/none.json", _spec(), "none.json", ()),
+    ("out-has-files", "", _spec(), "--out", (("o", None), ("o/x", "1"))),
+    ("max-length-one", "--max-length 1", _spec(), "--max-length 1", ()),
+    ("num-draft-zero", "--num-draft 0", _spec(), "--num-draft 0", ()),
+    ("other-target", "--target-path {fx}/target", _spec(), "is this the head's target?", ()),
+    ("max-length-above-target", "--target-path {fx}/target --drafter-path {fx}/eagle3 --max-length 1000000", _spec(),
+     "--max-length 1000000", ()))]
+CASES += EXPORT
 
 
 # -- fixtures -------------------------------------------------------------------------------------
@@ -1006,6 +1026,16 @@ API = [
     ("enable-3-layers", None, lambda p: _enable({**GOOD_SPEC, "granularity": "layer", "slope": [0.1] * 3}), "3"),
     ("enable-other-drafter", None, lambda p: _enable({**GOOD_SPEC, "drafter": _drafter_info(30, 9)}), "30 layers"),
 ]
+_ENGINE = dict(cpu=True, method="eagle3", draft_layers=1, draft_heads=9, draft_length=4096, serving_length=4096,
+               draft_path=None)
+API += [(f"serve-{how}", text, call, fragment) for how, text, call, fragment in (  # the vLLM plugin's reading
+    ("missing", None, lambda p: load_spec(p.with_name("none.json")), "none.json"),
+    ("not-json", "{", load_spec, "spec.json"),
+    ("positions", _spec(positions={"fix": "pi", "n_ref": 64}), load_spec, "field 'positions'"),
+    ("other-kind", _spec(drafter=_drafter_info(1, 9, "dflash")), load_spec, "field 'drafter.kind' (dflash)"),
+    ("other-shape", _spec(drafter=_drafter_info(2, 9, "eagle3")), lambda p: check_engine(load_spec(p), **_ENGINE),
+     "2 layers"),
+    ("no-drafter", _spec(), lambda p: check_engine(load_spec(p), **{**_ENGINE, "method": None}), "method is none"))]
 
 
 @pytest.mark.parametrize("case_id,text,call,fragment", API, ids=[a[0] for a in API])
