@@ -524,7 +524,7 @@ def eagle3(target, tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", POSITION_VARIANTS)
-def test_eagle3_chain_drafter_drafts_what_eval_measured(eagle3, variant):
+def test_eagle3_proposer_drafts_what_eval_measured(eagle3, variant):
     """The chain drafter of a variant's spec (what a user deploys) drafts, after each prompt, the token
     eval's teacher-forced run of that variant drafted at the same row."""
     spec = variant_specs(SPEC, 8, [variant], longest=48)[variant]

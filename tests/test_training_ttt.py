@@ -44,7 +44,7 @@ OPTIONS = {"plain": {}, "qk-norm-residual-rotary": dict(qk_norm=True, norm_befor
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 @pytest.mark.parametrize("chunk", [3, 64])
 @pytest.mark.parametrize("context", [0, 5])
-def test_unrolled_steps_equal_the_chain_drafter(chunk, context, options):
+def test_unrolled_steps_equal_the_proposer(chunk, context, options):
     """Every (base row, step), with and without context rows in front of the window, with every option."""
     head = _head(seed=1, **options)
     T, ttt, start = 10 + context, 4, 7
@@ -134,7 +134,7 @@ def test_steps_behind_a_record():
 
 
 @pytest.mark.parametrize("chunk", [3, 64])
-def test_drawn_far_keys_are_the_chain_drafters_whole_context(chunk):
+def test_drawn_far_keys_are_the_proposers_whole_context(chunk):
     """With ``--far``, row ``r`` at step ``s`` is the chain drafter over exactly the drawn keys and the
     window's rows ``<= r``, each at its true position (positions with gaps: the head's RoPE reads them)."""
     head = _head(seed=5)
