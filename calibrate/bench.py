@@ -33,6 +33,7 @@ from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.atomic import atomic_path, atomic_write_text
 
 from .errors import UserError
+from .measure import SavedUnits, partial_dir
 from .measure.longgen import acceptance_by_bin, fade, geometric_mean, looped, prompts_by_bin, text_by_bin
 from .workloads import Workload, chat_ids, check_fits, load_workload
 
@@ -91,10 +92,7 @@ class BenchOptions:
             raise UserError(f"--spec {self.spec}: no such file; write one with `sharpdraft calibrate --out`")
         if self.out.exists() and self.out.is_dir():
             raise UserError(f"--out {self.out}: a folder is there; name a .json file")
-        partial = partial_dir(self.out)
-        if partial.exists() and not self.resume:
-            raise UserError(f"--out {self.out}: an interrupted run is at {partial}; pass --resume to continue it, "
-                            "or delete that folder")
+        SavedUnits(partial_dir(self.out), self.to_dict(), self.resume)  # an interrupted run: --resume, same options
         workload = load_workload(self.workload, default_split="heldout")
         if self.prompts > len(workload.prompts):
             raise UserError(f"--prompts {self.prompts}: {workload.name}:{workload.split} has {len(workload.prompts)}")
@@ -110,25 +108,15 @@ class BenchOptions:
         return d
 
 
-def partial_dir(out: Path) -> Path:
-    """Where a run keeps each finished prompt until the result is written."""
-    return out.with_name(out.name + ".partial")
-
-
-def _resume_folder(opts: BenchOptions) -> Path:
-    folder = partial_dir(opts.out)
-    key = folder / "options.json"
-    if key.exists():
-        before = json.loads(key.read_text())
-        now = json.loads(json.dumps(opts.to_dict()))
-        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
-        if changed:
-            raise UserError(f"--resume: {changed[0]} differs from the interrupted run ({before.get(changed[0])!r} "
-                            f"there, {now.get(changed[0])!r} now); rerun with its options or delete {folder}")
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(key, json.dumps(opts.to_dict()))
-    return folder
+def _unit(value, variants) -> dict:
+    """A saved prompt (``_one_prompt``'s value) checked against the run's arms: a ``ValueError`` otherwise."""
+    arms = value.get("arms") if isinstance(value, dict) else None
+    runs = [value["target"], *(arms.get(v) for v in variants)] if isinstance(arms, dict) and "target" in value else []
+    if not runs or not isinstance(value.get("prompt_tokens"), int) or not all(
+            isinstance(r, dict) and isinstance(r.get("accepted"), list) and isinstance(r.get("tokens"), int)
+            and isinstance(r.get("decode_seconds"), (int, float)) and isinstance(r.get("text"), dict) for r in runs):
+        raise ValueError("expected prompt_tokens, and target and every arm's accepted, tokens, decode_seconds, text")
+    return value
 
 
 def run_bench(opts: BenchOptions, *, drafter=None, progress=None) -> dict:
@@ -157,23 +145,20 @@ def run_bench(opts: BenchOptions, *, drafter=None, progress=None) -> dict:
     specs = variant_specs(spec or default_spec(n_ref, 4), n_ref, opts.variants, window=opts.window)
     arms = {name: specs[name] for name in opts.variants}
     num_draft = draft_length(drafter, opts.num_draft)
-    folder = _resume_folder(opts)
+    saved = SavedUnits(partial_dir(opts.out), opts.to_dict(), opts.resume)
     units = []
     for i, prompt in enumerate(workload.prompts):
-        path = folder / f"{i:05d}-{prompt.id}.json"
-        if path.exists():
-            units.append(json.loads(path.read_text()))
-            continue
-        if progress:
-            progress(f"{prompt.id} ({i + 1}/{len(workload.prompts)})")
-        unit = _one_prompt(drafter, arms, chat_ids(tokenizer, prompt), opts, num_draft)
-        atomic_write_text(path, json.dumps(unit))
+        key = f"{i:05d}-{prompt.id}"
+        unit = saved.get(key, lambda value: _unit(value, opts.variants))
+        if unit is None:
+            if progress:
+                progress(f"{prompt.id} ({i + 1}/{len(workload.prompts)})")
+            unit = _one_prompt(drafter, arms, chat_ids(tokenizer, prompt), opts, num_draft)
+            saved.put(key, unit)
         units.append(unit)
     result = _result(opts, workload, units, num_draft, drafter)
     atomic_write_text(opts.out, json.dumps(result, indent=1))
-    for f in sorted(folder.iterdir()):
-        f.unlink()
-    folder.rmdir()
+    saved.finish()
     return result
 
 

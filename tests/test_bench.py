@@ -93,8 +93,14 @@ def test_a_resumed_bench_keeps_the_finished_prompts(tmp_path, workload, drafter,
     assert len(list(partial_dir(opts.out).glob("0000*-p*.json"))) == 2 and not opts.out.exists()
     with pytest.raises(UserError, match="pass --resume"):
         run_bench(opts, drafter=drafter)
-    with pytest.raises(UserError, match="new_tokens differs"):
+    with pytest.raises(UserError, match="new_tokens does not match"):
         run_bench(BenchOptions(**(vars(opts) | {"resume": True, "new_tokens": 30})), drafter=drafter)
+    damaged = sorted(partial_dir(opts.out).glob("0000*-p*.json"))[0]
+    kept = damaged.read_text()
+    damaged.write_text('{"prompt_tokens": 3}')
+    with pytest.raises(UserError, match="is damaged"):
+        run_bench(BenchOptions(**(vars(opts) | {"resume": True})), drafter=drafter)
+    damaged.write_text(kept)
     monkeypatch.setattr(bench, "_one_prompt", real)
     calls.clear()
     result = run_bench(BenchOptions(**(vars(opts) | {"resume": True})), drafter=drafter)

@@ -719,7 +719,11 @@ BENCH = [
          "missing field 'id'", (("p.jsonl", '{"prompt": "x"}\n'),)),
     Case("bench-out-is-a-folder", "bench --out {w}/d --variants none", "a folder is there", (("d", None),)),
     Case("bench-interrupted-run-there", "bench --out {w}/b.json --variants none", "pass --resume",
-         (("b.json.partial", None),)),
+         (("b.json.partial", None), ("b.json.partial/run.json", "{}"))),
+    Case("bench-resume-other-options", "bench --out {w}/b.json --variants none --resume", "was not written by this",
+         (("b.json.partial", None), ("b.json.partial/run.json", "{}"))),
+    Case("bench-partial-is-a-file", "bench --out {w}/b.json --variants none", "is a file where the run keeps",
+         (("b.json.partial", "x"),)),
     Case("bench-plot-not-png", _BENCH + " --plot {w}/p.pdf", "--plot"),
 ]
 
