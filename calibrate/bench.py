@@ -35,7 +35,8 @@ from sharpdraft_theory.atomic import atomic_path, atomic_write_text
 from .errors import UserError
 from .measure import SavedUnits, partial_dir
 from .measure.longgen import acceptance_by_bin, fade, geometric_mean, looped, prompts_by_bin, text_by_bin
-from .workloads import Workload, chat_ids, check_fits, load_workload
+from .preflight import check_outputs, local_inputs
+from .workloads import Workload, chat_ids, check_fits, load_workload, parse_workload
 
 __all__ = ["BenchOptions", "run_bench", "report_tables"]
 
@@ -62,6 +63,7 @@ class BenchOptions:
     temperature: float = 0.0
     seed: int = 0
     threads: int | None = None  # CPU threads for torch (None: torch's default)
+    plot: Path | None = None  # a PNG of acceptance against output position (drawn by the command)
     resume: bool = False
 
     def check(self) -> Workload:
@@ -90,8 +92,11 @@ class BenchOptions:
                             "leave spec out of --variants")
         if self.spec is not None and not self.spec.is_file():
             raise UserError(f"--spec {self.spec}: no such file; write one with `sharpdraft calibrate --out`")
-        if self.out.exists() and self.out.is_dir():
-            raise UserError(f"--out {self.out}: a folder is there; name a .json file")
+        if self.plot is not None and self.plot.suffix.lower() != ".png":
+            raise UserError(f"--plot {self.plot}: expected a .png file")
+        check_outputs({"--out": self.out, "--plot": self.plot},
+                      local_inputs(spec=self.spec, workload=parse_workload(self.workload)[0],
+                                   drafter_path=self.drafter_path, target_path=self.target_path))
         SavedUnits(partial_dir(self.out), self.to_dict(), self.resume)  # an interrupted run: --resume, same options
         workload = load_workload(self.workload, default_split="heldout")
         if self.prompts > len(workload.prompts):
@@ -101,7 +106,7 @@ class BenchOptions:
     def to_dict(self) -> dict:
         """The options a resumed run must match (the resume key)."""
         d = asdict(self)
-        for name in ("out", "resume", "threads"):
+        for name in ("out", "resume", "threads", "plot"):
             d.pop(name)
         d["spec"] = None if self.spec is None else str(self.spec)
         d["variants"] = list(self.variants)

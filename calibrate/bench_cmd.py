@@ -12,7 +12,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .bench import DEFAULT_VARIANTS, BenchOptions, plot_result, report_tables, run_bench
 from .drafters import kind_names
-from .errors import UserError
 from .workloads import BUILTIN
 
 __all__ = ["bench"]
@@ -58,10 +57,8 @@ def bench(
                         workload=workload, prompts=prompts, new_tokens=new_tokens,
                         variants=tuple(v.strip() for v in variants.split(",") if v.strip()), window=window,
                         num_draft=num_draft, bin_size=bin_size, temperature=temperature, seed=seed, threads=threads,
-                        resume=resume)
+                        plot=plot, resume=resume)
     total = len(opts.check().prompts)  # every bad value refused before any model loads
-    if plot is not None and plot.suffix.lower() != ".png":
-        raise UserError(f"--plot {plot}: expected a .png file")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("loading", total=total)

@@ -30,7 +30,8 @@ from pathlib import Path
 from sharpdraft_theory.atomic import atomic_write_text
 
 from .errors import UserError
-from .workloads import Prompt, Workload, chat_ids, check_fits, load_workload
+from .preflight import check_outputs, local_inputs
+from .workloads import Prompt, Workload, chat_ids, check_fits, load_workload, parse_workload
 
 __all__ = ["GenerateOptions", "Generation", "read_generations", "run_generation", "tokenizer_identity"]
 
@@ -71,6 +72,8 @@ class GenerateOptions:
             raise UserError(f"--threads {self.threads}: expected at least 1 (or leave it out for torch's default)")
         if self.out.exists() and not self.out.is_dir():
             raise UserError(f"--out {self.out}: a file is there; name a folder for the generations")
+        check_outputs({"--out": self.out}, local_inputs(workload=parse_workload(self.workload)[0],
+                                                        target_path=self.target_path), folders=("--out",))
         workload = load_workload(self.workload)
         if self.prompts is not None:
             workload = Workload(workload.name, workload.path, workload.split, workload.prompts[:self.prompts])

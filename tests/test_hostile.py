@@ -717,7 +717,13 @@ BENCH = [
     Case("bench-workload-unknown", "bench --out {w}/b.json --workload poetry --variants none", "poetry"),
     Case("bench-workload-bad-line", "bench --out {w}/b.json --workload {w}/p.jsonl:all --variants none",
          "missing field 'id'", (("p.jsonl", '{"prompt": "x"}\n'),)),
-    Case("bench-out-is-a-folder", "bench --out {w}/d --variants none", "a folder is there", (("d", None),)),
+    Case("bench-out-is-a-folder", "bench --out {w}/d --variants none", "is a folder; give a file name", (("d", None),)),
+    Case("bench-out-is-the-spec", "bench --out {w}/s.json --spec {w}/s.json", "is the --spec input", (("s.json", _spec()),)),
+    Case("bench-out-is-the-workload", "bench --out {w}/p.jsonl --workload {w}/p.jsonl:all --variants none",
+         "is the --workload input", (("p.jsonl", '{"id": "a", "prompt": "x"}\n'),)),
+    Case("bench-plot-is-the-out", "bench --out {w}/b.png --plot {w}/b.png --variants none", "same path as --out"),
+    Case("generate-out-is-the-target", "generate --out {w}/t --workload math --target-path {w}/t",
+         "is the --target-path input", (("t", None),)),
     Case("bench-interrupted-run-there", "bench --out {w}/b.json --variants none", "pass --resume",
          (("b.json.partial", None), ("b.json.partial/run.json", "{}"))),
     Case("bench-resume-other-options", "bench --out {w}/b.json --variants none --resume", "was not written by this",
@@ -978,7 +984,12 @@ BEFORE_LOADING = ["calibrate-top-k-huge", "calibrate-top-k-above-half-n-ref", "c
                   "eval-extra-spec-missing", "eval-extra-spec-is-out"] + [c.id for c in ONLINE] + [c.id for c in GENERATE + BENCH]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in BEFORE_LOADING], ids=BEFORE_LOADING)
+def test_every_before_loading_id_names_a_case():
+    assert sorted(set(BEFORE_LOADING) - {c.id for c in CASES}) == []
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in BEFORE_LOADING],
+                         ids=[c.id for c in CASES if c.id in BEFORE_LOADING])
 def test_refused_before_any_model_loads(case, fx, tmp_path, monkeypatch):
     import calibrate.drafters
     import calibrate.drafters.target
