@@ -7,7 +7,10 @@ A run writes a folder::
 
 Each prompt file holds ``id``, ``prompt_ids`` (the chat-templated prompt), ``output_ids`` (the
 generated tokens, cut after the workload's end marker when it appears), ``text`` (their decoding),
-``stopped`` (``eos``, ``end`` or ``length``) and ``seconds``. A prompt file exists only when its
+``stopped`` (``eos``, ``end`` or ``length``) and ``seconds``. ``min_new_tokens`` bars the target's
+end-of-sequence token until that many tokens are written (transformers' ``min_new_tokens``, vLLM's
+``min_tokens``): a small target ends a math answer in a few hundred tokens, and a corpus for long
+contexts needs it to keep writing; the end marker still stops a generation. A prompt file exists only when its
 generation finished, so a run stopped half-way never leaves a half-written generation to be read as
 whole; ``--resume`` continues a run with the same settings and skips the prompts already written.
 
@@ -45,6 +48,7 @@ class GenerateOptions:
     workload: str
     out: Path
     new_tokens: int = 4096
+    min_new_tokens: int = 0  # the target's end-of-sequence token is barred until this many tokens are written
     temperature: float = 0.8
     top_p: float = 0.95
     seed: int = 0
@@ -58,6 +62,8 @@ class GenerateOptions:
         """The workload's prompts, after every option is checked; ``UserError`` naming the first bad one."""
         if not 1 <= self.new_tokens <= MAX_NEW_TOKENS:
             raise UserError(f"--new-tokens {self.new_tokens}: expected 1 to {MAX_NEW_TOKENS}")
+        if not 0 <= self.min_new_tokens <= self.new_tokens:
+            raise UserError(f"--min-new-tokens {self.min_new_tokens}: expected 0 to --new-tokens ({self.new_tokens})")
         if not (self.temperature == self.temperature and 0 <= self.temperature <= 10):  # NaN fails the first test
             raise UserError(f"--temperature {self.temperature}: expected 0 (greedy) to 10")
         if not (self.top_p == self.top_p and 0 < self.top_p <= 1):
@@ -216,7 +222,7 @@ def _generate(model, tokenizer, prompts: list[Prompt], opts: GenerateOptions, se
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=opts.new_tokens,
-                             min_new_tokens=0, do_sample=sample, pad_token_id=pad, eos_token_id=eos,
+                             min_new_tokens=opts.min_new_tokens, do_sample=sample, pad_token_id=pad, eos_token_id=eos,
                              num_beams=1, **extra)
     seconds = (time.perf_counter() - start) / len(prompts)
     result = []

@@ -26,6 +26,9 @@ def generate(
         = "diary",
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens to generate at most per prompt (fewer when "
                                                                  "the target ends or writes the end marker).")] = 4096,
+    min_new_tokens: Annotated[int, typer.Option("--min-new-tokens", help="Bar the target's end-of-sequence token "
+                                                                         "until this many tokens are written (the "
+                                                                         "end marker still stops).")] = 0,
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 decodes greedily.")] = 0.8,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling: the smallest set of tokens holding this "
                                                          "much probability.")] = 0.95,
@@ -40,7 +43,7 @@ def generate(
                                                           "skipping finished prompts.")] = False,
 ) -> None:
     """Write what the target generates for a workload's prompts: the corpus of its own long text."""
-    opts = GenerateOptions(workload=workload, out=out, new_tokens=new_tokens, temperature=temperature, top_p=top_p,
+    opts = GenerateOptions(workload=workload, out=out, new_tokens=new_tokens, min_new_tokens=min_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, batch=batch, prompts=prompts, target_path=target_path, threads=threads,
                            resume=resume)
     total = len(opts.check().prompts)  # every bad value refused before the model loads

@@ -103,3 +103,18 @@ def test_the_tokenizer_identity_changes_with_the_vocabulary(tiny):
     before = tokenizer_identity(tok)
     tok.add_tokens(["<new>"])
     assert tokenizer_identity(tok) != before
+
+
+def test_min_new_tokens_bars_the_end_of_sequence_token_until_then(tmp_path, tiny, monkeypatch):
+    """The token greedy decoding writes first is made the end-of-sequence token: without the option every
+    output ends at once; with it, every output runs to --new-tokens and holds that token nowhere before."""
+    workload = _workload(tmp_path) + ":all"
+    first = run_generation(_opts(tmp_path, tiny, temperature=0.0, batch=3, workload=workload, new_tokens=1))
+    eos = first[0].output_ids[0]
+    monkeypatch.setattr("calibrate.drafters.target.eos_token_id", lambda tok: eos)
+    ended = run_generation(_opts(tmp_path, tiny, temperature=0.0, batch=3, workload=workload, out=tmp_path / "e"))
+    assert ended[0].output_ids == [eos] and ended[0].stopped == "eos"
+    held = run_generation(_opts(tmp_path, tiny, temperature=0.0, batch=3, workload=workload, out=tmp_path / "m",
+                                min_new_tokens=12))
+    for g in held:
+        assert len(g.output_ids) == 12 and eos not in g.output_ids and g.stopped == "length"

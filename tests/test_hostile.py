@@ -674,6 +674,8 @@ _GEN = "generate --out {w}/g --workload math:heldout"
 GENERATE = [
     Case("generate-new-tokens-zero", _GEN + " --new-tokens 0", "--new-tokens 0"),
     Case("generate-new-tokens-huge", _GEN + " --new-tokens 1000000000", "--new-tokens 1000000000"),
+    Case("generate-min-new-tokens-negative", _GEN + " --min-new-tokens -1", "--min-new-tokens -1"),
+    Case("generate-min-new-tokens-above-new", _GEN + " --new-tokens 8 --min-new-tokens 9", "--min-new-tokens 9"),
     Case("generate-temperature-nan", _GEN + " --temperature nan", "--temperature nan"),
     Case("generate-temperature-negative", _GEN + " --temperature -1", "--temperature -1"),
     Case("generate-top-p-zero", _GEN + " --top-p 0", "--top-p 0"),
