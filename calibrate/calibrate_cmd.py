@@ -32,7 +32,9 @@ def calibrate(
                                "hf, its heads for eagle3 and dflash, its PARD drafter for pard).")] = None,
     target_path: Annotated[Optional[str], typer.Option(
         "--target-path", help="Target model folder (eagle3, dflash; the tokenizer source for hf/pard without one).")] = None,
-    corpus: Annotated[str, typer.Option(help="pydoc[:train|heldout|all], a .txt or .jsonl file, or a folder.")] = "pydoc",
+    corpus: Annotated[str, typer.Option(
+        help="pydoc[:train|heldout|all], a .txt or .jsonl file, a folder, or generated:NAME[:SPLIT] (the target's "
+             "own text: diary, math, science, NAME-greedy, or a `sharpdraft generate` folder).")] = "pydoc",
     max_length: Annotated[Optional[int], typer.Option("--max-length", help="Tokens per sequence (default 4 x n_ref).")] = None,
     sequences: Annotated[int, typer.Option(help="Sequences to read from the corpus.")] = 8,
     n_ref: Annotated[Optional[int], typer.Option("--n-ref", help="Reference length: the drafter's training context "

@@ -24,6 +24,11 @@ a folder
     stream of tokens (joined as :func:`pack` joins them) and cut into sequences of ``max_length``
     tokens in which passages recur verbatim at set distances, each token marked when it is a copy
     (:func:`recall_corpus`); its documents are ``SOURCE``'s.
+``generated:NAME[:SPLIT]`` (e.g. ``generated:diary:heldout``, ``generated:out/gen/diary``)
+    the target's own text: one sequence per prompt of a ``sharpdraft generate`` run folder, its token ids
+    as written (:mod:`calibrate.generated`): :func:`pack` gives each generation of at least ``max_length``
+    tokens cut there, and leaves the shorter ones out (never padded, never joined). Token ids, not text:
+    it has no :func:`documents`, so it is no source of recall sequences.
 
 Packing (:func:`pack`, the one rule for calibration, evaluation and the demo head's training):
 documents are tokenized in order, joined with the end-of-sequence token (the tokens of a blank
@@ -43,6 +48,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import UserError
+from .generated import generated_sequences, is_generated
 
 __all__ = ["SPLITS", "RECALL", "RECALL_AT", "documents", "is_recall", "no_text", "pack", "pydoc_topics",
            "recall_corpus", "recall_parts", "stdlib_modules"]
@@ -98,6 +104,9 @@ def documents(source: str) -> Iterator[str]:
     if is_recall(source):
         yield from documents(recall_parts(source)[0])
         return
+    if is_generated(source):
+        raise UserError(f"--corpus {source}: a generated corpus is token ids, not text; recall sequences and "
+                        "the training scripts read a text corpus (pydoc, stdlib, a .txt or .jsonl file)")
     if source == "pydoc" or source.startswith("pydoc:"):
         split = source.partition(":")[2] or "train"
         for _, text in pydoc_topics(split):
@@ -204,11 +213,16 @@ def pack(source: str, tokenize: Callable[[str], list[int]], eos_token_id: int | 
 
     Documents are joined with ``eos_token_id`` (a drafter's ``eos_token_id``; None: the tokens of a
     blank line). Tokenizes lazily: a large corpus is read only as far as the sequences asked for.
-    A recall source gives its recall sequences' tokens (:func:`recall_corpus`). Raises ``UserError``
-    when the corpus holds no full sequence.
+    A recall source gives its recall sequences' tokens (:func:`recall_corpus`), a generated one its
+    generations of at least ``max_length`` tokens, cut there (``tokenize`` and ``eos_token_id`` unused:
+    :func:`calibrate.generated.generated_sequences`). Raises ``UserError`` when the corpus holds no full
+    sequence.
     """
     if is_recall(source):
         yield from (s.ids for s in recall_corpus(source, tokenize, eos_token_id, max_length, limit))
+        return
+    if is_generated(source):
+        yield from (s.ids for s in generated_sequences(source, max_length, limit))
         return
     buffer: list[int] = []
     produced = 0

@@ -24,6 +24,7 @@ def eval_command(
     corpus: flags.Corpus = "pydoc:heldout",
     sequences: flags.Sequences = None,
     skip: flags.Skip = 0,
+    bin_size: flags.BinSize = None,
     top_k: flags.TopK = None,
     speculative: flags.Speculative = False,
     sample: flags.Sample = False,

@@ -3,7 +3,8 @@
 * :func:`check_outputs`: each output path can be written, is not a folder (or, for a folder
   output, not a file), and names neither an input nor another output, so a run can never replace
   the spec, corpus or checkpoint it reads, and never fails to write after all its work is done.
-* :func:`check_corpus`: the corpus source exists and its first document can be read.
+* :func:`check_corpus`: the corpus source exists and its first document can be read (a generated
+  corpus: its split has a generation long enough, written with the target's tokenizer).
 * :func:`load_spec`: a spec file, its :class:`~sharpdraft_theory.SpecError` as a ``UserError``.
 
 Each problem is a one-line ``UserError`` naming the option, the path and what to do.
@@ -80,13 +81,27 @@ def _check_writable(option: str, path: Path, resolved: Path) -> None:
     os.unlink(probe)
 
 
-def check_corpus(source: str, max_length: int | None = None) -> None:
+def check_corpus(source: str, max_length: int | None = None, *, drafter: str | None = None,
+                 drafter_path: str | None = None, target_path: str | None = None) -> None:
     """The corpus exists and its first document reads (``calibrate.corpus`` raises the ``UserError``);
     a corpus with no text at all (an empty file, blank lines, a folder of such) is refused here too,
-    and a recall corpus whose sequences of ``max_length`` (when given) fit no repeat distance."""
+    and a recall corpus whose sequences of ``max_length`` (when given) fit no repeat distance.
+
+    A generated corpus (``calibrate.generated``): its split holds a finished generation of ``max_length``
+    tokens, and, when ``drafter`` is given and the target's tokenizer reads without weights
+    (``target_tokenizer`` of ``drafter``, ``drafter_path``, ``target_path``), it is that tokenizer's."""
     from .corpus import RECALL_AT, documents, is_recall, no_text, recall_parts
+    from .generated import check_tokenizer, generated_sequences, is_generated, read_corpus, target_tokenizer
     from .recall import passage_length, usable_distances
 
+    if is_generated(source):
+        read_corpus(source)
+        if max_length is not None:
+            generated_sequences(source, max_length, limit=1)
+        tokenizer = None if drafter is None else target_tokenizer(drafter, drafter_path, target_path)
+        if tokenizer is not None:
+            check_tokenizer(source, tokenizer)
+        return
     if next(iter(documents(source)), None) is None:
         raise no_text(source)
     if not is_recall(source) or max_length is None:

@@ -53,6 +53,7 @@ from .drafters.pard_smollm2 import cut_from_smollm2
 from .errors import UserError
 from .fit import (LAWS_WRITTEN, MAX_N_PER_N_REF, Collection, FitSettings, check_fit_options, check_max_n, fit_spec,
                   plausibility_notes, record_meta)
+from .generated import check_tokenizer, is_generated
 from .measure.saved import check_params
 from .preflight import check_corpus, check_outputs, local_inputs
 from .smollm2 import SMOLLM2_N_REF
@@ -72,7 +73,7 @@ class CalibrateOptions:
     drafter: str = "hf"  # a kind of calibrate.drafters.KINDS
     drafter_path: str | None = None  # checkpoint folder, .gguf file or hub id; None: built-in default
     target_path: str | None = None  # target model (eagle3, dflash) or tokenizer source (hf, pard)
-    corpus: str = "pydoc"  # pydoc[:train|heldout|all], a .txt / .jsonl file or a folder
+    corpus: str = "pydoc"  # pydoc[:train|heldout|all], a .txt / .jsonl file, a folder or generated:NAME[:SPLIT]
     max_length: int | None = None  # tokens per sequence; None: 4 * n_ref
     sequences: int = 8  # sequences to read
     n_ref: int | None = None  # reference length; None: the drafter's default
@@ -200,6 +201,8 @@ def _prepare(opts: CalibrateOptions, folder: Path, device, dtype, drafter) -> _S
               "distance_profile": opts.stats is not None,
               # so is the attention budget (plot's budget.png), its window the last n_ref keys
               "budget_window": n_ref if opts.stats is not None else None}
+    if is_generated(opts.corpus):  # the drafter's tokenizer, where check_options could not read it alone
+        check_tokenizer(opts.corpus, drafter.tokenizer, "the drafter's")
     sequences = list(pack(opts.corpus, drafter.tokenize, drafter.eos_token_id, max_length, limit=opts.sequences))
     if len(sequences) < opts.sequences:
         notes.append(f"the corpus holds only {len(sequences)} sequences of {max_length} tokens "
@@ -350,7 +353,8 @@ def check_options(opts: CalibrateOptions) -> None:
                         "to n_ref, below --max-length; use a --top-k of at most half the n_ref")
     check_outputs({"--out": Path(opts.out), "--stats": opts.stats},
                   local_inputs(corpus=opts.corpus, drafter_path=opts.drafter_path, target_path=opts.target_path))
-    check_corpus(opts.corpus, opts.max_length)
+    check_corpus(opts.corpus, opts.max_length, drafter=opts.drafter, drafter_path=opts.drafter_path,
+                 target_path=opts.target_path)
 
 
 def _first_sampled_n(top_k: int) -> int:

@@ -28,7 +28,12 @@ ExtraSpec = Annotated[Optional[list[str]], typer.Option(
 Lengths = Annotated[str, typer.Option(help="Context-length bucket edges; the largest is the sequence length.")]
 Corpus = Annotated[str, typer.Option(help="Held-out text: pydoc:heldout, stdlib:heldout, a .txt or .jsonl file, "
                                           "or a folder; recall:SOURCE (e.g. recall:stdlib:heldout) for SOURCE's text "
-                                          "with passages repeated at set distances, reporting copy agreement.")]
+                                          "with passages repeated at set distances, reporting copy agreement; "
+                                          "generated:NAME[:SPLIT] (the target's own text: diary, math, science, "
+                                          "NAME-greedy, or a `sharpdraft generate` folder), also reported by "
+                                          "output position.")]
+BinSize = Annotated[Optional[int], typer.Option(
+    "--bin-size", help="On a generated corpus: output tokens per bin of the by-output-position report (default 512).")]
 Sequences = Annotated[Optional[int], typer.Option(help="At most this many sequences of the largest length "
                                                        "(default: all the corpus holds).")]
 Skip = Annotated[int, typer.Option(help="Sequences of the corpus to pass over first.")]

@@ -22,6 +22,7 @@ from sharpdraft_theory import ScaleSpec
 
 from ..drafters import drafter_kind
 from ..errors import UserError
+from ..generated import is_generated
 from ..lookup import MAX_NGRAM, LookupSettings
 from ..measure import parse_grid, scale_grid
 from ..online import OnlineOptions, online_options
@@ -30,9 +31,10 @@ from .variants import (DEFAULT_SINKS, DEFAULT_VARIANTS, EXTRA_NAME, EXTRA_PREFIX
                        bucket_edges, check_variants, parse_extra_specs, with_lookup)
 
 __all__ = ["EvalOptions", "check_temperature", "check_seed", "check_lookup", "MIN_TEMPERATURE", "MAX_TEMPERATURE",
-           "MAX_SEED"]
+           "MAX_SEED", "DEFAULT_BIN_SIZE"]
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0  # below, softmax(logits / T) is greedy in float32; above, all but uniform
+DEFAULT_BIN_SIZE = 512  # a generated corpus's output tokens per bin (bench's default too)
 MAX_SEED = 2**63 - 1  # seeds are numpy SeedSequence entropy; a bound keeps a typo from passing as a seed
 
 
@@ -96,9 +98,11 @@ class EvalOptions:
     extra_specs: Mapping[str, ScaleSpec] = field(default_factory=dict)  # {"spec:NAME": spec} on the same passes
     extra_spec_files: Mapping[str, str] = field(default_factory=dict)  # {"spec:NAME": FILE} (--extra-spec)
     lengths: tuple[int, ...] = (256, 512, 1024, 2048)  # bucket edges; the largest is the sequence length
-    corpus: str = "pydoc:heldout"  # held-out text (calibrate.corpus source), recall:SOURCE for copy agreement
+    corpus: str = "pydoc:heldout"  # held-out text (calibrate.corpus source), recall:SOURCE for copy agreement,
+    # generated:NAME[:SPLIT] for the target's own text (calibrate.generated), reported by output position too
     sequences: int | None = None  # at most this many sequences of the largest length; None: all
     skip: int = 0  # sequences of the corpus to pass over first
+    bin_size: int | None = None  # a generated corpus's output tokens per bin; None: DEFAULT_BIN_SIZE on one
     top_k: int | None = None  # top set size of the mass; None: the spec's (4 without one)
     speculative: bool = False  # also run speculative decoding
     sample: bool = False  # speculative sampling at temperature instead of greedy decoding
@@ -174,7 +178,9 @@ class EvalOptions:
                           for name, file in self.extra_spec_files.items()
                           for path in local_inputs(file=file).values()}})
         settle("lookup", check_lookup(self.lookup_max_ngram, self.lookup_min_ngram))
-        check_corpus(self.corpus, longest)
+        check_corpus(self.corpus, longest, drafter=self.drafter, drafter_path=self.drafter_path,
+                     target_path=self.target_path)
+        settle("bin_size", self._check_bin_size(longest))
         settle("top_k", self.top_k or (self.spec.top_k if self.spec is not None else 4))
         self._check_specs()
         if self.n_ref is not None:  # the grid's specs are checked before loading when n_ref is known
@@ -191,6 +197,21 @@ class EvalOptions:
                 raise UserError(f"{option} {value}: need at least {least}")
         if self.top_k is not None and self.top_k < 1:
             raise UserError(f"--top-k {self.top_k}: need at least 1 (or leave it out for the spec's)")
+
+    def _check_bin_size(self, longest: int) -> int | None:
+        """``--bin-size``: on a generated corpus, 1 to the longest length (default :data:`DEFAULT_BIN_SIZE`, or the
+        longest length when shorter); refused on another corpus, which has no output positions."""
+        if not is_generated(self.corpus):
+            if self.bin_size is not None:
+                raise UserError(f"--bin-size {self.bin_size}: bins the output positions of a generated corpus; "
+                                f"{self.corpus} has none: drop --bin-size or name --corpus generated:NAME")
+            return None
+        if self.bin_size is None:
+            return min(DEFAULT_BIN_SIZE, longest)
+        if not 1 <= self.bin_size <= longest:
+            raise UserError(f"--bin-size {self.bin_size}: expected 1 to the longest of --lengths ({longest}) output "
+                            "tokens per bin")
+        return int(self.bin_size)
 
     def _check_specs(self) -> None:
         """The spec and the extra specs at the run's top-k (every variant's mass is read at one k), each extra
@@ -223,7 +244,8 @@ class EvalOptions:
                 "neighbour_window": self.neighbour_window, "group": self.group, "sample": self.sample,
                 "seed": self.seed, "lookup": self.lookup.to_dict() if looked else None,
                 "online": None if self.online is None else self.online.to_dict(),
-                "extra_specs": {name: extra.to_dict() for name, extra in self.extra_specs.items()} or None}
+                "extra_specs": {name: extra.to_dict() for name, extra in self.extra_specs.items()} or None,
+                **({"bin_size": self.bin_size} if self.bin_size is not None else {})}
 
     @classmethod
     def from_cli(cls, *, lengths: str, variants: str, slopes: str | None, alphas: str | None,

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from ..numbers import fixed, signed_triple
 
-__all__ = ["print_summary", "spec_label", "summary_tables", "block_table", "cost_table"]
+__all__ = ["print_summary", "print_output_bins", "spec_label", "summary_tables", "block_table", "cost_table"]
 
 
 def print_summary(result: dict) -> None:
@@ -32,6 +32,8 @@ def print_summary(result: dict) -> None:
         console.print(f"copy: rows whose token repeats the one {distances} tokens back (the recall corpus's "
                       "distances); other: the text's other rows; target: the target's own greedy token equals the "
                       "true one")
+    if result.get("output_bins"):
+        print_output_bins(result, console)
     if result.get("blocks"):
         console.print(block_table(result["blocks"]))
     if result.get("costs"):
@@ -56,6 +58,22 @@ def print_summary(result: dict) -> None:
                       "to save (a small target on CPU, a Python loop), even when acceptance length is near 2"
                       + "; draft ms per round: the drafter's time per target forward, draft share: its part of "
                         "the decode time")
+
+
+def print_output_bins(result: dict, console: Console) -> None:
+    """A generated corpus's report by output position: each arm's agreement, expected acceptance and copy share
+    per bin (``result["output_bins"]``), and a line on what the bins and copy rows are."""
+    binned = result["output_bins"]
+    rows = [{**row, "n": f"{row['start']}-{row['end']}"} for row in binned["bins"]]
+    for table in summary_tables(result, console.width, buckets=rows, axis="output position", column="out",
+                                only=("agreement", "expected_acceptance", "copy_share")):
+        console.print(table)
+    shares = ", ".join(f"{row['n']}: {fixed(row['copy_rows_share'][0])} ({row['sequences']} seq.)"
+                       for row in rows if row.get("copy_rows_share"))
+    console.print(f"output position: row t of a sequence is at t - its prompt's length (rows in the prompt are in no "
+                  f"bin), bins of {binned['bin_size']} tokens; copy rows: the token a "
+                  f"{result['generated']['copy_order']}-gram lookup over the text before it drafts right; copy share: "
+                  f"of the rows an arm (or the target) gets right, the copy rows' share; copy rows per bin: {shares}")
 
 
 def _half_note(result: dict) -> str:
@@ -85,22 +103,25 @@ def spec_label(d: dict) -> str:
     return " + ".join(parts)
 
 
-def summary_tables(result: dict, width: int = 80) -> list[Table]:
+def summary_tables(result: dict, width: int = 80, *, buckets: list[dict] | None = None, axis: str = "context length n",
+                   column: str = "n", only: tuple[str, ...] | None = None) -> list[Table]:
     """One table per metric of ``result`` (``calibrate.eval.run.evaluate``), each fitting ``width`` columns.
 
-    The metrics are the numbers in the buckets' cells (mass, agreement, acceptance_length, ...), the
-    variants those of ``result["variants"]``, whatever they are. A metric with paired deltas gets a
-    row per (n, variant): its value, the delta from none with its interval on one line, and the share
+    The metrics are the numbers in the buckets' cells (mass, agreement, acceptance_length, ...; ``only``: those
+    of them), the variants those of ``result["variants"]``, whatever they are. A metric with paired deltas gets
+    a row per (n, variant): its value, the delta from none with its interval on one line, and the share
     of the reference's gain it recovers when there is one. A metric without gets a row per variant and a
-    column per n (or, when that is too wide, a row per (n, variant)).
+    column per n (or, when that is too wide, a row per (n, variant)). ``buckets`` (default ``result["buckets"]``)
+    are the rows, each labelled by its ``"n"``, titled by ``axis`` and headed ``column``.
     """
     from ..measure import TARGET
 
-    buckets, variants = result["buckets"], list(result["variants"])
+    buckets, variants = result["buckets"] if buckets is None else buckets, list(result["variants"])
     variants += [TARGET] if any(TARGET in row for row in buckets) else []  # the target's accuracy (recall corpus)
     metrics = list(dict.fromkeys(key for row in buckets for variant in variants if variant in row
                                  for key, value in row[variant].items()
-                                 if not key.endswith("_interval") and not isinstance(value, (dict, list))))
+                                 if not key.endswith("_interval") and not isinstance(value, (dict, list))
+                                 and (only is None or key in only)))
     name_width = max(map(len, variants))  # variant names are never cut or folded
     tables = []
     for metric in metrics:
@@ -110,17 +131,17 @@ def summary_tables(result: dict, width: int = 80) -> list[Table]:
         deltas = any((c.get("delta_vs_none") or {}).get(metric) is not None for _, _, c in cells)
         shares = any((c.get("recovered") or {}).get(metric) is not None for _, _, c in cells)
         if not deltas and 14 + 9 * len(buckets) <= width:  # variants down, lengths across
-            table = Table(title=f"{label} by context length n")
+            table = Table(title=f"{label} by {axis}")
             table.add_column("variant", min_width=name_width, overflow="fold")
             for row in buckets:
-                table.add_column(f"n={row['n']}", justify="right", no_wrap=True)
+                table.add_column(f"{column}={row['n']}", justify="right", no_wrap=True)
             for variant in having:
                 table.add_row(variant, *(fixed(row[variant].get(metric)) if variant in row else "-"
                                          for row in buckets))
             tables.append(table)
             continue
-        table = Table(title=f"{label} by context length n" + (", Δ from none [95%]" if deltas else ""))
-        table.add_column("n", justify="right", no_wrap=True)
+        table = Table(title=f"{label} by {axis}" + (", Δ from none [95%]" if deltas else ""))
+        table.add_column(column, justify="right", no_wrap=True)
         table.add_column("variant", min_width=name_width, overflow="fold")
         table.add_column(label, justify="right", overflow="fold")
         if deltas:

@@ -24,10 +24,12 @@ from sharpdraft_theory.bootstrap import RESAMPLES
 from ..corpus import is_recall, pack, recall_corpus
 from ..drafters import drafter_kind, drafts_in_parallel, load_drafter, resolve_device, resolve_dtype
 from ..errors import UserError
+from ..generated import COPY_ORDER, check_tokenizer, copied_tokens, generated_sequences, is_generated, read_corpus
 from ..measure import (METRICS, Arm, MassMeter, SavedUnits, Tally, gain, partial_dir, scale_grid, summarize,
                        tally_sequence)
 from ..measure.blocks import block_anchors, block_rows, block_sums, check_block_unit, summarize_blocks
 from ..measure.forced import row_masks
+from ..measure.longgen import output_edges, regroup, summarize_bins
 from ..numbers import rounded
 from ..online import (ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, extra_bytes, online_arms, online_pass,
                       tally_online)
@@ -126,9 +128,14 @@ def evaluate(drafter, opts: EvalOptions, *, reference=None, saved: SavedUnits | 
     shared = list(arms)  # the arms of the one many-arm pass
     arms += [Arm(a.name, a.spec) for a in learning]
     limit = None if opts.sequences is None else opts.skip + opts.sequences
+    generated = None
     if recall:
         recalled = recall_corpus(opts.corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]), limit)[opts.skip:]
         texts, copied = [m.ids for m in recalled], [m.copied for m in recalled]
+    elif is_generated(opts.corpus):
+        check_tokenizer(opts.corpus, drafter.tokenizer, "the drafter's")
+        generated = generated_sequences(opts.corpus, int(edges[-1]), limit)[opts.skip:]
+        texts, copied = [g.ids for g in generated], [copied_tokens(g.ids) for g in generated]
     else:
         texts = list(pack(opts.corpus, drafter.tokenize, drafter.eos_token_id, int(edges[-1]), limit))[opts.skip:]
         copied = [None] * len(texts)
@@ -138,17 +145,22 @@ def evaluate(drafter, opts: EvalOptions, *, reference=None, saved: SavedUnits | 
     online = opts.online or OnlineOptions()
     if any(a.method == "online-lora" for a in learning):
         check_rank(drafter.head, online.rank)  # before any pass: the head's widths are known
-    tallies, costs = [], []
+    tallies, costs, by_bin = [], [], []
+    bins = None if generated is None else max(-(-(int(edges[-1]) - g.prompt_length) // opts.bin_size)
+                                              for g in generated)  # output bins the longest output reaches
     learners = {}  # online arm -> its learner, kept across sequences with online.carry
     for i, text in enumerate(texts):
-        kept = saved.get(f"forced-{i:05d}", lambda d: _forced_unit(d, [a.name for a in arms], len(edges)))
+        kept = saved.get(f"forced-{i:05d}", lambda d: _forced_unit(d, [a.name for a in arms], len(edges), bins))
         if kept is None:
             if progress:
                 progress(f"sequence {i + 1}/{len(texts)}: teacher-forced, {len(shared)} arms"
                          + (f" + {len(learning)} online" if learning else ""))
+            # a generated sequence's rows go to finer buckets, each in one context bucket and one output bin
+            fine, context, in_bin = (edges, None, None) if generated is None else output_edges(
+                edges, generated[i].prompt_length, opts.bin_size)
             began = time.perf_counter()
             with PeakMemory(drafter.device) as peak:
-                tally = tally_sequence(drafter, torch.tensor([text]), shared, edges, top_k=spec.top_k,
+                tally = tally_sequence(drafter, torch.tensor([text]), shared, fine, top_k=spec.top_k,
                                        temperature=opts.temperature, rows_per_bucket=opts.rows_per_bucket,
                                        other=reference, copied=copied[i], lookup=lookup)
             cost = {a.name: _cost("shared", time.perf_counter() - began, len(text) - 1, peak,
@@ -156,14 +168,19 @@ def evaluate(drafter, opts: EvalOptions, *, reference=None, saved: SavedUnits | 
             for arm in learning:
                 if progress:
                     progress(f"sequence {i + 1}/{len(texts)}: {arm.name}")
-                cost[arm.name], learners[arm.name] = _online(drafter, text, arm, online, edges, tally, spec.top_k,
+                cost[arm.name], learners[arm.name] = _online(drafter, text, arm, online, fine, tally, spec.top_k,
                                                              opts.temperature, opts.rows_per_bucket,
                                                              learners.get(arm.name), copied[i])
-            saved.put(f"forced-{i:05d}", {**tally.to_dict(), "costs": cost})
+            binned = None
+            if generated is not None:
+                binned, tally = regroup(tally, in_bin, bins), regroup(tally, context, len(edges))
+            saved.put(f"forced-{i:05d}", {**tally.to_dict(), "costs": cost,
+                                          **({} if binned is None else {"output_bins": binned.to_dict()})})
         else:
-            tally, cost = kept
+            tally, cost, binned = kept
         tallies.append(tally)
         costs.append(cost)
+        by_bin.append(binned)
     buckets = summarize(tallies, arms, edges)
     blocks = None
     if drafts_in_parallel(drafter):
@@ -190,6 +207,11 @@ def evaluate(drafter, opts: EvalOptions, *, reference=None, saved: SavedUnits | 
         "variants": {a.name: describe_spec(a.spec) for a in arms},  # an online arm: the spec it runs under
         "lookup": lookup.to_dict() if any(a.drafts != "head" for a in arms) else None,
         "recall": {"distances": [m.distance for m in recalled]} if recall else None,
+        "generated": None if generated is None else {
+            **read_corpus(opts.corpus).to_dict(), "ids": [g.id for g in generated],
+            "prompt_lengths": [g.prompt_length for g in generated], "copy_order": COPY_ORDER},
+        "output_bins": None if generated is None else {
+            "bin_size": opts.bin_size, "bins": summarize_bins(by_bin, [a for a in arms if a not in grid], opts.bin_size)},
         "speculative": None if not opts.speculative else {
             **speculative_record(loop, opts.new_tokens, num_draft, all_identical, opts.sample, opts.temperature,
                                  opts.seed, drafter), "drafters": drafters},
@@ -243,15 +265,20 @@ def _online(drafter, text, arm, options: OnlineOptions, edges, tally: Tally, top
     return _cost("own", seconds, out.drafted.shape[1], peak, extra_bytes(learner)), learner
 
 
-def _forced_unit(unit, names: list[str], buckets: int) -> tuple[Tally, dict]:
-    """A saved sequence (its tally and each arm's cost) checked against the run's arm ``names`` and number
-    of ``buckets``: a ``ValueError`` saying what is wrong otherwise."""
+def _forced_unit(unit, names: list[str], buckets: int, bins: int | None = None) -> tuple[Tally, dict, Tally | None]:
+    """A saved sequence (its tally, each arm's cost and, with ``bins``, its tally over that many output bins)
+    checked against the run's arm ``names`` and number of ``buckets``: a ``ValueError`` saying what is wrong
+    otherwise."""
     if not isinstance(unit, dict) or not isinstance(unit.get("costs"), dict) or set(unit["costs"]) != set(names):
         raise ValueError(f"costs: expected one entry per arm ({', '.join(names)})")
     for name, c in unit["costs"].items():
         if not isinstance(c, dict) or set(c) != set(COST_FIELDS):
             raise ValueError(f"costs[{name!r}]: expected {', '.join(COST_FIELDS)}")
-    return Tally.from_dict({k: v for k, v in unit.items() if k != "costs"}, names, buckets), unit["costs"]
+    if (bins is not None) != ("output_bins" in unit):
+        raise ValueError("output_bins: expected one on a generated corpus only")
+    binned = None if bins is None else Tally.from_dict(unit["output_bins"], names, bins)
+    tally = Tally.from_dict({k: v for k, v in unit.items() if k not in ("costs", "output_bins")}, names, buckets)
+    return tally, unit["costs"], binned
 
 
 COST_FIELDS = ("pass", "seconds", "tokens", "peak_bytes", "peak_method", "extra_bytes")  # one arm's cost (_cost)

@@ -19,6 +19,14 @@ The figures, each over prompts (the independent unit; verifications of one promp
   proposes a draft for, the share it drafts right, and distinct 4-grams over 4-grams; and whether
   the output ended in a loop (:func:`looped`). Together they tell a fade from a loop: a drafter
   whose acceptance rises while distinct 4-grams fall is copying a cycle.
+
+The same bins on a fixed text, teacher-forced (``sharpdraft eval`` on a generated corpus, every arm on the
+same tokens): row ``t`` of a sequence whose prompt holds ``P`` tokens is at output position ``t - P``
+(rows inside the prompt are in no bin). One pass per sequence serves both reports: the rows are tallied
+in finer buckets (:func:`output_edges`: every context-length edge, the prompt's end and every bin's end),
+each of which lies in one context-length bucket and one output bin, and the tally is summed both ways
+(:func:`regroup`). :func:`summarize_bins` gives each arm's agreement, expected acceptance and copy share
+per bin, with paired intervals over sequences.
 """
 
 from __future__ import annotations
@@ -29,10 +37,14 @@ import numpy as np
 
 from sharpdraft_theory.bootstrap import RESAMPLES
 
+from sharpdraft_theory.bootstrap import paired_bootstrap
+
 from ..lookup import LookupSettings, next_token_drafts
+from ..numbers import rounded, rounded_interval, rounded_triple
+from .forced import TARGET, Tally, summarize
 
 __all__ = ["step_positions", "bin_tallies", "acceptance_by_bin", "prompts_by_bin", "fade", "geometric_mean",
-           "text_by_bin", "looped"]
+           "text_by_bin", "looped", "output_edges", "regroup", "summarize_bins"]
 
 LOOP_TAIL = 256  # tokens at the end of an output examined by looped()
 LOOP_AGREEMENT = 0.95  # share of the tail equal to the token one period back that makes a loop
@@ -191,3 +203,74 @@ def looped(tokens: Sequence[int], *, tail: int = LOOP_TAIL, agreement: float = L
         if (end == ids[len(ids) - tail - p:len(ids) - p]).mean() >= agreement:
             return p
     return None
+
+
+def output_edges(edges: np.ndarray, prompt_length: int, bin_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(fine, context, bins)`` for one sequence whose prompt holds ``prompt_length`` tokens, its rows
+    bucketed by ``n = t + 1`` up to ``edges[-1]`` (``calibrate.measure.forced``'s layout):
+
+    ``fine`` (F,): upper edges of finer buckets, every edge of ``edges``, the prompt's end and each output
+    bin's end below the last edge; ``context`` (F,): each fine bucket's index in ``edges``; ``bins`` (F,):
+    its output bin (rows ``t`` with ``(t - prompt_length) // bin_size`` equal), -1 inside the prompt.
+
+    >>> fine, context, bins = output_edges(np.array([8, 16]), prompt_length=3, bin_size=4)
+    >>> fine.tolist(), context.tolist(), bins.tolist()
+    ([3, 7, 8, 11, 15, 16], [0, 0, 0, 1, 1, 1], [-1, 0, 1, 1, 2, 3])
+    """
+    if bin_size < 1 or prompt_length < 0:
+        raise ValueError(f"bin_size must be >= 1 and prompt_length >= 0, got {bin_size} and {prompt_length}")
+    longest = int(edges[-1])
+    ends = prompt_length + bin_size * np.arange(1, max(0, longest - prompt_length) // bin_size + 1)
+    fine = np.unique(np.concatenate([np.asarray(edges, dtype=np.int64), ends[ends < longest],
+                                     [prompt_length] if 0 < prompt_length < longest else []]).astype(np.int64))
+    bins = np.where(fine > prompt_length, (fine - prompt_length - 1) // bin_size, -1)
+    return fine, np.searchsorted(edges, fine), bins
+
+
+def regroup(tally: Tally, to: np.ndarray, count: int) -> Tally:
+    """``tally`` over fine buckets summed into ``count`` buckets: fine bucket ``i`` into ``to[i]`` (-1: left out).
+
+    >>> t = Tally(rows=np.array([1., 2., 3.]), sums={"a": {"agreement": np.array([1., 1., 2.])}},
+    ...           mass={"a": np.zeros((2, 3))})
+    >>> r = regroup(t, np.array([-1, 0, 0]), 1)
+    >>> r.rows.tolist(), r.sums["a"]["agreement"].tolist()
+    ([5.0], [3.0])
+    """
+    onehot = np.zeros((len(to), count))  # (fine, count)
+    kept = np.flatnonzero(to >= 0)
+    onehot[kept, to[kept]] = 1.0
+    return Tally(rows=tally.rows @ onehot,
+                 sums={a: {m: v @ onehot for m, v in s.items()} for a, s in tally.sums.items()},
+                 mass={a: m @ onehot for a, m in tally.mass.items()},
+                 subsets={k: v @ onehot for k, v in tally.subsets.items()})
+
+
+def summarize_bins(tallies: list[Tally], arms: list, bin_size: int) -> list[dict]:
+    """Per output bin of ``bin_size`` tokens, from the sequences' tallies over bins (:func:`regroup`):
+    :func:`calibrate.measure.forced.summarize`'s cells (every arm's agreement, expected acceptance, copy and
+    other rows, each with its interval, paired deltas from none, per-sequence sums) under ``start`` and
+    ``end`` instead of ``n``, and
+
+    ``sequences``: those with rows in the bin; ``copy_rows_share`` ``[mean, lo, hi]``: share of the bin's rows
+    that are copy rows; per arm (and the target) ``copy_share`` with ``copy_share_interval``: of the rows it
+    gets right, the share that are copy rows. Intervals: 95% bootstrap over sequences.
+    """
+    rows = np.stack([t.rows for t in tallies])  # (sequences, bins)
+    starts = bin_size * np.arange(rows.shape[1])
+    out = summarize(tallies, arms, starts)
+    for b, row in enumerate(out):
+        row["start"], row["end"] = int(row.pop("n")), int(starts[b] + bin_size)
+        row["sequences"] = int((rows[:, b] > 0).sum())
+        copy = np.array([t.subsets["copy"][b] for t in tallies]) if tallies[0].subsets else None
+        row["copy_rows_share"] = None if copy is None else rounded_triple(paired_bootstrap(copy, rows[:, b]))
+        for name in [a.name for a in arms] + ([TARGET] if TARGET in tallies[0].sums else []):
+            right = ("copy_accuracy", "other_accuracy") if name == TARGET else ("copy_agreement", "agreement")
+            if right[0] not in tallies[0].sums[name]:
+                continue
+            hits = np.array([t.sums[name][right[0]][b] for t in tallies])  # (sequences,)
+            total = np.array([t.sums[name][right[1]][b] for t in tallies])
+            total = total + hits if name == TARGET else total  # the target: copy plus other rows right
+            share = paired_bootstrap(hits, total)
+            row[name]["copy_share"] = rounded(None if share is None else share[0])
+            row[name]["copy_share_interval"] = rounded_interval(share)
+    return out
