@@ -144,6 +144,25 @@ def test_output_bins_by_hand():
     assert copied_tokens([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9]).astype(int).tolist() == [0] * 7 + [1] * 4 + [0]
 
 
+def test_copy_share_by_hand():
+    """One bin, two sequences: 10 rows each, 4 and 2 of them copy rows; the arm gets 5 and 3 rows right, 2 and 1
+    of them copy rows: copy share (2 + 1) / (5 + 3); the target gets every row right: (4 + 2) / 20."""
+    def tally(copy_rows, right, right_copies):
+        one = lambda x: np.array([float(x)])  # noqa: E731
+        sums = {m: one(v) for m, v in (("agreement", right), ("expected_acceptance", right),
+                                       ("copy_agreement", right_copies), ("copy_expected_acceptance", right_copies),
+                                       ("other_agreement", right - right_copies),
+                                       ("other_expected_acceptance", right - right_copies))}
+        return Tally(rows=one(10), sums={"none": sums, "target": {"copy_accuracy": one(copy_rows),
+                                                                  "other_accuracy": one(10 - copy_rows)}},
+                     mass={"none": np.zeros((2, 1))}, subsets={"copy": one(copy_rows), "other": one(10 - copy_rows)})
+
+    [row] = summarize_bins([tally(4, 5, 2), tally(2, 3, 1)], [Arm("none")], 512)
+    assert (row["start"], row["end"], row["sequences"]) == (0, 512, 2)
+    assert row["none"]["copy_share"] == round(3 / 8, 4) and row["target"]["copy_share"] == 0.3
+    assert row["copy_rows_share"][0] == 0.3 and len(row["none"]["copy_share_interval"]) == 2
+
+
 def test_one_pass_gives_the_context_buckets_a_plain_pass_gives(fx):
     """The finer buckets summed back over context lengths equal a pass over the context edges alone, row for row."""
     drafter = load_drafter("eagle3", str(fx / "eagle3"), str(fx / "target"), torch.device("cpu"), torch.float32)

@@ -735,7 +735,50 @@ BENCH = [
     Case("bench-plot-not-png", _BENCH + " --plot {w}/p.pdf", "--plot"),
 ]
 
-CASES = (GENERATE + BENCH + PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES + ONLINE
+
+
+def _run(tokens: int = 130, tokenizer: str = "0123456789abcdef", generation: str | None = None) -> tuple:
+    """The files of a one-prompt ``sharpdraft generate`` run folder ``g`` (prompt a, train split) of ``tokens`` tokens."""
+    run = {"settings": {"workload": {"name": "p", "path": "/elsewhere/p.jsonl", "split": "all", "ids": ["a"]}},
+           "tokenizer": tokenizer}
+    done = {"id": "a", "prompt_ids": [1] * 10, "output_ids": [2] * (tokens - 10), "text": "", "stopped": "length",
+            "seconds": 0.0}
+    return (("g", None), ("g/run.json", json.dumps(run)), ("g/prompts", None),
+            ("g/prompts/a.json", generation if generation is not None else json.dumps(done)))
+
+
+_GEN_EVAL = EVAL.replace("{fx}/corpus.txt", "generated:{w}/g")
+GENERATED = [  # generated:NAME[:SPLIT] corpora and --bin-size: refused before any model loads
+    Case("eval-generated-empty", EVAL.replace("{fx}/corpus.txt", "generated:"), "generated:"),
+    Case("eval-generated-unknown-name", EVAL.replace("{fx}/corpus.txt", "generated:poetry"), "generated:poetry"),
+    Case("eval-generated-split-unknown", EVAL.replace("{fx}/corpus.txt", "generated:diary:test"), "unknown split 'test'"),
+    Case("eval-generated-no-folder", EVAL.replace("{fx}/corpus.txt", "generated:{w}/none"), "neither a shipped"),
+    Case("eval-generated-not-a-run", _GEN_EVAL, "is not a generation run", (("g", None),)),
+    Case("eval-generated-run-json-array", _GEN_EVAL, "is not a generation run", (("g", None), ("g/run.json", "[1]"))),
+    Case("eval-generated-empty-split", EVAL.replace("{fx}/corpus.txt", "generated:{w}/g:heldout"), "no finished generation in the heldout split", _run()),
+    Case("eval-generated-half-written", _GEN_EVAL, "a.json: not a finished generation",
+         _run(generation='{"id": "a", "prompt_ids": [1')),
+    Case("eval-generated-too-short", _GEN_EVAL, "holds 128 tokens", _run(tokens=100)),
+    Case("eval-generated-other-tokenizer", _GEN_EVAL, "generated with tokenizer 0123456789abcdef", _run()),
+    Case("eval-generated-in-recall", EVAL.replace("{fx}/corpus.txt", "recall:generated:{w}/g"), "token ids, not text",
+         _run()),
+    Case("eval-bin-size-zero", _GEN_EVAL + " --bin-size 0", "--bin-size 0", _run()),
+    Case("eval-bin-size-negative", _GEN_EVAL + " --bin-size -5", "--bin-size -5", _run()),
+    Case("eval-bin-size-text", _GEN_EVAL + " --bin-size wide", "--bin-size", _run()),
+    Case("eval-bin-size-past-the-longest-length", _GEN_EVAL + " --bin-size 129", "--bin-size 129", _run()),
+    Case("eval-bin-size-huge", _GEN_EVAL + " --bin-size 1" + "0" * 30, "--bin-size 1" + "0" * 30, _run()),
+    Case("eval-bin-size-on-a-text-corpus", EVAL + " --bin-size 64", "--bin-size 64"),
+    _cal("generated-unknown-name", "--corpus generated:poetry", "generated:poetry"),
+    _cal("generated-empty-split", "--corpus generated:{w}/g:heldout", "no finished generation", _run(300)),
+    _cal("generated-too-short", "--corpus generated:{w}/g", "holds 256 tokens", _run(100)),
+    _cal("generated-other-tokenizer", "--corpus generated:{w}/g", "generated with tokenizer 0123456789abcdef",
+         _run(300), base=CAL_EAGLE3 + " --max-length 256"),
+]
+GENERATED_AFTER_LOADING = [  # a checkpoint that reads its own tokenizer: refused as soon as it loads, before any pass
+    _cal("generated-other-tokenizer-than-the-drafter", "--corpus generated:{w}/g", "not the drafter's", _run(300)),
+]
+
+CASES = (GENERATE + BENCH + GENERATED + GENERATED_AFTER_LOADING + PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES + ONLINE
          + ONLINE_AFTER_LOADING)
 _EXP = "export --out {w}/o --spec {w}/s.json"
 EXPORT = [Case(f"export-{how}", f"{_EXP} {extra}".strip(), fragment, (("s.json", spec),) + files) for how, extra, spec, fragment, files in (
@@ -984,6 +1027,7 @@ BEFORE_LOADING = ["calibrate-top-k-huge", "calibrate-top-k-above-half-n-ref", "c
                   "calibrate-corpus-jsonl-blank", "calibrate-n-ref-small", "calibrate-alpha-max-nan",
                   "eval-corpus-empty", "eval-threads-text", "eval-extra-spec-no-name", "eval-extra-spec-twice",
                   "eval-extra-spec-missing", "eval-extra-spec-is-out"] + [c.id for c in ONLINE] + [c.id for c in GENERATE + BENCH]
+BEFORE_LOADING += [c.id for c in GENERATED]
 
 
 def test_every_before_loading_id_names_a_case():

@@ -178,9 +178,9 @@ class EvalOptions:
                           for name, file in self.extra_spec_files.items()
                           for path in local_inputs(file=file).values()}})
         settle("lookup", check_lookup(self.lookup_max_ngram, self.lookup_min_ngram))
+        settle("bin_size", self._check_bin_size(longest))
         check_corpus(self.corpus, longest, drafter=self.drafter, drafter_path=self.drafter_path,
                      target_path=self.target_path)
-        settle("bin_size", self._check_bin_size(longest))
         settle("top_k", self.top_k or (self.spec.top_k if self.spec is not None else 4))
         self._check_specs()
         if self.n_ref is not None:  # the grid's specs are checked before loading when n_ref is known

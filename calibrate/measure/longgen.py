@@ -259,10 +259,12 @@ def summarize_bins(tallies: list[Tally], arms: list, bin_size: int) -> list[dict
     starts = bin_size * np.arange(rows.shape[1])
     out = summarize(tallies, arms, starts)
     for b, row in enumerate(out):
-        row["start"], row["end"] = int(row.pop("n")), int(starts[b] + bin_size)
-        row["sequences"] = int((rows[:, b] > 0).sum())
         copy = np.array([t.subsets["copy"][b] for t in tallies]) if tallies[0].subsets else None
-        row["copy_rows_share"] = None if copy is None else rounded_triple(paired_bootstrap(copy, rows[:, b]))
+        del row["n"]
+        out[b] = row = {"start": int(starts[b]), "end": int(starts[b] + bin_size),
+                        "sequences": int((rows[:, b] > 0).sum()),
+                        "copy_rows_share": None if copy is None else rounded_triple(paired_bootstrap(copy, rows[:, b])),
+                        **row}
         for name in [a.name for a in arms] + ([TARGET] if TARGET in tallies[0].sums else []):
             right = ("copy_accuracy", "other_accuracy") if name == TARGET else ("copy_agreement", "agreement")
             if right[0] not in tallies[0].sums[name]:
