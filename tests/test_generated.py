@@ -216,6 +216,23 @@ def test_cli_eval_on_a_generated_corpus_reports_by_output_position(fx, tmp_path)
     assert "by output position" in printed.stdout and "copy share" in printed.stdout
 
 
+def test_an_interrupted_eval_on_a_generated_corpus_resumes_to_the_same_bins(fx, tmp_path, monkeypatch):
+    from calibrate.measure import SavedUnits
+
+    args = ["eval", "--drafter", "eagle3", "--drafter-path", str(fx / "eagle3"), "--target-path", str(fx / "target"),
+            "--corpus", f"generated:{fx / 'run'}:all", "--lengths", "64,128", "--sequences", "2", "--variants",
+            "none,window", "--bin-size", "48", "--device", "cpu", "--threads", "1", "--out", str(tmp_path / "e.json")]
+    monkeypatch.setattr(SavedUnits, "finish", lambda self: None)  # the partial stays, as an interrupted run's
+    first = CliRunner().invoke(app, [*args, "--json"])
+    assert first.exit_code == 0, first.output
+    saved = json.loads((tmp_path / "e.json").read_text())
+    again = CliRunner().invoke(app, [*args, "--json", "--resume"])
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["output_bins"] == saved["output_bins"]
+    other = CliRunner().invoke(app, [*args[:-2], "--bin-size", "32", "--out", str(tmp_path / "e.json"), "--resume"])
+    assert other.exit_code == 1 and "bin_size" in str(other.exception)
+
+
 def test_calibrate_and_select_on_a_generated_corpus(fx, tmp_path):
     """calibrate reads the train split's sequences as they are; --select measures its candidates on them."""
     opts = CalibrateOptions(out=tmp_path / "spec.json", drafter="eagle3", drafter_path=str(fx / "eagle3"),

@@ -4,7 +4,8 @@ Per sequence, every teacher-forced arm (the variants, the oracle's grid, the ref
 shares one target pass (``calibrate.measure.forced``); an online arm runs alone after it
 (``calibrate.online``); a drafter that drafts several tokens a forward also gets per-position
 metrics at anchors (``calibrate.measure.blocks``); with ``speculative`` each bucket decodes one
-prompt per sequence (``calibrate.eval.decode``). Each finished sequence and prompt is kept
+prompt per sequence (``calibrate.eval.decode``). On a generated corpus the same pass is also summed by
+output position (``calibrate.measure.longgen``). Each finished sequence and prompt is kept
 (``calibrate.measure.saved``), so an interrupted run resumed gives the same result. docs/eval.md
 documents the result.
 """
