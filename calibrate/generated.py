@@ -125,7 +125,7 @@ def read_corpus(source: str) -> GeneratedCorpus:
         raise UserError(f"--corpus {source}: no finished generation in the {split} split ({len(generations)} of "
                         f"{len(ids)} prompts finished in all); name another split or finish the run with "
                         "`sharpdraft generate --resume`")
-    identity = run.get("tokenizer") if isinstance(run, dict) else None
+    identity = run.get("tokenizer")
     return GeneratedCorpus(source, folder, split, identity if isinstance(identity, str) else None, chosen)
 
 
@@ -206,6 +206,7 @@ def check_tokenizer(source: str, tokenizer, where: str = "the target's") -> None
     corpus = read_corpus(source)
     mine = tokenizer_identity(tokenizer)
     if corpus.tokenizer != mine:
-        raise UserError(f"--corpus {source}: generated with tokenizer {corpus.tokenizer}, not {where} ({mine}); "
+        raise UserError(f"--corpus {source}: generated with tokenizer {corpus.tokenizer or '(none recorded)'}, not "
+                        f"{where} ({mine}); "
                         "its token ids mean other text here: generate the corpus with this target "
                         "(`sharpdraft generate --target-path ...`)")
