@@ -98,9 +98,14 @@ def candidates(fitted: ScaleSpec, n_ref: int, longest: int) -> list[Arm]:
 
 
 def select(drafter, sequences: list[list[int]], fitted: ScaleSpec, *, n_ref: int, max_length: int, longest: int,
-           progress=None) -> tuple[ScaleSpec | None, dict]:
+           progress=None, states: dict | None = None) -> tuple[ScaleSpec | None, dict]:
     """Measure the candidates on ``sequences`` and return the chosen deployment (its spec, None for the
-    identity; ``deployed`` makes the file) and the ``selection`` record."""
+    identity; ``deployed`` makes the file) and the ``selection`` record.
+
+    Every candidate of a sequence reads one target pass and the drafter's layers up to its attention
+    once (the adapter's ``teacher_forced``); ``states`` (sequence index -> the target states the
+    collection kept, ``keeps_target_states``) spares that target pass too. No candidate's top-k mass is
+    measured: the rule reads agreement and acceptance only."""
     if not getattr(drafter, "teacher_forced", None):
         raise UserError(f"--select: the {drafter.kind} drafter has no teacher-forced pass to measure candidates "
                         "with; drop --select and check the spec with sharpdraft eval")
@@ -116,7 +121,8 @@ def select(drafter, sequences: list[list[int]], fitted: ScaleSpec, *, n_ref: int
     for i, ids in enumerate(sequences):
         if progress:
             progress(f"selection: sequence {i + 1}/{len(sequences)}, {len(arms)} candidates")
-        tallies.append(tally_sequence(drafter, torch.tensor([ids]), arms, edges, top_k=fitted.top_k))
+        tallies.append(tally_sequence(drafter, torch.tensor([ids]), arms, edges, top_k=fitted.top_k,
+                                      rows_per_bucket=None, states=(states or {}).get(i)))
     record = judge(tallies, arms, edges, n_ref)
     record["seconds"] = round(time.perf_counter() - started, 1)
     return next(a.spec for a in arms if a.name == record["chosen"]), record
