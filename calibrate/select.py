@@ -54,7 +54,8 @@ from .errors import UserError
 from .eval.variants import LOOKUP_VARIANTS, describe_spec, variant_specs
 from .measure import METRICS, Arm, Tally, gain, slope_arm, tally_sequence
 
-__all__ = ["SIMPLICITY", "kind_of", "candidates", "length_edges", "select", "judge", "choose", "deployed", "decision_line", "RULE"]
+__all__ = ["SIMPLICITY", "kind_of", "candidates", "length_edges", "select", "judge", "choose", "deployed",
+           "decision_line", "RULE"]
 
 #: Deployments from simplest to most machinery: the tie-break among candidates within noise of the best.
 SIMPLICITY = ("none", "scale", "window", "sinks", "lookup", "fix", "fix+scale", "lookup+head")

@@ -65,8 +65,8 @@ from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read
                      rope_cos_sin, rope_inv_freq, rotary_dim)
 from .target import eos_token_id, hidden_state_features, load_target
 
-__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3AttentionInputs", "Eagle3Output", "Eagle3Adapter", "Eagle3Proposer", "load",
-           "load_eagle3_head", "target_features", "feature_layer_ids", "aux_hidden_states",
+__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3AttentionInputs", "Eagle3Output", "Eagle3Adapter", "Eagle3Proposer",
+           "load", "load_eagle3_head", "target_features", "feature_layer_ids", "aux_hidden_states",
            "SOURCES", "DEMO_HEAD_DIR"]
 
 # Packaged demo head for SmolLM2 (trained by a script in this repo, official EAGLE-3 layout).
@@ -311,7 +311,8 @@ class Eagle3Attention(nn.Module):
             key, value = torch.cat((past[0], key), dim=2), torch.cat((past[1], value), dim=2)
         return query, key, value
 
-    def _frequencies(self, device: torch.device):
+    def _frequencies(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        """The RoPE frequencies (rotary_dim / 2,) on ``device`` and the attention factor (``rope_inv_freq``)."""
         c = self.config
         return rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling, device)
 
