@@ -97,6 +97,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_dflash_block.py
 	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/bench_calibrate.py --max-length 2048 --sequences 3
+	$(PY) benchmarks/bench_calibrate.py --drafter eagle3 --corpus stdlib --sequences 6 --select
 
 # Re-run both notebooks at full size and store their outputs (what is committed).
 notebooks: $(STAMP)

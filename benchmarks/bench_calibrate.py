@@ -24,13 +24,15 @@ the per-sequence ratios (each sequence's two passes run back to back) moves less
 printed, with the ratio of process CPU time (which waiting for a core does not inflate; with one
 thread it is the work ratio itself).
 
-With ``--select`` (drafters with a teacher-forced pass: eagle3, hf and pard with a target), it
-then times ``calibrate --select``'s measurement of the candidates on the same sequences, as a
-ratio to the collection, and what sharing buys: one target pass per sequence for every candidate
-against one run per candidate (none and that candidate, a target pass each), on the first sequence.
+With ``--select`` (drafters with a teacher-forced pass: eagle3, hf and pard with a target) it
+measures ``calibrate --select`` instead: at each of ``--select-lengths`` (default 1,024 and 2,048
+tokens) the whole calibration as the command runs it (``calibrate.run.run_calibration``: collect,
+fit, select, write), and prints the selection's time over the collection's, the ratio the command's
+summary prints, for every length in one run. A short calibration runs first, untimed, so the figures
+are not the first call's (compiled kernels loaded, allocator grown).
 
     python benchmarks/bench_calibrate.py --max-length 2048 --sequences 3
-    python benchmarks/bench_calibrate.py --drafter eagle3 --max-length 1024 --sequences 4 --select
+    python benchmarks/bench_calibrate.py --drafter eagle3 --corpus stdlib --sequences 6 --select --threads 1
 """
 
 from __future__ import annotations
@@ -110,8 +112,12 @@ def main() -> None:
     ap.add_argument("--attention-budget", action="store_true",
                     help="also collect the attention budget (window n_ref), as calibrate does when it writes --stats")
     ap.add_argument("--select", action="store_true",
-                    help="also time calibrate --select's candidates, against the collection and against separate runs")
+                    help="instead, time calibrate --select against its collection at each of --select-lengths")
+    ap.add_argument("--select-lengths", default="1024,2048", help="--select: tokens per sequence, comma-separated")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     n_ref = args.n_ref or (256 if args.drafter == "eagle3" and args.drafter_path is None else args.max_length // 4)
 
     device = resolve_device(args.device)
@@ -120,6 +126,9 @@ def main() -> None:
     drafter = load_drafter(args.drafter, args.drafter_path, args.target_path, device, dtype)
     print(f"loaded {args.drafter} drafter in {time.perf_counter() - started:.1f} s on {device} ({dtype}); "
           f"torch threads {torch.get_num_threads()}")
+    if args.select:
+        _select(drafter, args, [int(x) for x in args.select_lengths.split(",")])
+        return
     sequences = list(pack(args.corpus, drafter.tokenize, drafter.eos_token_id, args.max_length, limit=args.sequences))
     grid = log_grid(args.max_length)
     collector = RowCollector(grid, chunk=args.chunk, distance_alphas=DISTANCE_ALPHAS if args.distance_profile else None,
@@ -195,39 +204,40 @@ def main() -> None:
     print(f"peak memory ratio, total:                  {total['calibrate'] / max(total['plain'], 1):.3f}")
     print(f"(not in the ratios: saving statistics {save_s:.2f} s, fit {fit_s:.2f} s; "
           f"mass-matching slope {fit.slopes['mass-matching']:.4f} at n_ref {n_ref})")
-    if args.select:
-        _select(drafter, sequences, float(fit.slopes["mass-matching"]), n_ref, args.max_length, times["calibrate"])
 
 
-def _select(drafter, sequences, slope: float, n_ref: int, max_length: int, collection_s: float) -> None:
-    """calibrate --select's cost: the candidates on every sequence (one target pass each), as a ratio to the
-    collection; then, on the first sequence, that shared pass against one run per candidate."""
-    import numpy as np
+def _select(drafter, args, lengths: list[int]) -> None:
+    """calibrate --select's cost at each of ``lengths``: the whole calibration as the command runs it, its
+    selection's seconds over its collection's (``result.seconds``, what the summary divides by)."""
+    import tempfile
+    from pathlib import Path
 
-    from calibrate.fit import MAX_N_PER_N_REF
-    from calibrate.measure import tally_sequence
-    from calibrate.select import candidates, select
-    from sharpdraft_theory import ScaleSpec
+    from calibrate.run import CalibrateOptions, run_calibration
 
-    fitted = ScaleSpec(law="log-linear", n_ref=n_ref, slope=round(slope, 4), top_k=4)
-    t0 = time.perf_counter()
-    _, record = select(drafter, sequences, fitted, n_ref=n_ref, max_length=max_length,
-                       longest=MAX_N_PER_N_REF * n_ref)
-    select_s = time.perf_counter() - t0
-    arms = candidates(fitted, n_ref, MAX_N_PER_N_REF * n_ref)
-    print(f"\nselection: {len(arms)} candidates on {len(sequences)} sequences in {select_s:.1f} s, "
-          f"{select_s / collection_s:.2f} x the collection ({collection_s:.1f} s); chose {record['chosen']}")
-    ids, edges = torch.tensor([sequences[0]]), np.array(record["buckets"])
-    edges = np.concatenate([[n_ref], edges])
-    t0 = time.perf_counter()
-    tally_sequence(drafter, ids, arms, edges, top_k=4)
-    shared_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for arm in arms[1:]:
-        tally_sequence(drafter, ids, [arms[0], arm], edges, top_k=4)
-    separate_s = time.perf_counter() - t0
-    print(f"one sequence, every candidate on one target pass: {shared_s:.1f} s; one run per candidate "
-          f"({len(arms) - 1} target passes): {separate_s:.1f} s; ratio shared / separate {shared_s / separate_s:.2f}")
+    def calibrate(folder: Path, sequences: int, max_length: int | None):
+        opts = CalibrateOptions(out=folder / f"select-{max_length}.json", drafter=args.drafter,
+                                drafter_path=args.drafter_path, target_path=args.target_path, corpus=args.corpus,
+                                max_length=max_length, sequences=sequences, n_ref=args.n_ref, device=args.device,
+                                dtype=args.dtype, chunk=args.chunk, select=True)
+        return run_calibration(opts, drafter=drafter)
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        warm = calibrate(Path(folder), 1, None)  # untimed: the first call's costs (compiled kernels, allocator)
+        print(f"warm-up: 1 sequence of {warm.spec.calibration.max_length} tokens")
+        for length in lengths:
+            result = calibrate(Path(folder), args.sequences, length)
+            record = result.selection
+            rows.append((length, result.spec.calibration.sequences, len(record["candidates"]) - 1, result.seconds,
+                         record["seconds"], record["chosen"]))
+            print(f"  {length:>6} tokens: collection {result.seconds:7.1f} s, selection {record['seconds']:7.1f} s "
+                  f"({record['seconds'] / result.seconds:.2f} x), chose {record['chosen']}", flush=True)
+    print(f"\ncalibrate --select, {args.drafter} drafter on {args.corpus}, torch threads {torch.get_num_threads()}:")
+    print(f"{'tokens':>8} {'sequences':>9} {'candidates':>10} {'collection s':>12} {'selection s':>11} "
+          f"{'selection / collection':>22}  chosen")
+    for length, sequences, arms, collection_s, select_s, chosen in rows:
+        print(f"{length:>8} {sequences:>9} {arms:>10} {collection_s:>12.1f} {select_s:>11.1f} "
+              f"{select_s / collection_s:>22.2f}  {chosen}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ __all__ = ["CalibrateOptions", "CalibrateResult", "Progress", "check_options", "
 
 GRID_PER_OCTAVE = 8  # sampled n per doubling
 GRID_N_MIN = 32  # shortest sampled n
+KEEP_STATES_BYTES = 1 << 30  # --select: target states kept from the collection for the selection, at most
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,9 @@ class _Setup:
     params: dict  # the run's parameters, as run.json holds them
     sequences: list[list[int]]  # the corpus, packed
     notes: list[str]  # things the user should know
+    # --select: sequence index -> the target states its collection kept (the drafter's keeps_target_states),
+    # on the host, so the selection does not run the target again; rank 0's own sequences, up to KEEP_STATES_BYTES
+    states: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
 
 def _run(opts: CalibrateOptions, ranks: Ranks, device, dtype, drafter, progress) -> CalibrateResult | None:
@@ -160,7 +164,7 @@ def _run(opts: CalibrateOptions, ranks: Ranks, device, dtype, drafter, progress)
     ranks.agree(lambda: _open_partial(folder, setup.params, opts.resume, setup.notes) if ranks.main else None)
     ranks.agree(lambda: None if ranks.main else _open_partial(folder, setup.params, True, []))
     mine = [i for i in range(len(setup.sequences)) if ranks.owns(i)]
-    shard = ranks.agree(lambda: _collect(opts, setup, mine, folder, progress))
+    shard = ranks.agree(lambda: _collect(opts, setup, mine, folder, progress, keep=opts.select and ranks.main))
     shards = ranks.gather(shard)
     done = ranks.agree(lambda: _finish(opts, setup, shards) if ranks.main else None)
     shutil.rmtree(folder, ignore_errors=True)
@@ -222,8 +226,9 @@ class _Shard:
 
 
 def _collect(opts: CalibrateOptions, setup: _Setup, mine: list[int], folder: Path,
-             progress: Progress | None) -> _Shard:
-    """Collect (or load, when saved) the sequences ``mine``, saving each as soon as it is done."""
+             progress: Progress | None, keep: bool = False) -> _Shard:
+    """Collect (or load, when saved) the sequences ``mine``, saving each as soon as it is done; ``keep``: also
+    keep the target states of the sequences collected here in ``setup.states`` (``_keep``)."""
     collector = RowCollector(setup.grid, k_max=setup.k_max, alpha_grid=DEFAULT_ALPHA_GRID, chunk=opts.chunk,
                              distance_alphas=DISTANCE_ALPHAS if setup.params["distance_profile"] else None,
                              budget_window=setup.params["budget_window"])
@@ -241,7 +246,7 @@ def _collect(opts: CalibrateOptions, setup: _Setup, mine: list[int], folder: Pat
         started = time.perf_counter()
         collector.start(i)
         try:
-            setup.drafter.collect(torch.tensor([ids]), collector, positions)
+            kept = _collect_sequence(setup.drafter, torch.tensor([ids]), collector, positions, keep)
             part = collector.take()
         except torch.cuda.OutOfMemoryError:
             raise UserError(f"CUDA out of memory in sequence {i} ({setup.max_length} tokens, chunk "
@@ -249,11 +254,32 @@ def _collect(opts: CalibrateOptions, setup: _Setup, mine: list[int], folder: Pat
                             "or --max-length; then --resume keeps the sequences already done") from None
         _write(f"sequence {i} to {folder}", lambda: part.save(saved[i]), "then --resume to continue")
         shard.parts[i] = part
+        _keep(setup.states, i, kept)
         shard.seconds += time.perf_counter() - started
         shard.tokens += len(ids)
         if progress is not None:
             progress.advance(len(ids), part.rows)
     return shard
+
+
+def _collect_sequence(drafter, input_ids: torch.Tensor, collector: RowCollector, positions: torch.Tensor,
+                      keep: bool) -> tuple[torch.Tensor, ...] | None:
+    """The drafter's collection pass over ``input_ids`` (1, T) into ``collector``; with ``keep``, the target
+    states it returns when its kind keeps them (``keeps_target_states``), else None."""
+    if keep and getattr(drafter, "keeps_target_states", False):
+        return drafter.collect(input_ids, collector, positions, keep_states=True)
+    drafter.collect(input_ids, collector, positions)
+    return None
+
+
+def _keep(states: dict, i: int, kept: tuple[torch.Tensor, ...] | None) -> None:
+    """Keep sequence ``i``'s target states on the host while all kept stay within ``KEEP_STATES_BYTES``; a
+    sequence past it has its target run again by the selection."""
+    if kept is None:
+        return
+    held = sum(t.nbytes for tensors in states.values() for t in tensors)
+    if held + sum(t.nbytes for t in kept) <= KEEP_STATES_BYTES:
+        states[i] = tuple(t.cpu() for t in kept)
 
 
 def _finish(opts: CalibrateOptions, setup: _Setup,
@@ -287,7 +313,8 @@ def _selected(fitted: ScaleSpec, setup: _Setup) -> ScaleSpec:
     from .select import deployed, select
 
     chosen, record = select(setup.drafter, setup.sequences, fitted, n_ref=setup.n_ref, max_length=setup.max_length,
-                            longest=MAX_N_PER_N_REF * setup.n_ref)
+                            longest=MAX_N_PER_N_REF * setup.n_ref, states=setup.states)
+    setup.states.clear()
     return deployed(fitted, chosen, record)
 
 

@@ -54,7 +54,8 @@ from .errors import UserError
 from .eval.variants import LOOKUP_VARIANTS, describe_spec, variant_specs
 from .measure import METRICS, Arm, Tally, gain, slope_arm, tally_sequence
 
-__all__ = ["SIMPLICITY", "kind_of", "candidates", "select", "judge", "choose", "deployed", "decision_line", "RULE"]
+__all__ = ["SIMPLICITY", "kind_of", "candidates", "length_edges", "select", "judge", "choose", "deployed",
+           "decision_line", "RULE"]
 
 #: Deployments from simplest to most machinery: the tie-break among candidates within noise of the best.
 SIMPLICITY = ("none", "scale", "window", "sinks", "lookup", "fix", "fix+scale", "lookup+head")
@@ -97,17 +98,31 @@ def candidates(fitted: ScaleSpec, n_ref: int, longest: int) -> list[Arm]:
     return arms + [Arm(name, None, drafts=name) for name in LOOKUP_VARIANTS]
 
 
+def length_edges(n_ref: int, max_length: int) -> np.ndarray:
+    """The selection's bucket edges: n_ref, then doublings up to the calibration length (the last one it).
+
+    >>> length_edges(256, 1000).tolist()
+    [256, 512, 1000]
+    """
+    edges = [n_ref]
+    while edges[-1] < max_length:
+        edges.append(min(2 * edges[-1], max_length))
+    return np.asarray(edges)
+
+
 def select(drafter, sequences: list[list[int]], fitted: ScaleSpec, *, n_ref: int, max_length: int, longest: int,
-           progress=None) -> tuple[ScaleSpec | None, dict]:
+           progress=None, states: dict | None = None) -> tuple[ScaleSpec | None, dict]:
     """Measure the candidates on ``sequences`` and return the chosen deployment (its spec, None for the
-    identity; ``deployed`` makes the file) and the ``selection`` record."""
+    identity; ``deployed`` makes the file) and the ``selection`` record.
+
+    Every candidate of a sequence reads one target pass and the drafter's layers up to its attention
+    once (the adapter's ``teacher_forced``); ``states`` (sequence index -> the target states the
+    collection kept, ``keeps_target_states``) spares that target pass too. No candidate's top-k mass is
+    measured: the rule reads agreement and acceptance only."""
     if not getattr(drafter, "teacher_forced", None):
         raise UserError(f"--select: the {drafter.kind} drafter has no teacher-forced pass to measure candidates "
                         "with; drop --select and check the spec with sharpdraft eval")
-    edges = [n_ref]  # n_ref, then doublings up to the calibration length
-    while edges[-1] < max_length:
-        edges.append(min(2 * edges[-1], max_length))
-    edges = np.asarray(edges)
+    edges = length_edges(n_ref, max_length)
     if not (edges > n_ref).any():
         raise UserError(f"--select: no length past n_ref={n_ref} below --max-length {max_length} to measure")
     arms = candidates(fitted, n_ref, longest)
@@ -116,7 +131,8 @@ def select(drafter, sequences: list[list[int]], fitted: ScaleSpec, *, n_ref: int
     for i, ids in enumerate(sequences):
         if progress:
             progress(f"selection: sequence {i + 1}/{len(sequences)}, {len(arms)} candidates")
-        tallies.append(tally_sequence(drafter, torch.tensor([ids]), arms, edges, top_k=fitted.top_k))
+        tallies.append(tally_sequence(drafter, torch.tensor([ids]), arms, edges, top_k=fitted.top_k,
+                                      rows_per_bucket=None, states=(states or {}).get(i)))
     record = judge(tallies, arms, edges, n_ref)
     record["seconds"] = round(time.perf_counter() - started, 1)
     return next(a.spec for a in arms if a.name == record["chosen"]), record

@@ -234,6 +234,10 @@ class Adapter(Protocol):
 
     feature_ids: tuple[int, ...] | None  # target hidden_states its proposers read (None: none), for a shared prefill
 
+    # A kind whose collection runs the target (EAGLE-3) may set ``keeps_target_states = True``: its
+    # ``collect(..., keep_states=True)`` then returns the target's states of the text from that pass, which
+    # ``teacher_forced(..., states=...)`` reads instead of running the target again (``calibrate --select``).
+
     def proposer(self, spec: ScaleSpec | None) -> Proposer:
         """A proposer with ``spec`` applied (None: unscaled), with the adapter's copy pointer if it has
         one; call its ``close`` when done."""

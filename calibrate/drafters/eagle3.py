@@ -65,8 +65,8 @@ from .layers import (GatedMLP, RMSNorm, RopeScaling, apply_rope, attention, read
                      rope_cos_sin, rope_inv_freq, rotary_dim)
 from .target import eos_token_id, hidden_state_features, load_target
 
-__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Output", "Eagle3Adapter", "Eagle3Proposer", "load",
-           "load_eagle3_head", "target_features", "feature_layer_ids", "aux_hidden_states",
+__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3AttentionInputs", "Eagle3Output", "Eagle3Adapter", "Eagle3Proposer",
+           "load", "load_eagle3_head", "target_features", "feature_layer_ids", "aux_hidden_states",
            "SOURCES", "DEMO_HEAD_DIR"]
 
 # Packaged demo head for SmolLM2 (trained by a script in this repo, official EAGLE-3 layout).
@@ -288,6 +288,14 @@ class Eagle3Attention(nn.Module):
                 past: tuple[torch.Tensor, torch.Tensor] | None = None,
                 hook: AttentionTap | None = None, window: int | None = None, sinks: int | None = None,
                 positions: PositionFix | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        query, key, value = self.project(x, position_ids, past)
+        return self.attend(query, key, value, position_ids, hook, window, sinks, positions)
+
+    def project(self, x: torch.Tensor, position_ids: torch.Tensor,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The post-RoPE query (B, h, T, D) of ``x`` (B, T, 2H) at ``position_ids`` (B, T), and its post-RoPE
+        keys and values (B, kv, past + T, D) after ``past``'s: all that :meth:`attend` reads."""
         c = self.config
         B, T, _ = x.shape
         query = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)
@@ -296,27 +304,41 @@ class Eagle3Attention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, h, T, D), (B, kv, T, D)
         value = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        frequencies = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling, x.device)
-        cos, sin = rope_cos_sin(position_ids, c.rotary_dim, c.rope_theta, query.dtype, c.rope_scaling, frequencies)
+        cos, sin = rope_cos_sin(position_ids, c.rotary_dim, c.rope_theta, query.dtype, c.rope_scaling,
+                                self._frequencies(x.device))
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         if past is not None:
             key, value = torch.cat((past[0], key), dim=2), torch.cat((past[1], value), dim=2)
+        return query, key, value
+
+    def _frequencies(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        """The RoPE frequencies (rotary_dim / 2,) on ``device`` and the attention factor (``rope_inv_freq``)."""
+        c = self.config
+        return rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling, device)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor,
+               hook: AttentionTap | None = None, window: int | None = None, sinks: int | None = None,
+               positions: PositionFix | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The attention output (B, T, H) after ``o_proj`` of :meth:`project`'s query, keys and values, and the
+        cache (key, value). ``hook`` may scale the query in place: pass a copy of a query other calls read."""
+        c = self.config
+        B, _, T, _ = query.shape
         # Query i sits after the cached keys: it sees keys 0 .. past + i (causal, no tree mask), less those
         # outside the narrower of the head's own sliding window and the spec's window (its sinks kept).
         past_len = key.shape[2] - T
         if c.sliding_window is not None:
             window = c.sliding_window if window is None else min(window, c.sliding_window)
         n_visible = causal_n_visible(T, past_len, sliding_window=window, sinks=sinks,
-                                     device=x.device).expand(B, T)  # (B, T)
+                                     device=query.device).expand(B, T)  # (B, T)
         if hook is not None:
             replaced = hook(self.layer_idx, query, key, self.scaling, n_visible)
             query = query if replaced is None else replaced
-        visible = causal_mask(T, past_len, sliding_window=window, sinks=sinks, device=x.device)  # (T, k)
+        visible = causal_mask(T, past_len, sliding_window=window, sinks=sinks, device=query.device)  # (T, k)
         if positions is not None and key.shape[2] > positions.identity_limit:
             if not at_slots(position_ids, key.shape[2]):  # the cache holds row p at slot p
                 raise ValueError(f"the spec's positions ({positions.fix}) need each row at its cache slot; "
                                  "these position_ids differ")
-            inv_freq, _ = frequencies
+            inv_freq, _ = self._frequencies(query.device)
             if T == 1:  # a decoding step: far keys rotated in the logits' pass, or the plain kernel over them
                 kernel = lambda q, k, v: attention(q, k, v, self.scaling, visible, self.implementation)  # noqa: E731
                 out = decode_attention(query, key, value, self.scaling, positions, inv_freq, kernel,
@@ -342,19 +364,37 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, embeds, hidden, position_ids, past=None, hook=None, window=None, sinks=None, positions=None):
+        residual, x = self.inputs(embeds, hidden)
+        attn, cache = self.self_attn(x, position_ids, past, hook, window, sinks, positions)
+        return self.after_attention(residual, attn), cache
+
+    def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual (B, T, H) and the attention's input (B, T, 2H) of token ``embeds`` and ``hidden`` (B, T, H)."""
         normed = self.hidden_norm(hidden)
         # EAGLE keeps the un-normed fc output as residual; vLLM's norm_before_residual keeps the normed one.
         residual = normed if self.config.norm_before_residual else hidden
-        x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # (B, T, 2H), embedding first
-        attn, cache = self.self_attn(x, position_ids, past, hook, window, sinks, positions)
+        return residual, torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # (B, T, 2H), embedding first
+
+    def after_attention(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output (B, T, H) from the residual and the attention output (B, T, H)."""
         h = residual + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), cache
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Output(NamedTuple):
     logits: torch.Tensor | None  # (B, T, draft_vocab_size); None when return_logits=False
     hidden_states: torch.Tensor  # (B, T, H) the next step's feature: o_t, or norm(o_t) with norm_output
     past_key_values: tuple[torch.Tensor, torch.Tensor]  # post-RoPE (key, value), (B, kv_heads, k, D)
+
+
+class Eagle3AttentionInputs(NamedTuple):
+    """:meth:`Eagle3Head.attention_inputs`: the midlayer's residual and its attention's inputs."""
+
+    residual: torch.Tensor  # (B, T, H)
+    query: torch.Tensor  # (B, heads, T, D) post-RoPE
+    key: torch.Tensor  # (B, kv_heads, past + T, D) post-RoPE, after the cache's
+    value: torch.Tensor  # (B, kv_heads, past + T, D)
+    position_ids: torch.Tensor  # (B, T)
 
 
 class Eagle3Head(nn.Module):
@@ -419,6 +459,14 @@ class Eagle3Head(nn.Module):
         positions : PositionFix, optional
             A spec's distance fix: logits at remapped RoPE positions; None: the true ones.
         """
+        inputs = self.attention_inputs(input_ids, hidden_states, position_ids, past_key_values)
+        return self.from_attention_inputs(inputs, attention_hook, return_logits, window, sinks, positions)
+
+    def attention_inputs(self, input_ids: torch.Tensor, hidden_states: torch.Tensor,
+                         position_ids: torch.Tensor | None = None,
+                         past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None) -> Eagle3AttentionInputs:
+        """What :meth:`forward` computes before the attention (arguments as there): no spec changes it, so
+        arms of one teacher-forced pass share it (:meth:`from_attention_inputs`)."""
         c = self.config
         B, T = input_ids.shape
         past_len = 0 if past_key_values is None else past_key_values[0].shape[2]
@@ -430,8 +478,20 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"hidden_states width {hidden_states.shape[-1]} is neither {c.num_aux} * "
                              f"target_hidden_size = {c.num_aux * c.target_hidden_size} nor hidden_size = {c.hidden_size}")
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
-        out, cache = self.midlayer(embeds, hidden_states, position_ids, past_key_values, attention_hook, window, sinks,
-                                   positions)
+        residual, x = self.midlayer.inputs(embeds, hidden_states)
+        return Eagle3AttentionInputs(residual, *self.midlayer.self_attn.project(x, position_ids, past_key_values),
+                                     position_ids)
+
+    def from_attention_inputs(self, inputs: Eagle3AttentionInputs, attention_hook: AttentionTap | None = None,
+                              return_logits: bool = True, window: int | None = None, sinks: int | None = None,
+                              positions: PositionFix | None = None) -> Eagle3Output:
+        """:meth:`forward`'s output from :meth:`attention_inputs`' (the other arguments as there). A hook that
+        scales the query in place (``sharpdraft_runtime.query_hook``) scales ``inputs.query``: give each
+        call its own copy when the inputs serve several."""
+        c = self.config
+        attn, cache = self.midlayer.self_attn.attend(inputs.query, inputs.key, inputs.value, inputs.position_ids,
+                                                     attention_hook, window, sinks, positions)
+        out = self.midlayer.after_attention(inputs.residual, attn)
         normed = self.norm(out)
         logits = self.lm_head(normed if c.final_norm else out) if return_logits else None
         return Eagle3Output(logits, normed if c.norm_output else out, cache)
@@ -650,6 +710,7 @@ class Eagle3Adapter:
 
     kind = "eagle3"
     predicts = 2  # teacher-forced row t guesses token t + 2
+    keeps_target_states = True  # collect(..., keep_states=True) returns what teacher_forced(..., states=) reads
 
     def __init__(self, head: Eagle3Head, target: nn.Module, tokenizer, path: str | None = None,
                  training: TrainingLength | None = None, aux_layer_reading: str | None = None,
@@ -694,7 +755,8 @@ class Eagle3Adapter:
         return input_ids.to(self.device)
 
     @torch.no_grad()
-    def collect(self, input_ids: torch.Tensor, tap: AttentionTap, positions: torch.Tensor) -> None:
+    def collect(self, input_ids: torch.Tensor, tap: AttentionTap, positions: torch.Tensor,
+                keep_states: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Teacher-forced pass of the head over ``input_ids`` (1, T), calling ``tap`` once (layer 0).
 
         The head sees T - 1 rows: row ``t`` pairs the target feature at ``t`` with token ``t + 1``
@@ -706,13 +768,20 @@ class Eagle3Adapter:
         With a sliding window ``W`` only rows ``0 .. W-1`` run: they see keys ``0 .. t`` exactly as
         without a window (``n = t + 1 <= W``), while a later row sees the last ``W`` keys, not the
         first ``n`` a tap reads, and adds no new count (``n = W`` again).
+
+        ``keep_states``: also return :meth:`target_states` of the text, taken from the same target pass, for
+        :meth:`teacher_forced` to read instead of running the target again (None with a sliding window,
+        whose pass stops short of the text's end).
         """
         input_ids = self._input(input_ids)
         window = self.head.config.sliding_window
         if window is not None:
             input_ids = input_ids[:, :window + 1]
-        features = hidden_state_features(self.target, input_ids, self.feature_ids)
+        states = self.target_states(input_ids) if keep_states and window is None else None
+        features = (hidden_state_features(self.target, input_ids, self.feature_ids) if states is None
+                    else states[0].contiguous())  # the same numbers, laid out as the pass without states has them
         self.head(input_ids[:, 1:], features[:, :-1], attention_hook=tap, return_logits=False)
+        return states
 
     @torch.no_grad()
     def target_states(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -727,14 +796,17 @@ class Eagle3Adapter:
 
     @torch.no_grad()
     def teacher_forced(self, input_ids: torch.Tensor, runs: Sequence[tuple[ScaleSpec | None, AttentionTap | None]],
-                       temperature: float = 1.0, proposals: torch.Tensor | None = None) -> TeacherForced:
+                       temperature: float = 1.0, proposals: torch.Tensor | None = None,
+                       states: tuple[torch.Tensor, torch.Tensor] | None = None) -> TeacherForced:
         """Head row ``t`` (the collect layout) guesses token ``t + 2`` (``predicts``); the target's law for
-        it is its next-token law after position ``t + 1``. The target runs once, for features and its law.
+        it is its next-token law after position ``t + 1``. The target runs once, for features and its law,
+        unless ``states`` (:meth:`target_states` of ``input_ids``, kept by :meth:`collect`) hold them; the
+        head's layers up to its attention run once for every run (:meth:`Eagle3Head.attention_inputs`).
         The copy pointer, when the head has one, wraps the head's arm (``calibrate.drafters.pointer``)."""
         from ..measure.metrics import NextTokenLaw
 
         input_ids = self._input(input_ids)
-        features, final = self.target_states(input_ids)
+        features, final = self.target_states(input_ids) if states is None else (s.to(self.device) for s in states)
         columns = self.head.draft_to_target(torch.arange(self.head.config.draft_vocab_size, device=final.device))
         arm = _Eagle3Arm(self.head, input_ids, features, columns)
         if self.pointer is not None:
@@ -758,11 +830,14 @@ class _Eagle3Arm:
 
     def __init__(self, head: Eagle3Head, input_ids: torch.Tensor, features: torch.Tensor, columns: torch.Tensor):
         self.head, self.input_ids, self.features, self.columns = head, input_ids, features, columns
+        self.shared: Eagle3AttentionInputs | None = None  # made at the first arm, read by every arm
 
     def __call__(self, spec, tap):
         scaled = ScalingTap(spec, tap)
-        logits = self.head(self.input_ids[:, 1:], self.features[:, :-1], attention_hook=scaled,
-                           **_restriction(spec)).logits[0]  # (T-1, draft)
+        if self.shared is None:  # fc, the norms, q, k, v and RoPE: no spec changes them
+            self.shared = self.head.attention_inputs(self.input_ids[:, 1:], self.features[:, :-1])
+        inputs = self.shared._replace(query=self.shared.query.clone())  # a spec scales its own copy in place
+        logits = self.head.from_attention_inputs(inputs, scaled, **_restriction(spec)).logits[0]  # (T-1, draft)
         rows = torch.arange(logits.shape[0], device=logits.device)
         n_visible = scaled.n_visible[0]
         yield ForcedRows(rows, logits, rows + 1, n_visible, n_visible, self.columns)

@@ -174,8 +174,8 @@ def _per_bucket(edges: np.ndarray, n: np.ndarray, values: np.ndarray) -> np.ndar
 
 
 def tally_sequence(drafter, input_ids: torch.Tensor, arms: list[Arm], edges: np.ndarray, *, top_k: int,
-                   temperature: float = 1.0, rows_per_bucket: int = 96, other=None, copied: np.ndarray | None = None,
-                   lookup=None) -> Tally:
+                   temperature: float = 1.0, rows_per_bucket: int | None = 96, other=None,
+                   copied: np.ndarray | None = None, lookup=None, states=None) -> Tally:
     """Run every arm over one sequence ``input_ids`` (1, T) and reduce it to a :class:`Tally`.
 
     The main drafter's arms share one ``teacher_forced`` call (one target pass); the ``other``
@@ -190,6 +190,10 @@ def tally_sequence(drafter, input_ids: torch.Tensor, arms: list[Arm], edges: np.
     drafts nothing; ``lookup+head`` takes the drafter's row there. ``copied`` (T,) bool, a recall
     sequence's mask (``calibrate.recall``): the sums over the rows whose guessed token is copied and
     over the other rows of the text, and the target's own accuracy on both.
+
+    ``rows_per_bucket``: rows per bucket whose top-k mass is measured (None: none, every mass 0).
+    ``states``: the main drafter's target states of ``input_ids``, kept by its collection
+    (``keeps_target_states``), so its target does not run again.
     """
     from ..lookup import LookupSettings, next_token_drafts
 
@@ -203,13 +207,14 @@ def tally_sequence(drafter, input_ids: torch.Tensor, arms: list[Arm], edges: np.
         # a position fix remaps the logits a meter would read at the true positions, and a lookup arm's rows
         # are not all the drafter's: no mass for them
         meters = [None if a.drafts != "head" or (a.spec is not None and a.spec.positions is not None)
-                  else MassMeter(edges, top_k, rows_per_bucket, a.spec) for a in runs]
+                  or rows_per_bucket is None else MassMeter(edges, top_k, rows_per_bucket, a.spec) for a in runs]
         looks = any(a.drafts != "head" for a in group)
         if looks:
             settings = lookup or LookupSettings(eos_token_id=source.eos_token_id)
             looked = next_token_drafts(text.tolist(), settings)[source.predicts:]  # (rows,) row t: token t + predicts
+        kept = {"states": states} if states is not None and source is drafter else {}
         forced = source.teacher_forced(input_ids, [(a.spec, m) for a, m in zip(runs, meters)], temperature=temperature,
-                                       **({"proposals": torch.as_tensor(looked)} if looks else {}))
+                                       **({"proposals": torch.as_tensor(looked)} if looks else {}), **kept)
         R = forced.target_next.shape[0]
         n = np.arange(1, R + 1)  # row t: the full drafter sees t + 1 keys (adapters' layout)
         rows = _per_bucket(edges, n, np.ones(R))
