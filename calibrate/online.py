@@ -42,12 +42,12 @@ import ctypes
 import math
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from sharpdraft_theory import ScaleSpec
 
@@ -58,8 +58,8 @@ from .taps import ScalingTap
 from .training.loss import distillation_loss
 
 __all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "OnlineOptions", "OnlineArm", "online_options",
-           "online_arms", "check_rank", "Learner", "OnlineSequence", "online_pass", "tally_online", "extra_bytes",
-           "PeakMemory"]
+           "online_arms", "check_rank", "Learner", "OnlineSequence", "online_pass", "OnlineProposer", "tally_online",
+           "extra_bytes", "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
 ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
@@ -153,7 +153,7 @@ class Learner:
     """The trainable state of one online arm on an EAGLE-3 head, and the head run with it.
 
     ``online-full``: a copy of every head parameter but the shared embedding, run in place of the
-    head's own (``torch.func.functional_call``). ``online-lora``: ``A`` (r, in) drawn as
+    head's own (:meth:`Learner.applied`). ``online-lora``: ``A`` (r, in) drawn as
     ``nn.Linear`` draws a weight and ``B`` (out, r) zero for each projection of
     :data:`LORA_MODULES`, added to the projection's output by a forward hook for the length of
     each call, ``y = W x + B (A x)`` (scale 1, i.e. LoRA's alpha = r), in float32. The head's
@@ -189,12 +189,30 @@ class Learner:
 
     def __call__(self, *args, **kwargs):
         """The head's forward with this arm's weights: ``head(*args, **kwargs)``."""
-        if self.full is not None:
-            return functional_call(self.head, self.full, args, kwargs)
+        with self.applied():
+            return self.head(*args, **kwargs)
+
+    @contextmanager
+    def applied(self):
+        """While the block runs, the head computes with this arm's weights: ``online-full``'s copy stands in
+        for the head's parameters, ``online-lora``'s hooks add ``B (A x)``; both undone on leaving, so a
+        proposer that calls the head (``calibrate.drafters.eagle3.Eagle3Proposer``) drafts with them."""
         modules = dict(self.head.named_modules())
+        if self.full is not None:
+            owners = [(modules[name.rpartition(".")[0]], name.rpartition(".")[2], tensor)
+                      for name, tensor in self.full.items()]
+            saved = [module._parameters[attr] for module, attr, _ in owners]
+            for module, attr, tensor in owners:
+                module._parameters[attr] = tensor
+            try:
+                yield
+            finally:
+                for (module, attr, _), param in zip(owners, saved):
+                    module._parameters[attr] = param
+            return
         handles = [modules[name].register_forward_hook(_lora_hook(a, b)) for name, (a, b) in self.lora.items()]
         try:
-            return self.head(*args, **kwargs)
+            yield
         finally:
             for handle in handles:
                 handle.remove()
@@ -336,6 +354,90 @@ def online_pass(drafter, input_ids: torch.Tensor, arm: OnlineArm, options: Onlin
     if out.drafted.is_cuda:
         torch.cuda.synchronize()
     return out, learner, time.perf_counter() - began
+
+
+# ----------------------------------------------------------------------------------------------
+# In the decoding loop: a proposer that learns from what the target verified
+# ----------------------------------------------------------------------------------------------
+
+class OnlineProposer:
+    """An EAGLE-3 chain (``calibrate.drafters.eagle3.Eagle3Proposer``) that learns while the one loop
+    (``calibrate.speculative.speculative_generate``) decodes: Test-Time Speculation's online distillation
+    during the generation (arXiv 2605.09329), with OSD's loss (arXiv 2310.07177: forward KL from the
+    target's law to the drafter's).
+
+    The chain drafts and commits with the learner's weights (:meth:`Learner.applied`). Each step the loop
+    hands over the target's logits of the verified positions (:meth:`verified`) and then their features
+    (:meth:`commit`); generated head row ``t`` (feature at ``t``, token ``t + 1``, guessing ``t + 2``) is
+    ready once the target's law after position ``t + 1`` has been verified, the step after at worst. Every
+    ``options.every`` ready rows (T) the learner takes ``options.steps`` AdamW steps on those rows: the
+    teacher is the target's law over the draft vocabulary, renormalised (temperature 1), every row counted
+    (TTS; OSD keeps the rejected rows only), the rows before the chunk entering attention from the chain's
+    own cache, as the drafter computed them when they were committed. The cache is not recomputed after
+    an update: only later rows see the new weights (a deployed drafter's choice: recomputing would cost a
+    head pass over the whole context every T tokens). The prompt's rows are not learnt from (the prefill
+    keeps the target's last law only). ``update_seconds``: wall time in the updates, inside the loop's
+    ``draft_seconds`` and so its ``decode_seconds``.
+    """
+
+    def __init__(self, chain, learner: Learner, options: OnlineOptions):
+        self.chain, self.learner, self.options = chain, learner, options
+        self.name = f"{learner.method}+{chain.name}"
+        self.feature_ids = chain.feature_ids
+        self.update_seconds, self.updates = 0.0, 0
+        self.buffer_bytes = 0  # the most the pending rows held at once (features, tokens, teacher laws)
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor, pending: int) -> None:
+        with self.learner.applied():
+            self.chain.start(prompt, features, pending)
+        self.first = prompt.shape[1]  # head row of the first generated position (the pending token's)
+        self.ids, self.features, self.laws = [], [], []  # pending rows: token t + 1, feature at t; laws after t
+
+    def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+        with self.learner.applied():
+            return self.chain.propose(k, rule)
+
+    def verified(self, logits: torch.Tensor) -> None:
+        """The target's logits (a + 1, vocab) after each verified position: the teacher of the rows before."""
+        self.laws.append(torch.softmax(logits[:, self.chain.columns].float(), dim=-1))
+
+    def commit(self, new: list[int], features: torch.Tensor) -> None:
+        """Commit through the chain, keep the verified rows, and learn from each full chunk of them."""
+        with self.learner.applied():
+            self.chain.commit(new, features)
+        self.ids.append(torch.tensor(new, device=features.device))
+        self.features.append(features[0])
+        self.buffer_bytes = max(self.buffer_bytes, sum(t.nbytes for t in (*self.ids, *self.features, *self.laws)))
+        ids, feats, laws = (torch.cat(x) for x in (self.ids, self.features, self.laws))
+        ready = min(len(ids), len(laws) - 1)  # row j (head row first + j) learns from the law after j + 1
+        if ready < self.options.every:
+            return
+        began = time.perf_counter()
+        self._learn(self.first, ids[None, :ready], feats[None, :ready], laws[1:ready + 1])
+        self.first += ready
+        self.ids, self.features, self.laws = [ids[ready:]], [feats[ready:]], [laws[ready:]]
+        if feats.is_cuda:
+            torch.cuda.synchronize()
+        self.update_seconds += time.perf_counter() - began
+        self.updates += 1
+
+    def _learn(self, row: int, ids: torch.Tensor, features: torch.Tensor, teacher: torch.Tensor) -> None:
+        """``options.steps`` AdamW steps on head rows ``row ..`` (ids (1, r), features (1, r, n * width),
+        teacher (r, draft)), after the chain's cache of rows ``0 .. row-1``."""
+        past = tuple(x[:, :, :row] for x in self.chain.past)
+        for _ in range(self.options.steps):
+            with torch.enable_grad():
+                logits = self.learner(ids, features, past_key_values=past, attention_hook=self.chain.hook,
+                                      **self.chain.restriction).logits[0].float()
+                self.learner.step(distillation_loss(logits, teacher).mean())
+
+    def extra_bytes(self) -> dict:
+        """The learner's bytes (:meth:`Learner.extra_bytes`) and the most the pending rows held (``buffer``)."""
+        own = self.learner.extra_bytes()
+        return {**own, "buffer": self.buffer_bytes, "total": own["total"] + self.buffer_bytes}
+
+    def close(self) -> None:
+        self.chain.close()
 
 
 # ----------------------------------------------------------------------------------------------
