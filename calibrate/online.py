@@ -44,6 +44,7 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,9 +58,9 @@ from .errors import UserError
 from .taps import ScalingTap
 from .training.loss import distillation_loss
 
-__all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "OnlineOptions", "OnlineArm", "online_options",
-           "online_arms", "check_rank", "Learner", "OnlineSequence", "online_pass", "OnlineProposer", "tally_online",
-           "extra_bytes", "PeakMemory"]
+__all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "OnlineOptions", "OnlineArm", "online_options", "online_arms",
+           "check_rank", "check_rank_unloaded", "Learner", "OnlineSequence", "online_pass", "OnlineProposer",
+           "online_proposer", "tally_online", "extra_bytes", "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
 ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
@@ -241,6 +242,22 @@ def check_rank(head: nn.Module, rank: int) -> None:
         if LORA_MODULES.fullmatch(name) and rank > min(module.weight.shape):
             raise UserError(f"--online-rank {rank}: above the width of {name} ({tuple(module.weight.shape)[0]} x "
                             f"{tuple(module.weight.shape)[1]}); choose at most {min(module.weight.shape)}")
+
+
+def check_rank_unloaded(drafter_path: str | None, rank: int) -> None:
+    """``--online-rank`` against the EAGLE-3 head at ``drafter_path`` (None: the demo head) before any weight
+    loads: :func:`check_rank` on the head its ``config.json`` describes, built on the meta device. A folder
+    without one is left to the loader, which says what is missing."""
+    from .drafters.eagle3 import DEMO_HEAD_DIR, Eagle3Config, Eagle3Head
+    from .drafters.pointer import locate
+
+    folder = Path(drafter_path) if drafter_path is not None else DEMO_HEAD_DIR
+    config = locate(folder)[1] / "config.json" if folder.is_dir() else None
+    if config is None or not config.is_file():
+        return
+    with torch.device("meta"):
+        head = Eagle3Head(Eagle3Config.from_json(config))
+    check_rank(head, rank)
 
 
 def _lora_hook(a: torch.Tensor, b: torch.Tensor):
@@ -438,6 +455,20 @@ class OnlineProposer:
 
     def close(self) -> None:
         self.chain.close()
+
+
+def online_proposer(drafter, method: str, spec: ScaleSpec | None, options: OnlineOptions) -> OnlineProposer:
+    """The adapter's EAGLE-3 chain under ``spec`` learning as it drafts: a fresh :class:`Learner` (``method``),
+    so every decode starts from the checkpoint."""
+    from .drafters.eagle3 import Eagle3Proposer
+
+    if not drafter_kind(drafter.kind).online:
+        raise UserError(f"{method}: online adaptation is for EAGLE-3 heads only for now, not {drafter.kind}")
+    if getattr(drafter, "pointer", None) is not None:
+        raise UserError(f"{method}: online adaptation of a head with a copy pointer is not supported; pass the "
+                        "head's own folder as --drafter-path")
+    return OnlineProposer(Eagle3Proposer(drafter.head, drafter.feature_ids, spec),
+                          Learner(drafter.head, method, options), options)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from calibrate.drafters.eagle3 import Eagle3Adapter, Eagle3Proposer, load_eagle3_head
-from calibrate.online import Learner, OnlineOptions, OnlineProposer
+from calibrate.online import Learner, OnlineOptions, OnlineProposer, online_proposer
 from calibrate.speculative import greedy_generate, prefill, speculative_generate
 from sharpdraft_theory import ScaleSpec
 
@@ -39,9 +39,7 @@ def _prompt(seed: int, length: int = 12) -> torch.Tensor:
 
 
 def _online(drafter, method: str, spec=None) -> OnlineProposer:
-    options = FAST[method]
-    return OnlineProposer(Eagle3Proposer(drafter.head, drafter.feature_ids, spec),
-                          Learner(drafter.head, method, options), options)
+    return online_proposer(drafter, method, spec, FAST[method])
 
 
 @pytest.mark.parametrize("spec", [None, SPEC], ids=["alone", "spec"])
