@@ -94,7 +94,7 @@ class BenchOptions:
         check_variants(list(self.variants), window=self.window, sinks=4, has_reference=False)
         online = self.online()
         if online is not None and any(v.startswith("online-lora") for v in self.variants):
-            check_rank_unloaded(self.drafter_path, online.rank)  # the head's widths, from its config alone
+            check_rank_unloaded(self.drafter, self.drafter_path, online.rank)  # the widths, from its config alone
         if "spec" in self.variants and self.spec is None:
             raise UserError("--variants spec: pass --spec with the spec to check (sharpdraft calibrate --out), or "
                             "leave spec out of --variants")
@@ -115,7 +115,7 @@ class BenchOptions:
         """How the online arms learn (``calibrate.online.online_options``: a bad value refused in one line),
         None without an online arm."""
         return online_options(self.variants, kind=self.drafter, every=self.online_every, steps=self.online_steps,
-                              lr=self.online_lr, rank=self.online_rank, resume=self.resume)
+                              lr=self.online_lr, rank=self.online_rank, resume=self.resume, decoding=True)
 
     def to_dict(self) -> dict:
         """The options a resumed run must match (the resume key); ``online`` only with an online arm."""

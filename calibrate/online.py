@@ -72,7 +72,8 @@ DEFAULT_LR = {"online-full": 1e-4, "online-lora": 1e-3}  # EAGLE-3 training's or
 DEFAULT_RANK = 8  # r: the common LoRA rank (PEFT's default)
 BETAS = (0.9, 0.95)  # AdamW as the demo head was trained (scripts/train_demo_eagle3.py), no weight decay
 MAX_EVERY, MAX_STEPS, MAX_LR, MAX_RANK = 8192, 64, 1.0, 256  # bounds past which a value is a typo
-LORA_MODULES = re.compile(r"midlayer\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")  # adapted projections
+# adapted projections: an EAGLE-3 head's midlayer, each layer of a DFlash model
+LORA_MODULES = re.compile(r"(midlayer|layers\.\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
 LORA_SEED = 0  # A's initialisation is drawn from this seed: runs repeat exactly
 
 
@@ -105,8 +106,9 @@ class OnlineArm:
 
 def online_options(names, *, kind: str, every: int | None = None, steps: int | None = None,
                    lr: float | None = None, rank: int | None = None, carry: bool = False,
-                   speculative: bool = False, resume: bool = False) -> OnlineOptions | None:
-    """Check the online options against ``--variants`` ``names`` before any model loads.
+                   speculative: bool = False, resume: bool = False, decoding: bool = False) -> OnlineOptions | None:
+    """Check the online options against ``--variants`` ``names`` before any model loads; ``decoding``: for arms
+    that learn in the decoding loop (``sharpdraft bench``, :class:`OnlineProposer`), else teacher-forced.
 
     Returns the options, or None when no online arm is asked for (then an ``--online-*`` option
     is refused: it would change nothing).
@@ -118,7 +120,10 @@ def online_options(names, *, kind: str, every: int | None = None, steps: int | N
         if given:
             raise UserError(f"{given[0]}: no online arm to apply it to; add online-full or online-lora to --variants")
         return None
-    if not drafter_kind(kind).online:  # the kinds registry says which heads adapt (DFlash and PARD: not yet)
+    if decoding and not drafter_kind(kind).online_decoding:  # the kinds registry says which adapt where
+        raise UserError(f"--variants {asked[0]}: online adaptation while decoding is for EAGLE-3 and DFlash "
+                        f"drafters only for now (--drafter eagle3 or dflash), not {kind}")
+    if not decoding and not drafter_kind(kind).online:
         raise UserError(f"--variants {asked[0]}: online adaptation is for EAGLE-3 heads only for now "
                         f"(--drafter eagle3), not {kind}")
     if speculative:
@@ -244,20 +249,22 @@ def check_rank(head: nn.Module, rank: int) -> None:
                             f"{tuple(module.weight.shape)[1]}); choose at most {min(module.weight.shape)}")
 
 
-def check_rank_unloaded(drafter_path: str | None, rank: int) -> None:
-    """``--online-rank`` against the EAGLE-3 head at ``drafter_path`` (None: the demo head) before any weight
-    loads: :func:`check_rank` on the head its ``config.json`` describes, built on the meta device. A folder
-    without one is left to the loader, which says what is missing."""
-    from .drafters.eagle3 import DEMO_HEAD_DIR, Eagle3Config, Eagle3Head
+def check_rank_unloaded(kind: str, drafter_path: str | None, rank: int) -> None:
+    """``--online-rank`` against the EAGLE-3 head or DFlash model (``kind``) at ``drafter_path`` (None: the packaged
+    one) before any weight loads: :func:`check_rank` on the model its ``config.json`` describes, built on the meta
+    device. A folder without one is left to the loader, which says what is missing."""
+    from .drafters import dflash, eagle3
     from .drafters.pointer import locate
 
-    folder = Path(drafter_path) if drafter_path is not None else DEMO_HEAD_DIR
+    home, config_of, model_of = ((dflash.DFLASH_HEAD_DIR, dflash.DFlashConfig, dflash.DFlashDraftModel)
+                                 if kind == "dflash" else (eagle3.DEMO_HEAD_DIR, eagle3.Eagle3Config, eagle3.Eagle3Head))
+    folder = Path(drafter_path) if drafter_path is not None else home
     config = locate(folder)[1] / "config.json" if folder.is_dir() else None
     if config is None or not config.is_file():
         return
     with torch.device("meta"):
-        head = Eagle3Head(Eagle3Config.from_json(config))
-    check_rank(head, rank)
+        model = model_of(config_of.from_json(config))
+    check_rank(model, rank)
 
 
 def _lora_hook(a: torch.Tensor, b: torch.Tensor):
@@ -378,97 +385,149 @@ def online_pass(drafter, input_ids: torch.Tensor, arm: OnlineArm, options: Onlin
 # ----------------------------------------------------------------------------------------------
 
 class OnlineProposer:
-    """An EAGLE-3 chain (``calibrate.drafters.eagle3.Eagle3Proposer``) that learns while the one loop
-    (``calibrate.speculative.speculative_generate``) decodes: Test-Time Speculation's online distillation
-    during the generation (arXiv 2605.09329), with OSD's loss (arXiv 2310.07177: forward KL from the
-    target's law to the drafter's).
+    """A model's proposer that learns while the one loop (``calibrate.speculative.speculative_generate``)
+    decodes: Test-Time Speculation's online distillation during the generation (arXiv 2605.09329), with
+    OSD's loss (arXiv 2310.07177: forward KL from the target's law to the drafter's).
 
-    The chain drafts and commits with the learner's weights (:meth:`Learner.applied`). Each step the loop
+    ``inner`` drafts and commits with the learner's weights (:meth:`Learner.applied`): an EAGLE-3 chain
+    (:class:`ChainRows`) or DFlash blocks (:class:`BlockRows`), which ``rows`` wraps. Each step the loop
     hands over the target's logits of the verified positions (:meth:`verified`) and then their features
-    (:meth:`commit`); generated head row ``t`` (feature at ``t``, token ``t + 1``, guessing ``t + 2``) is
-    ready once the target's law after position ``t + 1`` has been verified, the step after at worst. Every
-    ``options.every`` ready rows (T) the learner takes ``options.steps`` AdamW steps on those rows: the
-    teacher is the target's law over the draft vocabulary, renormalised (temperature 1), every row counted
-    (TTS; OSD keeps the rejected rows only), the rows before the chunk entering attention from the chain's
-    own cache, as the drafter computed them when they were committed. The cache is not recomputed after
-    an update: only later rows see the new weights (a deployed drafter's choice: recomputing would cost a
-    head pass over the whole context every T tokens). The prompt's rows are not learnt from (the prefill
-    keeps the target's last law only). ``update_seconds``: wall time in the updates, inside the loop's
-    ``draft_seconds`` and so its ``decode_seconds``.
+    (:meth:`commit`). From the first generated position on, the proposer keeps per position ``t`` the
+    token ``x_t``, the target's feature and its law after ``t`` over the draft vocabulary (softmax of its
+    logits there, renormalised, temperature 1). Position ``t`` is ready once the law after
+    ``t + rows.lead`` is known (the rows that learn from ``t`` read the laws up to there); every
+    ``options.every`` ready positions (T) the learner takes ``options.steps`` AdamW steps down
+    ``rows.loss`` on them, every position counted (TTS; OSD keeps the rejected ones only). The positions
+    before them enter as the proposer's own cache holds them, computed when they were committed and not
+    recomputed after an update (a deployed drafter's choice: recomputing costs a drafter pass over the
+    whole context every T tokens), so only later positions see the new weights. The prompt is not learnt
+    from (the prefill keeps the target's last law only). ``update_seconds``: wall time in the updates,
+    inside the loop's ``draft_seconds`` and so its ``decode_seconds``.
     """
 
-    def __init__(self, chain, learner: Learner, options: OnlineOptions):
-        self.chain, self.learner, self.options = chain, learner, options
-        self.name = f"{learner.method}+{chain.name}"
-        self.feature_ids = chain.feature_ids
+    def __init__(self, rows, learner: Learner, options: OnlineOptions):
+        self.rows, self.inner, self.learner, self.options = rows, rows.inner, learner, options
+        self.name = f"{learner.method}+{self.inner.name}"
+        self.feature_ids = self.inner.feature_ids
         self.update_seconds, self.updates = 0.0, 0
-        self.buffer_bytes = 0  # the most the pending rows held at once (features, tokens, teacher laws)
+        self.buffer_bytes = 0  # the most the pending positions held at once (tokens, features, teacher laws)
 
     def start(self, prompt: torch.Tensor, features: torch.Tensor, pending: int) -> None:
         with self.learner.applied():
-            self.chain.start(prompt, features, pending)
-        self.first = prompt.shape[1]  # head row of the first generated position (the pending token's)
-        self.ids, self.features, self.laws = [], [], []  # pending rows: token t + 1, feature at t; laws after t
+            self.inner.start(prompt, features, pending)
+        self.first = prompt.shape[1]  # the first position not learnt from yet (the pending token's at the start)
+        self.tokens = [torch.tensor([pending], device=prompt.device)]  # x_t from self.first on, one past the features
+        self.features, self.laws = [], []  # per position from self.first: the target's feature, its law after it
 
     def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
         with self.learner.applied():
-            return self.chain.propose(k, rule)
+            return self.inner.propose(k, rule)
 
     def verified(self, logits: torch.Tensor) -> None:
-        """The target's logits (a + 1, vocab) after each verified position: the teacher of the rows before."""
-        self.laws.append(torch.softmax(logits[:, self.chain.columns].float(), dim=-1))
+        """The target's logits (a + 1, vocab) after the pending token and each accepted draft."""
+        columns = self.rows.columns
+        self.laws.append(torch.softmax((logits if columns is None else logits[:, columns]).float(), dim=-1))
 
     def commit(self, new: list[int], features: torch.Tensor) -> None:
-        """Commit through the chain, keep the verified rows, and learn from each full chunk of them."""
+        """Commit through ``inner``, keep the verified positions, and learn from each full chunk of them."""
         with self.learner.applied():
-            self.chain.commit(new, features)
-        self.ids.append(torch.tensor(new, device=features.device))
+            self.inner.commit(new, features)
+        self.tokens.append(torch.tensor(new, device=features.device))
         self.features.append(features[0])
-        self.buffer_bytes = max(self.buffer_bytes, sum(t.nbytes for t in (*self.ids, *self.features, *self.laws)))
-        ids, feats, laws = (torch.cat(x) for x in (self.ids, self.features, self.laws))
-        ready = min(len(ids), len(laws) - 1)  # row j (head row first + j) learns from the law after j + 1
+        self.buffer_bytes = max(self.buffer_bytes, sum(t.nbytes for t in (*self.tokens, *self.features, *self.laws)))
+        tokens, feats, laws = (torch.cat(x) for x in (self.tokens, self.features, self.laws))
+        ready = min(len(feats), len(laws) - self.rows.lead)
         if ready < self.options.every:
             return
         began = time.perf_counter()
-        self._learn(self.first, ids[None, :ready], feats[None, :ready], laws[1:ready + 1])
+        for _ in range(self.options.steps):
+            with torch.enable_grad():
+                self.learner.step(self.rows.loss(self.learner, self.first, tokens, feats[None, :ready], laws))
         self.first += ready
-        self.ids, self.features, self.laws = [ids[ready:]], [feats[ready:]], [laws[ready:]]
+        self.tokens, self.features, self.laws = [tokens[ready:]], [feats[ready:]], [laws[ready:]]
         if feats.is_cuda:
             torch.cuda.synchronize()
         self.update_seconds += time.perf_counter() - began
         self.updates += 1
 
-    def _learn(self, row: int, ids: torch.Tensor, features: torch.Tensor, teacher: torch.Tensor) -> None:
-        """``options.steps`` AdamW steps on head rows ``row ..`` (ids (1, r), features (1, r, n * width),
-        teacher (r, draft)), after the chain's cache of rows ``0 .. row-1``."""
-        past = tuple(x[:, :, :row] for x in self.chain.past)
-        for _ in range(self.options.steps):
-            with torch.enable_grad():
-                logits = self.learner(ids, features, past_key_values=past, attention_hook=self.chain.hook,
-                                      **self.chain.restriction).logits[0].float()
-                self.learner.step(distillation_loss(logits, teacher).mean())
-
     def extra_bytes(self) -> dict:
-        """The learner's bytes (:meth:`Learner.extra_bytes`) and the most the pending rows held (``buffer``)."""
+        """The learner's bytes (:meth:`Learner.extra_bytes`) and the most the pending positions held (``buffer``)."""
         own = self.learner.extra_bytes()
         return {**own, "buffer": self.buffer_bytes, "total": own["total"] + self.buffer_bytes}
 
     def close(self) -> None:
-        self.chain.close()
+        self.inner.close()
+
+
+class ChainRows:
+    """What an EAGLE-3 chain (``calibrate.drafters.eagle3.Eagle3Proposer``) learns from: head row ``t`` (the
+    target's feature at ``t``, token ``t + 1``) guesses token ``t + 2``, taught by the law after ``t + 1``."""
+
+    lead = 1
+
+    def __init__(self, chain):
+        self.inner, self.columns = chain, chain.columns
+
+    def loss(self, learner: Learner, first: int, tokens: torch.Tensor, features: torch.Tensor,
+             laws: torch.Tensor) -> torch.Tensor:
+        """The mean distillation loss of head rows ``first .. first + r - 1``: ``tokens`` (> r,) ``x_first ..``,
+        ``features`` (1, r, n * width), ``laws`` (> r, draft) after ``first ..``; the rows before from the
+        chain's cache."""
+        chain, r = self.inner, features.shape[1]
+        past = tuple(x[:, :, :first] for x in chain.past)
+        logits = learner(tokens[None, 1:r + 1], features, past_key_values=past, attention_hook=chain.hook,
+                         **chain.restriction).logits[0]
+        return distillation_loss(logits.float(), laws[1:r + 1]).mean()
+
+
+class BlockRows:
+    """What DFlash blocks (``calibrate.drafters.blocks.DFlashBlockProposer``) learn from: the block anchored at
+    each position ``p`` (token ``x_p``, the context before ``p``), row ``j`` (1 .. B - 1) guessing token
+    ``p + j``, taught by the law after ``p + j - 1``; so a position waits for the laws ``B - 2`` further on.
+    The output head is the target's and does not learn."""
+
+    def __init__(self, blocks):
+        self.inner, self.columns = blocks, blocks.model.draft_ids()
+        self.lead = blocks.block_size - 2
+
+    def loss(self, learner: Learner, first: int, tokens: torch.Tensor, features: torch.Tensor,
+             laws: torch.Tensor) -> torch.Tensor:
+        """The mean distillation loss of the rows of the blocks anchored at ``first .. first + r - 1``: ``tokens``
+        (> r,) ``x_first ..``, ``features`` (1, r, ·) their context features (encoded again with gradient), ``laws``
+        (>= r + B - 2, draft) after ``first ..``; the context before ``first`` from the blocks' cache; the
+        many blocks in one call (``calibrate.drafters.blocks.anchored_masks``)."""
+        from .drafters.blocks import _embed, anchored_masks, block_ids, block_tap
+
+        blocks, r = self.inner, features.shape[1]
+        model, B = blocks.model, blocks.block_size
+        anchors = torch.arange(first, first + r, device=features.device)
+        with learner.applied():
+            new = model.encode_context(features.to(model.fc.weight.dtype), anchors[None])
+            context = [(torch.cat((k[:, :, :first], k1), dim=2), torch.cat((v[:, :, :first], v1), dim=2))
+                       for (k, v), (k1, v1) in zip(blocks.context, new)]
+            ids, pos = block_ids(model, anchors, tokens[:r])
+            with block_tap(model, blocks.spec):
+                hidden = model.forward_block(_embed(model, blocks.target, ids), pos, context,
+                                             anchored_masks(model, anchors, first + r, blocks.spec))
+            logits = model.compute_logits(hidden.view(r, B, -1)[:, 1:], blocks.target)  # (r, B - 1, vocab)
+        if self.columns is not None:
+            logits = logits[..., self.columns]  # the draft vocabulary (the rest is -inf)
+        teacher = laws.unfold(0, B - 1, 1)[:r].transpose(1, 2)  # (r, B - 1, draft): block p's row j, law after p+j-1
+        return distillation_loss(logits.float(), teacher).mean()
 
 
 def online_proposer(drafter, method: str, spec: ScaleSpec | None, options: OnlineOptions) -> OnlineProposer:
-    """The adapter's EAGLE-3 chain under ``spec`` learning as it drafts: a fresh :class:`Learner` (``method``),
-    so every decode starts from the checkpoint."""
-    from .drafters.eagle3 import Eagle3Proposer
-
-    if not drafter_kind(drafter.kind).online:
-        raise UserError(f"{method}: online adaptation is for EAGLE-3 heads only for now, not {drafter.kind}")
+    """The adapter's proposer under ``spec`` learning as it drafts (an EAGLE-3 chain, DFlash blocks), with a fresh
+    :class:`Learner` (``method``), so every decode starts from the checkpoint."""
+    if not drafter_kind(drafter.kind).online_decoding:
+        raise UserError(f"{method}: online adaptation while decoding is for EAGLE-3 and DFlash drafters only for "
+                        f"now, not {drafter.kind}")
     if getattr(drafter, "pointer", None) is not None:
-        raise UserError(f"{method}: online adaptation of a head with a copy pointer is not supported; pass the "
-                        "head's own folder as --drafter-path")
-    return OnlineProposer(Eagle3Proposer(drafter.head, drafter.feature_ids, spec),
-                          Learner(drafter.head, method, options), options)
+        raise UserError(f"{method}: online adaptation of a drafter with a copy pointer is not supported; pass the "
+                        "drafter's own folder as --drafter-path")
+    blocks = drafter.kind == "dflash"
+    rows = (BlockRows if blocks else ChainRows)(drafter.proposer(spec))
+    return OnlineProposer(rows, Learner(drafter.model if blocks else drafter.head, method, options), options)
 
 
 # ----------------------------------------------------------------------------------------------

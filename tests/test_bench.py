@@ -165,7 +165,7 @@ _ONLINE = {"variants": ("none", "online-full"), "window": None}  # the rank's wi
     (_ONLINE | {"variants": ("none", "online-lora"), "online_rank": 0}, "--online-rank 0"),
     (_ONLINE | {"variants": ("none", "online-lora"), "online_rank": 200}, "--online-rank 200: above the width"),
     ({"variants": ("none", "window"), "online_lr": 1e-3}, "--online-lr: no online arm"),
-    (_ONLINE | {"drafter": "dflash"}, "online-full: online adaptation is for EAGLE-3"),
+    (_ONLINE | {"drafter": "pard"}, "online-full: online adaptation while decoding is for EAGLE-3 and DFlash"),
 ])
 def test_bad_options_are_refused_before_any_model_loads(tmp_path, workload, over, fragment):
     with pytest.raises(UserError, match=fragment.replace("+", r"\+")):

@@ -745,8 +745,10 @@ BENCH = [
     Case("bench-online-rank-above-width-of-the-head", _BENCH_ONLINE + " --drafter-path {fx}/eagle3 --online-rank 40",
          "--online-rank 40"),
     Case("bench-online-option-without-arm", _BENCH + " --online-lr 0.001", "--online-lr"),
-    Case("bench-online-drafter-dflash", _BENCH_ONLINE.replace("--workload", "--drafter dflash --workload"),
+    Case("bench-online-drafter-pard", _BENCH_ONLINE.replace("--workload", "--drafter pard --workload"),
          "--variants online-full"),
+    Case("bench-online-rank-above-the-dflash-width", _BENCH_ONLINE + " --drafter dflash --online-rank 200",
+         "--online-rank 200"),
 ]
 
 CASES = (GENERATE + BENCH + PREDICT + INSPECT + EVAL_CASES + CALIBRATE + PLOT + FIT + SELECTION_CASES + RESUME_CASES + ONLINE
