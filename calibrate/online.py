@@ -28,6 +28,12 @@ gradient (the cache a deployed drafter holds). The target, the shared embedding 
 checkpoint's weights are never changed: ``online-full`` trains a copy, ``online-lora`` its own
 ``A`` and ``B``; each sequence starts from the checkpoint again, unless ``carry``.
 
+**While decoding** (``sharpdraft bench``): :class:`OnlineProposer` wraps an EAGLE-3 chain or DFlash
+blocks in the one speculative loop and learns from the target's verified positions every ``every``
+(T) of them, after Test-Time Speculation (arXiv 2605.09329: online distillation during the
+generation), with the same learner and loss; an EAGLE-3 head's rows or a DFlash model's blocks
+(:class:`ChainRows`, :class:`BlockRows`), LoRA on every layer's projections for DFlash.
+
 Memory: :func:`extra_bytes` counts, from the tensors themselves, what an arm holds beyond the
 drafter: its trainable weights (the copy for ``online-full``, ``A`` and ``B`` for ``online-lora``),
 their gradients and AdamW's moments and step counts. A spec holds none (its ``alpha(n)`` is a
@@ -60,7 +66,7 @@ from .training.loss import distillation_loss
 
 __all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "OnlineOptions", "OnlineArm", "online_options", "online_arms",
            "check_rank", "check_rank_unloaded", "Learner", "OnlineSequence", "online_pass", "OnlineProposer",
-           "online_proposer", "tally_online", "extra_bytes", "PeakMemory"]
+           "ChainRows", "BlockRows", "online_proposer", "tally_online", "extra_bytes", "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
 ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
@@ -156,7 +162,7 @@ def online_arms(names, spec: ScaleSpec) -> list[OnlineArm]:
 # ----------------------------------------------------------------------------------------------
 
 class Learner:
-    """The trainable state of one online arm on an EAGLE-3 head, and the head run with it.
+    """The trainable state of one online arm on an EAGLE-3 head (or a DFlash model), and the head run with it.
 
     ``online-full``: a copy of every head parameter but the shared embedding, run in place of the
     head's own (:meth:`Learner.applied`). ``online-lora``: ``A`` (r, in) drawn as
@@ -256,8 +262,9 @@ def check_rank_unloaded(kind: str, drafter_path: str | None, rank: int) -> None:
     from .drafters import dflash, eagle3
     from .drafters.pointer import locate
 
-    home, config_of, model_of = ((dflash.DFLASH_HEAD_DIR, dflash.DFlashConfig, dflash.DFlashDraftModel)
-                                 if kind == "dflash" else (eagle3.DEMO_HEAD_DIR, eagle3.Eagle3Config, eagle3.Eagle3Head))
+    home, config_of, model_of = (
+        (dflash.DFLASH_HEAD_DIR, dflash.DFlashConfig, dflash.DFlashDraftModel) if kind == "dflash"
+        else (eagle3.DEMO_HEAD_DIR, eagle3.Eagle3Config, eagle3.Eagle3Head))
     folder = Path(drafter_path) if drafter_path is not None else home
     config = locate(folder)[1] / "config.json" if folder.is_dir() else None
     if config is None or not config.is_file():
