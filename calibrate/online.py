@@ -208,9 +208,19 @@ class Learner:
     def applied(self):
         """While the block runs, the head computes with this arm's weights: ``online-full``'s copy stands in
         for the head's parameters, ``online-lora``'s hooks add ``B (A x)``; both undone on leaving, so a
-        proposer that calls the head (``calibrate.drafters.eagle3.Eagle3Proposer``) drafts with them."""
+        proposer that calls the head (``calibrate.drafters.eagle3.Eagle3Proposer``) drafts with them. The
+        head's own parameters (the shared embedding among them) take no gradient meanwhile: a step's
+        backward reaches this arm's tensors only."""
         modules = dict(self.head.named_modules())
-        if self.full is not None:
+        with frozen(self.head):
+            if self.full is None:
+                handles = [modules[name].register_forward_hook(_lora_hook(a, b)) for name, (a, b) in self.lora.items()]
+                try:
+                    yield
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                return
             owners = [(modules[name.rpartition(".")[0]], name.rpartition(".")[2], tensor)
                       for name, tensor in self.full.items()]
             saved = [module._parameters[attr] for module, attr, _ in owners]
@@ -221,13 +231,6 @@ class Learner:
             finally:
                 for (module, attr, _), param in zip(owners, saved):
                     module._parameters[attr] = param
-            return
-        handles = [modules[name].register_forward_hook(_lora_hook(a, b)) for name, (a, b) in self.lora.items()]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def step(self, loss: torch.Tensor) -> None:
         """One AdamW step down ``loss``."""
@@ -272,6 +275,20 @@ def check_rank_unloaded(kind: str, drafter_path: str | None, rank: int) -> None:
     with torch.device("meta"):
         model = model_of(config_of.from_json(config))
     check_rank(model, rank)
+
+
+@contextmanager
+def frozen(module: nn.Module):
+    """While the block runs, ``module``'s parameters take no gradient: autograd neither records through them
+    as leaves nor accumulates a ``.grad`` into them (a loaded model's parameters ask for one)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 def _lora_hook(a: torch.Tensor, b: torch.Tensor):
@@ -508,7 +525,7 @@ class BlockRows:
         blocks, r = self.inner, features.shape[1]
         model, B = blocks.model, blocks.block_size
         anchors = torch.arange(first, first + r, device=features.device)
-        with learner.applied():
+        with learner.applied(), frozen(blocks.target):  # the target's embedding and output head: no gradient
             new = model.encode_context(features.to(model.fc.weight.dtype), anchors[None])
             context = [(torch.cat((k[:, :, :first], k1), dim=2), torch.cat((v[:, :, :first], v1), dim=2))
                        for (k, v), (k1, v1) in zip(blocks.context, new)]

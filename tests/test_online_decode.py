@@ -71,6 +71,10 @@ def test_greedy_output_is_the_targets_and_the_drafter_learns(drafters, kind, met
         held = proposer.extra_bytes()
         assert held["total"] == held["weights"] + held["gradients"] + held["optimizer"] + held["buffer"] > 0
     assert all(torch.equal(checkpoint[k], v) for k, v in _model(drafter).state_dict().items())
+    # the backward reached the learner's tensors only: no gradient was formed for (or kept in) the loaded models,
+    # whose parameters ask for one (as loaded)
+    loaded = [*_model(drafter).parameters(), *drafter.target.parameters()]
+    assert all(p.requires_grad and p.grad is None for p in loaded)
 
 
 @pytest.mark.parametrize("kind", KINDS)
