@@ -9,6 +9,7 @@ move, and it drafts with them); the checkpoint's own tensors are never written.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from calibrate.drafters.dflash import DFlashAdapter, load_dflash
 from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.drafters.target import hidden_state_features
 from calibrate.online import BlockRows, ChainRows, Learner, OnlineOptions, OnlineProposer, online_proposer
-from calibrate.speculative import greedy_generate, prefill, speculative_generate
+from calibrate.speculative import Sampling, greedy_generate, prefill, speculative_generate
 from sharpdraft_theory import ScaleSpec
 
 from tiny_checkpoints import tiny_target, write_tiny_dflash, write_tiny_eagle3
@@ -134,6 +135,33 @@ def test_the_drafter_drafts_with_the_learnt_weights(drafters, kind):
     with again.learner.applied():
         learnt_logits = first_logits(again.inner)
     assert (learnt_logits - first_logits(plain)).abs().max() > 0.1
+
+
+class _Checked:
+    """A proposer seen through: each proposal's laws sum to 1 and hold their drafts."""
+
+    def __init__(self, inner):
+        self.inner, self.proposals = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, k, rule):
+        drafts, q = self.inner.propose(k, rule)
+        np.testing.assert_allclose(q.sum(-1), 1.0, rtol=0, atol=1e-9)
+        assert all(q[j, x] > 0 for j, x in enumerate(drafts))
+        self.proposals += 1
+        return drafts, q
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_decoding_learns_too(drafters, kind):
+    """Speculative sampling with a learning drafter: the updates run in ``commit``, between proposals, and each
+    proposal hands the loop laws that sum to 1 and hold their drafts."""
+    drafter = drafters[kind]
+    proposer = _Checked(online_proposer(drafter, "online-lora", None, FAST["online-lora"]))
+    out = speculative_generate(drafter.target, proposer, _prompt(3), NEW, _drafts(drafter), rule=Sampling(0.8, 0))
+    assert len(out.tokens) == NEW and proposer.updates >= 3 and proposer.proposals == len(out.accepted)
 
 
 def test_lora_adapts_every_layer_of_a_dflash_model(drafters):
