@@ -64,9 +64,9 @@ from .errors import UserError
 from .taps import ScalingTap
 from .training.loss import distillation_loss
 
-__all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "OnlineOptions", "OnlineArm", "online_options", "online_arms",
-           "check_rank", "check_rank_unloaded", "Learner", "OnlineSequence", "online_pass", "OnlineProposer",
-           "ChainRows", "BlockRows", "online_proposer", "tally_online", "extra_bytes", "PeakMemory"]
+__all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "DECODING_LR", "OnlineOptions", "OnlineArm", "online_options",
+           "online_arms", "check_rank", "check_rank_unloaded", "Learner", "OnlineSequence", "online_pass",
+           "OnlineProposer", "ChainRows", "BlockRows", "online_proposer", "tally_online", "extra_bytes", "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
 ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
@@ -75,6 +75,9 @@ ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # a
 DEFAULT_EVERY = 64  # M: rows per chunk, about 16 verification rounds of a chain of 4 drafts
 DEFAULT_STEPS = 1  # G: one step per chunk, the online-gradient form of both papers
 DEFAULT_LR = {"online-full": 1e-4, "online-lora": 1e-3}  # EAGLE-3 training's order; LoRA's usual 10x
+# while decoding (sharpdraft bench): ten times those, from a sweep on a train prompt (docs/longgen.md): a generation
+# gives a drafter few updates (3 in 256 tokens at T = 64); 1e-2 made online-full worse than the frozen drafter
+DECODING_LR = {"online-full": 1e-3, "online-lora": 1e-2}
 DEFAULT_RANK = 8  # r: the common LoRA rank (PEFT's default)
 BETAS = (0.9, 0.95)  # AdamW as the demo head was trained (scripts/train_demo_eagle3.py), no weight decay
 MAX_EVERY, MAX_STEPS, MAX_LR, MAX_RANK = 8192, 64, 1.0, 256  # bounds past which a value is a typo
@@ -92,13 +95,17 @@ class OnlineOptions:
     lr: float | None = None  # AdamW learning rate (None: DEFAULT_LR of the method)
     rank: int = DEFAULT_RANK  # r of online-lora's B A
     carry: bool = False  # keep the learnt weights from one sequence to the next (default: reset)
+    decoding: bool = False  # learning while decoding (OnlineProposer): DECODING_LR are the default rates
 
     def lr_of(self, method: str) -> float:
         """The learning rate ``method`` uses."""
-        return DEFAULT_LR[method] if self.lr is None else self.lr
+        return (DECODING_LR if self.decoding else DEFAULT_LR)[method] if self.lr is None else self.lr
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "lr": {m: self.lr_of(m) for m in ONLINE_METHODS}}
+        """The options as results record them: every field but ``decoding``, with each method's rate."""
+        d = {**asdict(self), "lr": {m: self.lr_of(m) for m in ONLINE_METHODS}}
+        d.pop("decoding")
+        return d
 
 
 @dataclass(frozen=True)
@@ -142,13 +149,14 @@ def online_options(names, *, kind: str, every: int | None = None, steps: int | N
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
             raise UserError(f"{option} {value}: expected an integer from 1 to {most}")
     if lr is not None and not (math.isfinite(lr) and 0 < lr <= MAX_LR):
+        rates = DECODING_LR if decoding else DEFAULT_LR
         raise UserError(f"--online-lr {lr}: expected a learning rate above 0 and at most {MAX_LR:g} "
-                        f"(default {DEFAULT_LR['online-full']:g} for online-full, {DEFAULT_LR['online-lora']:g} "
+                        f"(default {rates['online-full']:g} for online-full, {rates['online-lora']:g} "
                         "for online-lora)")
     return OnlineOptions(every=DEFAULT_EVERY if every is None else every,
                          steps=DEFAULT_STEPS if steps is None else steps,
                          lr=None if lr is None else float(lr), rank=DEFAULT_RANK if rank is None else rank,
-                         carry=bool(carry))
+                         carry=bool(carry), decoding=decoding)
 
 
 def online_arms(names, spec: ScaleSpec) -> list[OnlineArm]:

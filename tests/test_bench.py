@@ -11,6 +11,7 @@ import torch
 from calibrate.bench import BenchOptions, partial_dir, plot_result, report_tables, run_bench
 from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.errors import UserError
+from calibrate.online import DECODING_LR
 
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
 
@@ -138,6 +139,11 @@ def test_sampled_bench_runs_each_arm_from_a_paired_stream(tmp_path, workload, dr
     result = run_bench(_opts(tmp_path, workload, temperature=0.8, variants=("none", "lookup"), window=None,
                              prompts=2), drafter=drafter)
     assert all(arm["identical"] is None for arm in result["arms"].values())  # sampling: no equality to claim
+
+
+def test_online_arms_learn_at_the_decoding_rates_by_default(tmp_path, workload):
+    online = _opts(tmp_path, workload, variants=("none", "online-full", "online-lora"), window=None).to_dict()["online"]
+    assert online["lr"] == DECODING_LR and online["every"] == 64 and online["rank"] == 8
 
 
 _ONLINE = {"variants": ("none", "online-full"), "window": None}  # the rank's width: the demo head's config (192)
