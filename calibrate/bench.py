@@ -220,8 +220,8 @@ def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, 
 
 def arm_proposer(drafter, spec, arm: str | None, eos, online: OnlineOptions | None = None):
     """The proposer of one arm: target-only when ``arm`` is None, else the adapter's proposer under ``spec``
-    (``lookup``: prompt lookup alone; ``lookup+head``: lookup before the proposer; an online arm: the head's
-    chain learning as it drafts, ``calibrate.online.OnlineProposer``, from the checkpoint each time)."""
+    (``lookup``: prompt lookup alone; ``lookup+head``: lookup before the proposer; an online arm: that proposer
+    learning as it drafts, ``calibrate.online.OnlineProposer``, from the checkpoint each time)."""
     from .eval.variants import LOOKUP_VARIANTS
     from .lookup import LookupProposer, LookupSettings
     from .online import online_proposer

@@ -92,7 +92,7 @@ class OnlineOptions:
 
     every: int = DEFAULT_EVERY  # M: rows per chunk; each is scored, then learnt from
     steps: int = DEFAULT_STEPS  # G: AdamW steps on each chunk after it is scored
-    lr: float | None = None  # AdamW learning rate (None: DEFAULT_LR of the method)
+    lr: float | None = None  # AdamW learning rate (None: DEFAULT_LR of the method, DECODING_LR while decoding)
     rank: int = DEFAULT_RANK  # r of online-lora's B A
     carry: bool = False  # keep the learnt weights from one sequence to the next (default: reset)
     decoding: bool = False  # learning while decoding (OnlineProposer): DECODING_LR are the default rates
