@@ -57,8 +57,8 @@ def bench(
         "--online-every", help="Online arms: period T, generated rows learnt from per update (default 64).")] = None,
     online_steps: flags.OnlineSteps = None,
     online_lr: Annotated[Optional[float], typer.Option(
-        "--online-lr", help="Online arms: AdamW learning rate (default 1e-3 for online-full, 1e-2 for online-lora, "
-                            "ten times eval's: a generation gives few updates).")] = None,
+        "--online-lr", help="Online arms: AdamW learning rate (default 1e-4 for online-full, 1e-2 for online-lora: a "
+                            "generation gives LoRA too few updates to move at eval's 1e-3).")] = None,
     online_rank: flags.OnlineRank = None,
 ) -> None:
     """Speculative decoding through long generations: acceptance by output position, the fade, the speedup."""
