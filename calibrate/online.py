@@ -542,9 +542,7 @@ class BlockRows:
             with block_tap(model, blocks.spec):
                 hidden = model.forward_block(_embed(model, blocks.target, ids), pos, context,
                                              anchored_masks(model, anchors, first + r, blocks.spec))
-            logits = model.compute_logits(hidden.view(r, B, -1)[:, 1:], blocks.target)  # (r, B - 1, vocab)
-        if self.columns is not None:
-            logits = logits[..., self.columns]  # the draft vocabulary (the rest is -inf)
+            logits = model.draft_logits(hidden.view(r, B, -1)[:, 1:], blocks.target)  # (r, B - 1, draft)
         teacher = laws.unfold(0, B - 1, 1)[:r].transpose(1, 2)  # (r, B - 1, draft): block p's row j, law after p+j-1
         return distillation_loss(logits.float(), teacher).mean()
 

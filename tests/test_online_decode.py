@@ -164,6 +164,26 @@ def test_sampled_decoding_learns_too(drafters, kind):
     assert len(out.tokens) == NEW and proposer.updates >= 3 and proposer.proposals == len(out.accepted)
 
 
+def test_a_dflash_model_with_a_draft_vocabulary_learns_over_it(drafters, tmp_path):
+    """With a draft vocabulary the teacher is the target's law over it, renormalised, and the student its logits
+    there alone; the output stays the target's."""
+    from calibrate.drafters.vocab import d2t_of
+
+    from tiny_checkpoints import corrupt_checkpoint
+
+    target = drafters["dflash"].target
+    vocab = torch.arange(0, 256, 3)
+    folder = corrupt_checkpoint(write_tiny_dflash(tmp_path / "plain", target, seed=2, block_size=4), tmp_path / "v",
+                                lambda w: w.update(d2t=d2t_of(vocab)),
+                                lambda c: c.update(draft_vocab_size=len(vocab)))
+    drafter = DFlashAdapter(load_dflash(folder, target), target, None)
+    proposer = online_proposer(drafter, "online-full", None, FAST["online-full"])
+    prompt = _prompt(4)
+    out = speculative_generate(target, proposer, prompt, NEW, 3)
+    assert out.tokens == greedy_generate(target, prompt, NEW).tokens and proposer.updates >= 3
+    assert proposer.rows.columns.tolist() == vocab.tolist()
+
+
 def test_lora_adapts_every_layer_of_a_dflash_model(drafters):
     learner = Learner(drafters["dflash"].model, "online-lora", OnlineOptions(rank=2))
     layers = drafters["dflash"].model.config.num_hidden_layers
