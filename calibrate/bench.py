@@ -35,6 +35,7 @@ from sharpdraft_theory.atomic import atomic_path, atomic_write_text
 from .errors import UserError
 from .measure import SavedUnits, partial_dir
 from .measure.longgen import acceptance_by_bin, fade, geometric_mean, looped, prompts_by_bin, text_by_bin
+from .online import ONLINE_VARIANTS, OnlineOptions, check_rank_unloaded, online_arms, online_options
 from .preflight import check_outputs, local_inputs
 from .workloads import Workload, chat_ids, check_fits, load_workload, parse_workload
 
@@ -65,6 +66,10 @@ class BenchOptions:
     threads: int | None = None  # CPU threads for torch (None: torch's default)
     plot: Path | None = None  # a PNG of acceptance against output position (drawn by the command)
     resume: bool = False
+    online_every: int | None = None  # online arms: period T, rows learnt from per update (None: calibrate.online's)
+    online_steps: int | None = None  # AdamW steps per update
+    online_lr: float | None = None  # AdamW learning rate
+    online_rank: int | None = None  # online-lora's rank r
 
     def check(self) -> Workload:
         """The prompts to decode; ``UserError`` naming the first bad option."""
@@ -87,6 +92,9 @@ class BenchOptions:
         if self.threads is not None and self.threads < 1:
             raise UserError(f"--threads {self.threads}: expected at least 1 (or leave it out for torch's default)")
         check_variants(list(self.variants), window=self.window, sinks=4, has_reference=False)
+        online = self.online()
+        if online is not None and any(v.startswith("online-lora") for v in self.variants):
+            check_rank_unloaded(self.drafter, self.drafter_path, online.rank)  # the widths, from its config alone
         if "spec" in self.variants and self.spec is None:
             raise UserError("--variants spec: pass --spec with the spec to check (sharpdraft calibrate --out), or "
                             "leave spec out of --variants")
@@ -103,13 +111,22 @@ class BenchOptions:
             raise UserError(f"--prompts {self.prompts}: {workload.name}:{workload.split} has {len(workload.prompts)}")
         return Workload(workload.name, workload.path, workload.split, workload.prompts[:self.prompts])
 
+    def online(self) -> OnlineOptions | None:
+        """How the online arms learn (``calibrate.online.online_options``: a bad value refused in one line),
+        None without an online arm."""
+        return online_options(self.variants, kind=self.drafter, every=self.online_every, steps=self.online_steps,
+                              lr=self.online_lr, rank=self.online_rank, resume=self.resume, decoding=True)
+
     def to_dict(self) -> dict:
-        """The options a resumed run must match (the resume key)."""
+        """The options a resumed run must match (the resume key); ``online`` only with an online arm."""
         d = asdict(self)
-        for name in ("out", "resume", "threads", "plot"):
+        for name in ("out", "resume", "threads", "plot", "online_every", "online_steps", "online_lr", "online_rank"):
             d.pop(name)
         d["spec"] = None if self.spec is None else str(self.spec)
         d["variants"] = list(self.variants)
+        online = self.online()
+        if online is not None:
+            d["online"] = online.to_dict()
         return d
 
 
@@ -147,7 +164,9 @@ def run_bench(opts: BenchOptions, *, drafter=None, progress=None) -> dict:
     if context:
         check_fits(workload, tokenizer, context, opts.new_tokens)
     n_ref = drafter.default_n_ref
-    specs = variant_specs(spec or default_spec(n_ref, 4), n_ref, opts.variants, window=opts.window)
+    spec = spec or default_spec(n_ref, 4)
+    specs = variant_specs(spec, n_ref, [v for v in opts.variants if v not in ONLINE_VARIANTS], window=opts.window)
+    specs |= {arm.name: arm.spec for arm in online_arms(opts.variants, spec)}  # +spec: the spec under test
     arms = {name: specs[name] for name in opts.variants}
     num_draft = draft_length(drafter, opts.num_draft)
     saved = SavedUnits(partial_dir(opts.out), opts.to_dict(), opts.resume)
@@ -158,7 +177,7 @@ def run_bench(opts: BenchOptions, *, drafter=None, progress=None) -> dict:
         if unit is None:
             if progress:
                 progress(f"{prompt.id} ({i + 1}/{len(workload.prompts)})")
-            unit = _one_prompt(drafter, arms, chat_ids(tokenizer, prompt), opts, num_draft)
+            unit = _one_prompt(drafter, arms, chat_ids(tokenizer, prompt), opts, num_draft, opts.online())
             saved.put(key, unit)
         units.append(unit)
     result = _result(opts, workload, units, num_draft, drafter)
@@ -167,11 +186,14 @@ def run_bench(opts: BenchOptions, *, drafter=None, progress=None) -> dict:
     return result
 
 
-def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, num_draft: int) -> dict:
-    """Target-only and every arm from one shared prefill: accepted lists, times, texts' statistics."""
+def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, num_draft: int,
+                online: OnlineOptions | None) -> dict:
+    """Target-only and every arm from one shared prefill: accepted lists, times, texts' statistics, the
+    peak memory of each decode and an online arm's updates and extra state."""
     import torch
 
     from .eval.decode import prompt_seed
+    from .online import PeakMemory
     from .speculative import GREEDY, Sampling, prefill
 
     prompt = torch.tensor([prompt_ids], device=drafter.device)
@@ -181,29 +203,46 @@ def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, 
 
     eos = drafter.eos_token_id
     shared = prefill(drafter.target, prompt, drafter.feature_ids)
-    base = decode(drafter, None, "none", prompt, opts.new_tokens, num_draft, shared, rule(), eos)
-    unit = {"prompt_tokens": len(prompt_ids), "target": _run(base, opts), "arms": {}}
+
+    def run(spec, name):
+        proposer = arm_proposer(drafter, spec, name, eos, online)
+        with PeakMemory(drafter.device) as peak:
+            out = decode(drafter, proposer, prompt, opts.new_tokens, num_draft, shared, rule(), eos)
+        return out, _run(out, opts) | _cost(proposer, peak)
+
+    base, unit_target = run(None, None)
+    unit = {"prompt_tokens": len(prompt_ids), "target": unit_target, "arms": {}}
     for name, spec in arms.items():
-        out = decode(drafter, spec, name, prompt, opts.new_tokens, num_draft, shared, rule(), eos)
-        unit["arms"][name] = _run(out, opts) | {"identical": out.tokens == base.tokens}
+        out, unit["arms"][name] = run(spec, name)
+        unit["arms"][name]["identical"] = out.tokens == base.tokens
     return unit
 
 
-def decode(drafter, spec, arm: str | None, prompt, new_tokens: int, num_draft: int, shared, rule, eos):
-    """One decode through the one loop, from the ``shared`` prefill, stopping after ``eos``: target-only when
-    ``arm`` is None, else the adapter's proposer under ``spec`` (``lookup``: prompt lookup alone; ``lookup+head``:
-    lookup before the proposer)."""
+def arm_proposer(drafter, spec, arm: str | None, eos, online: OnlineOptions | None = None):
+    """The proposer of one arm: target-only when ``arm`` is None, else the adapter's proposer under ``spec``
+    (``lookup``: prompt lookup alone; ``lookup+head``: lookup before the proposer; an online arm: that proposer
+    learning as it drafts, ``calibrate.online.OnlineProposer``, from the checkpoint each time)."""
     from .eval.variants import LOOKUP_VARIANTS
     from .lookup import LookupProposer, LookupSettings
-    from .speculative import NoProposer, speculative_generate
+    from .online import online_proposer
+    from .speculative import NoProposer
 
     if arm is None:
-        proposer = NoProposer()
-    else:
-        proposer = drafter.proposer(spec) if arm != "lookup" else None
-        if arm in LOOKUP_VARIANTS:
-            vocab = drafter.target.get_output_embeddings().weight.shape[0]
-            proposer = LookupProposer(vocab, LookupSettings(eos_token_id=eos), proposer)
+        return NoProposer()
+    if arm in ONLINE_VARIANTS:
+        return online_proposer(drafter, arm.removesuffix("+spec"), spec, online)
+    proposer = drafter.proposer(spec) if arm != "lookup" else None
+    if arm in LOOKUP_VARIANTS:
+        vocab = drafter.target.get_output_embeddings().weight.shape[0]
+        proposer = LookupProposer(vocab, LookupSettings(eos_token_id=eos), proposer)
+    return proposer
+
+
+def decode(drafter, proposer, prompt, new_tokens: int, num_draft: int, shared, rule, eos):
+    """One decode of ``proposer`` (:func:`arm_proposer`) through the one loop, from the ``shared`` prefill,
+    stopping after ``eos``; the proposer is closed after it."""
+    from .speculative import speculative_generate
+
     try:
         return speculative_generate(drafter.target, proposer, prompt, new_tokens, num_draft, shared, rule, stop=eos)
     finally:
@@ -217,6 +256,18 @@ def _run(out, opts: BenchOptions) -> dict:
     return {"accepted": list(out.accepted), "tokens": len(out.tokens), "decode_seconds": out.decode_seconds,
             "decode_tokens": out.decode_tokens, "draft_seconds": out.draft_seconds, "looped": looped(out.tokens),
             "text": {k: [None if math.isnan(x) else round(float(x), 4) for x in v] for k, v in text.items()}}
+
+
+def _cost(proposer, peak) -> dict:
+    """What a run cost beyond its time: the decode's peak memory (``calibrate.online.PeakMemory``), and for an
+    online arm its updates' wall time (inside ``decode_seconds``), their count and its extra state in bytes."""
+    from .online import extra_bytes
+
+    learning = hasattr(proposer, "update_seconds")
+    return {"peak_memory": peak.peak, "peak_memory_method": peak.method,
+            "update_seconds": proposer.update_seconds if learning else 0.0,
+            "updates": proposer.updates if learning else 0,
+            "extra_bytes": proposer.extra_bytes() if learning else extra_bytes(None) | {"buffer": 0}}
 
 
 def _r(x, digits: int = 4):
@@ -252,6 +303,7 @@ def _result(opts: BenchOptions, workload: Workload, units: list[dict], num_draft
             "looped": sum(r["looped"] is not None for r in runs),
             "identical": None if opts.temperature else all(r["identical"] for r in runs),
             "text_by_bin": text,
+            **_arm_cost(runs, [u["arms"].get("none") for u in units]),
         }
     target_seconds = sum(u["target"]["decode_seconds"] for u in units)
     return {
@@ -268,6 +320,23 @@ def _result(opts: BenchOptions, workload: Workload, units: list[dict], num_draft
         "arms": arms,
         "units": units,
     }
+
+
+def _arm_cost(runs: list[dict], frozen: list[dict | None]) -> dict:
+    """An arm's cost over the prompts: update seconds (summed; inside ``decode_seconds``) and their share of it,
+    updates, the largest peak memory and extra state of any prompt, and the peak over the ``none`` arm's (the
+    frozen drafter's) of the same prompt, its largest, where both were measured."""
+    peaks = [r.get("peak_memory") for r in runs]
+    over = [r.get("peak_memory") - f.get("peak_memory") for r, f in zip(runs, frozen)
+            if f is not None and r.get("peak_memory") is not None and f.get("peak_memory") is not None]
+    held = [r["extra_bytes"] for r in runs if r.get("extra_bytes")]
+    seconds = sum(r["decode_seconds"] for r in runs)
+    updates = sum(r.get("update_seconds", 0.0) for r in runs)
+    return {"update_seconds": _r(updates), "update_share": _r(updates / seconds if seconds else None),
+            "updates": sum(r.get("updates", 0) for r in runs),
+            "peak_memory": max(peaks) if None not in peaks else None,
+            "peak_memory_over_none": max(over) if over else None,
+            "extra_bytes": max(held, key=lambda h: h["total"]) if held else None}
 
 
 def report_tables(result: dict):
@@ -287,13 +356,23 @@ def report_tables(result: dict):
     for name, arm in result["arms"].items():
         by_bin.add_row(name, *[cell(t) for t in arm["acceptance_by_bin"]])
     speed = Table(title=f"speed (target only: {result['target']['tokens_per_second']} tokens/s)")
-    speed.caption = "fade: last bin over first; speedup: geometric mean over prompts; = target: greedy output equal"
-    for col in ("arm", "accept. length", "fade", "tokens/s", "speedup", "looped", "= target"):
+    speed.caption = ("fade: last bin over first; speedup: geometric mean over prompts; updates: seconds learning, "
+                     "inside the decode time; peak: the largest of any prompt's decode; extra: state beyond the "
+                     "drafter; = target: greedy output equal")
+    for col in ("arm", "accept. length", "fade", "tokens/s", "speedup", "updates (s)", "peak MiB", "extra MiB",
+                "looped", "= target"):
         speed.add_column(col, justify="right")
+
+    def mib(n):
+        return "-" if n is None else f"{n / 2**20:.1f}"
+
     for name, arm in result["arms"].items():
         fade_cell = "-" if arm["fade"] is None else f"{cell(arm['fade'])} (n={arm['fade_prompts']})"
+        extra = arm.get("extra_bytes")
         speed.add_row(name, f"{arm['acceptance_length']:.2f}", fade_cell, str(arm["tokens_per_second"]),
-                      cell(arm["speedup_geomean"]), f"{arm['looped']}/{len(result['prompts'])}",
+                      cell(arm["speedup_geomean"]), f"{arm.get('update_seconds') or 0:.1f}",
+                      mib(arm.get("peak_memory")), mib(extra and extra["total"]),
+                      f"{arm['looped']}/{len(result['prompts'])}",
                       "-" if arm["identical"] is None else "yes" if arm["identical"] else "NO")
     return by_bin, speed
 

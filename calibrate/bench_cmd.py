@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .bench import DEFAULT_VARIANTS, BenchOptions, plot_result, report_tables, run_bench
 from .drafters import kind_names
+from .eval import flags
 from .workloads import BUILTIN
 
 __all__ = ["bench"]
@@ -37,7 +38,8 @@ def bench(
                                                                  "where the target ends).")] = 2048,
     variants: Annotated[str, typer.Option(help="Comma-separated arms, as sharpdraft eval names them (none, spec, "
                                                "window, sinks, qwen-logn, clamp, clamp+spec, ..., lookup, "
-                                               "lookup+head).")] = ",".join(DEFAULT_VARIANTS),
+                                               "lookup+head, online-full, online-lora, online-full+spec, "
+                                               "online-lora+spec).")] = ",".join(DEFAULT_VARIANTS),
     window: Annotated[Optional[int], typer.Option(help="The window arm's W (default: the drafter's n_ref).")] = None,
     num_draft: Annotated[Optional[int], typer.Option("--num-draft", help="Drafts per verification (default: 4; a "
                                                                          "block drafter's block size - 1).")] = None,
@@ -51,13 +53,21 @@ def bench(
         = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of tables.")] = False,
     plot: Annotated[Optional[Path], typer.Option(help="Also plot acceptance against output position (PNG).")] = None,
+    online_every: Annotated[Optional[int], typer.Option(
+        "--online-every", help="Online arms: period T, generated rows learnt from per update (default 64).")] = None,
+    online_steps: flags.OnlineSteps = None,
+    online_lr: Annotated[Optional[float], typer.Option(
+        "--online-lr", help="Online arms: AdamW learning rate (default 1e-4 for online-full, 1e-2 for online-lora: a "
+                            "generation gives LoRA too few updates to move at eval's 1e-3).")] = None,
+    online_rank: flags.OnlineRank = None,
 ) -> None:
     """Speculative decoding through long generations: acceptance by output position, the fade, the speedup."""
     opts = BenchOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path, spec=spec,
                         workload=workload, prompts=prompts, new_tokens=new_tokens,
                         variants=tuple(v.strip() for v in variants.split(",") if v.strip()), window=window,
                         num_draft=num_draft, bin_size=bin_size, temperature=temperature, seed=seed, threads=threads,
-                        plot=plot, resume=resume)
+                        plot=plot, resume=resume, online_every=online_every, online_steps=online_steps,
+                        online_lr=online_lr, online_rank=online_rank)
     total = len(opts.check().prompts)  # every bad value refused before any model loads
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:

@@ -28,6 +28,12 @@ gradient (the cache a deployed drafter holds). The target, the shared embedding 
 checkpoint's weights are never changed: ``online-full`` trains a copy, ``online-lora`` its own
 ``A`` and ``B``; each sequence starts from the checkpoint again, unless ``carry``.
 
+**While decoding** (``sharpdraft bench``): :class:`OnlineProposer` wraps an EAGLE-3 chain or DFlash
+blocks in the one speculative loop and learns from the target's verified positions every ``every``
+(T) of them, after Test-Time Speculation (arXiv 2605.09329: online distillation during the
+generation), with the same learner and loss; an EAGLE-3 head's rows or a DFlash model's blocks
+(:class:`ChainRows`, :class:`BlockRows`), LoRA on every layer's projections for DFlash.
+
 Memory: :func:`extra_bytes` counts, from the tensors themselves, what an arm holds beyond the
 drafter: its trainable weights (the copy for ``online-full``, ``A`` and ``B`` for ``online-lora``),
 their gradients and AdamW's moments and step counts. A spec holds none (its ``alpha(n)`` is a
@@ -42,12 +48,13 @@ import ctypes
 import math
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from sharpdraft_theory import ScaleSpec
 
@@ -57,9 +64,9 @@ from .errors import UserError
 from .taps import ScalingTap
 from .training.loss import distillation_loss
 
-__all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "OnlineOptions", "OnlineArm", "online_options",
-           "online_arms", "check_rank", "Learner", "OnlineSequence", "online_pass", "tally_online", "extra_bytes",
-           "PeakMemory"]
+__all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "DECODING_LR", "OnlineOptions", "OnlineArm", "online_options",
+           "online_arms", "check_rank", "check_rank_unloaded", "Learner", "OnlineSequence", "online_pass",
+           "OnlineProposer", "ChainRows", "BlockRows", "online_proposer", "tally_online", "extra_bytes", "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
 ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
@@ -68,10 +75,15 @@ ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # a
 DEFAULT_EVERY = 64  # M: rows per chunk, about 16 verification rounds of a chain of 4 drafts
 DEFAULT_STEPS = 1  # G: one step per chunk, the online-gradient form of both papers
 DEFAULT_LR = {"online-full": 1e-4, "online-lora": 1e-3}  # EAGLE-3 training's order; LoRA's usual 10x
+# while decoding (sharpdraft bench), from a sweep on two train prompts (docs/longgen.md): a generation gives a drafter
+# few updates (3 in 256 tokens at T = 64), too few for LoRA at 1e-3 to move at all; online-full gained as much at
+# 1e-4 as at 1e-3 (and lost at 1e-2), so it keeps eval's rate
+DECODING_LR = {"online-full": 1e-4, "online-lora": 1e-2}
 DEFAULT_RANK = 8  # r: the common LoRA rank (PEFT's default)
 BETAS = (0.9, 0.95)  # AdamW as the demo head was trained (scripts/train_demo_eagle3.py), no weight decay
 MAX_EVERY, MAX_STEPS, MAX_LR, MAX_RANK = 8192, 64, 1.0, 256  # bounds past which a value is a typo
-LORA_MODULES = re.compile(r"midlayer\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")  # adapted projections
+# adapted projections: an EAGLE-3 head's midlayer, each layer of a DFlash model
+LORA_MODULES = re.compile(r"(midlayer|layers\.\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
 LORA_SEED = 0  # A's initialisation is drawn from this seed: runs repeat exactly
 
 
@@ -81,16 +93,20 @@ class OnlineOptions:
 
     every: int = DEFAULT_EVERY  # M: rows per chunk; each is scored, then learnt from
     steps: int = DEFAULT_STEPS  # G: AdamW steps on each chunk after it is scored
-    lr: float | None = None  # AdamW learning rate (None: DEFAULT_LR of the method)
+    lr: float | None = None  # AdamW learning rate (None: DEFAULT_LR of the method, DECODING_LR while decoding)
     rank: int = DEFAULT_RANK  # r of online-lora's B A
     carry: bool = False  # keep the learnt weights from one sequence to the next (default: reset)
+    decoding: bool = False  # learning while decoding (OnlineProposer): DECODING_LR are the default rates
 
     def lr_of(self, method: str) -> float:
         """The learning rate ``method`` uses."""
-        return DEFAULT_LR[method] if self.lr is None else self.lr
+        return (DECODING_LR if self.decoding else DEFAULT_LR)[method] if self.lr is None else self.lr
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "lr": {m: self.lr_of(m) for m in ONLINE_METHODS}}
+        """The options as results record them: every field but ``decoding``, with each method's rate."""
+        d = {**asdict(self), "lr": {m: self.lr_of(m) for m in ONLINE_METHODS}}
+        d.pop("decoding")
+        return d
 
 
 @dataclass(frozen=True)
@@ -104,8 +120,9 @@ class OnlineArm:
 
 def online_options(names, *, kind: str, every: int | None = None, steps: int | None = None,
                    lr: float | None = None, rank: int | None = None, carry: bool = False,
-                   speculative: bool = False, resume: bool = False) -> OnlineOptions | None:
-    """Check the online options against ``--variants`` ``names`` before any model loads.
+                   speculative: bool = False, resume: bool = False, decoding: bool = False) -> OnlineOptions | None:
+    """Check the online options against ``--variants`` ``names`` before any model loads; ``decoding``: for arms
+    that learn in the decoding loop (``sharpdraft bench``, :class:`OnlineProposer`), else teacher-forced.
 
     Returns the options, or None when no online arm is asked for (then an ``--online-*`` option
     is refused: it would change nothing).
@@ -117,7 +134,10 @@ def online_options(names, *, kind: str, every: int | None = None, steps: int | N
         if given:
             raise UserError(f"{given[0]}: no online arm to apply it to; add online-full or online-lora to --variants")
         return None
-    if not drafter_kind(kind).online:  # the kinds registry says which heads adapt (DFlash and PARD: not yet)
+    if decoding and not drafter_kind(kind).online_decoding:  # the kinds registry says which adapt where
+        raise UserError(f"--variants {asked[0]}: online adaptation while decoding is for EAGLE-3 and DFlash "
+                        f"drafters only for now (--drafter eagle3 or dflash), not {kind}")
+    if not decoding and not drafter_kind(kind).online:
         raise UserError(f"--variants {asked[0]}: online adaptation is for EAGLE-3 heads only for now "
                         f"(--drafter eagle3), not {kind}")
     if speculative:
@@ -130,13 +150,14 @@ def online_options(names, *, kind: str, every: int | None = None, steps: int | N
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most):
             raise UserError(f"{option} {value}: expected an integer from 1 to {most}")
     if lr is not None and not (math.isfinite(lr) and 0 < lr <= MAX_LR):
+        rates = DECODING_LR if decoding else DEFAULT_LR
         raise UserError(f"--online-lr {lr}: expected a learning rate above 0 and at most {MAX_LR:g} "
-                        f"(default {DEFAULT_LR['online-full']:g} for online-full, {DEFAULT_LR['online-lora']:g} "
+                        f"(default {rates['online-full']:g} for online-full, {rates['online-lora']:g} "
                         "for online-lora)")
     return OnlineOptions(every=DEFAULT_EVERY if every is None else every,
                          steps=DEFAULT_STEPS if steps is None else steps,
                          lr=None if lr is None else float(lr), rank=DEFAULT_RANK if rank is None else rank,
-                         carry=bool(carry))
+                         carry=bool(carry), decoding=decoding)
 
 
 def online_arms(names, spec: ScaleSpec) -> list[OnlineArm]:
@@ -150,10 +171,10 @@ def online_arms(names, spec: ScaleSpec) -> list[OnlineArm]:
 # ----------------------------------------------------------------------------------------------
 
 class Learner:
-    """The trainable state of one online arm on an EAGLE-3 head, and the head run with it.
+    """The trainable state of one online arm on an EAGLE-3 head (or a DFlash model), and the head run with it.
 
     ``online-full``: a copy of every head parameter but the shared embedding, run in place of the
-    head's own (``torch.func.functional_call``). ``online-lora``: ``A`` (r, in) drawn as
+    head's own (:meth:`Learner.applied`). ``online-lora``: ``A`` (r, in) drawn as
     ``nn.Linear`` draws a weight and ``B`` (out, r) zero for each projection of
     :data:`LORA_MODULES`, added to the projection's output by a forward hook for the length of
     each call, ``y = W x + B (A x)`` (scale 1, i.e. LoRA's alpha = r), in float32. The head's
@@ -189,15 +210,36 @@ class Learner:
 
     def __call__(self, *args, **kwargs):
         """The head's forward with this arm's weights: ``head(*args, **kwargs)``."""
-        if self.full is not None:
-            return functional_call(self.head, self.full, args, kwargs)
-        modules = dict(self.head.named_modules())
-        handles = [modules[name].register_forward_hook(_lora_hook(a, b)) for name, (a, b) in self.lora.items()]
-        try:
+        with self.applied():
             return self.head(*args, **kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
+
+    @contextmanager
+    def applied(self):
+        """While the block runs, the head computes with this arm's weights: ``online-full``'s copy stands in
+        for the head's parameters, ``online-lora``'s hooks add ``B (A x)``; both undone on leaving, so a
+        proposer that calls the head (``calibrate.drafters.eagle3.Eagle3Proposer``) drafts with them. The
+        head's own parameters (the shared embedding among them) take no gradient meanwhile: a step's
+        backward reaches this arm's tensors only."""
+        modules = dict(self.head.named_modules())
+        with frozen(self.head):
+            if self.full is None:
+                handles = [modules[name].register_forward_hook(_lora_hook(a, b)) for name, (a, b) in self.lora.items()]
+                try:
+                    yield
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                return
+            owners = [(modules[name.rpartition(".")[0]], name.rpartition(".")[2], tensor)
+                      for name, tensor in self.full.items()]
+            saved = [module._parameters[attr] for module, attr, _ in owners]
+            for module, attr, tensor in owners:
+                module._parameters[attr] = tensor
+            try:
+                yield
+            finally:
+                for (module, attr, _), param in zip(owners, saved):
+                    module._parameters[attr] = param
 
     def step(self, loss: torch.Tensor) -> None:
         """One AdamW step down ``loss``."""
@@ -223,6 +265,39 @@ def check_rank(head: nn.Module, rank: int) -> None:
         if LORA_MODULES.fullmatch(name) and rank > min(module.weight.shape):
             raise UserError(f"--online-rank {rank}: above the width of {name} ({tuple(module.weight.shape)[0]} x "
                             f"{tuple(module.weight.shape)[1]}); choose at most {min(module.weight.shape)}")
+
+
+def check_rank_unloaded(kind: str, drafter_path: str | None, rank: int) -> None:
+    """``--online-rank`` against the EAGLE-3 head or DFlash model (``kind``) at ``drafter_path`` (None: the packaged
+    one) before any weight loads: :func:`check_rank` on the model its ``config.json`` describes, built on the meta
+    device. A folder without one is left to the loader, which says what is missing."""
+    from .drafters import dflash, eagle3
+    from .drafters.pointer import locate
+
+    home, config_of, model_of = (
+        (dflash.DFLASH_HEAD_DIR, dflash.DFlashConfig, dflash.DFlashDraftModel) if kind == "dflash"
+        else (eagle3.DEMO_HEAD_DIR, eagle3.Eagle3Config, eagle3.Eagle3Head))
+    folder = Path(drafter_path) if drafter_path is not None else home
+    config = locate(folder)[1] / "config.json" if folder.is_dir() else None
+    if config is None or not config.is_file():
+        return
+    with torch.device("meta"):
+        model = model_of(config_of.from_json(config))
+    check_rank(model, rank)
+
+
+@contextmanager
+def frozen(module: nn.Module):
+    """While the block runs, ``module``'s parameters take no gradient: autograd neither records through them
+    as leaves nor accumulates a ``.grad`` into them (a loaded model's parameters ask for one)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 def _lora_hook(a: torch.Tensor, b: torch.Tensor):
@@ -336,6 +411,154 @@ def online_pass(drafter, input_ids: torch.Tensor, arm: OnlineArm, options: Onlin
     if out.drafted.is_cuda:
         torch.cuda.synchronize()
     return out, learner, time.perf_counter() - began
+
+
+# ----------------------------------------------------------------------------------------------
+# In the decoding loop: a proposer that learns from what the target verified
+# ----------------------------------------------------------------------------------------------
+
+class OnlineProposer:
+    """A model's proposer that learns while the one loop (``calibrate.speculative.speculative_generate``)
+    decodes: Test-Time Speculation's online distillation during the generation (arXiv 2605.09329), with
+    OSD's loss (arXiv 2310.07177: forward KL from the target's law to the drafter's).
+
+    ``inner`` drafts and commits with the learner's weights (:meth:`Learner.applied`): an EAGLE-3 chain
+    (:class:`ChainRows`) or DFlash blocks (:class:`BlockRows`), which ``rows`` wraps. Each step the loop
+    hands over the target's logits of the verified positions (:meth:`verified`) and then their features
+    (:meth:`commit`). From the first generated position on, the proposer keeps per position ``t`` the
+    token ``x_t``, the target's feature and its law after ``t`` over the draft vocabulary (softmax of its
+    logits there, renormalised, temperature 1). Position ``t`` is ready once the law after
+    ``t + rows.lead`` is known (the rows that learn from ``t`` read the laws up to there); every
+    ``options.every`` ready positions (T) the learner takes ``options.steps`` AdamW steps down
+    ``rows.loss`` on them, every position counted (TTS; OSD keeps the rejected ones only). The positions
+    before them enter as the proposer's own cache holds them, computed when they were committed and not
+    recomputed after an update (a deployed drafter's choice: recomputing costs a drafter pass over the
+    whole context every T tokens), so only later positions see the new weights. The prompt is not learnt
+    from (the prefill keeps the target's last law only). ``update_seconds``: wall time in the updates,
+    inside the loop's ``draft_seconds`` and so its ``decode_seconds``.
+    """
+
+    def __init__(self, rows, learner: Learner, options: OnlineOptions):
+        self.rows, self.inner, self.learner, self.options = rows, rows.inner, learner, options
+        self.name = f"{learner.method}+{self.inner.name}"
+        self.feature_ids = self.inner.feature_ids
+        self.update_seconds, self.updates = 0.0, 0
+        self.buffer_bytes = 0  # the most the pending positions held at once (tokens, features, teacher laws)
+
+    def start(self, prompt: torch.Tensor, features: torch.Tensor, pending: int) -> None:
+        with self.learner.applied():
+            self.inner.start(prompt, features, pending)
+        self.first = prompt.shape[1]  # the first position not learnt from yet (the pending token's at the start)
+        self.tokens = [torch.tensor([pending], device=prompt.device)]  # x_t from self.first on, one past the features
+        self.features, self.laws = [], []  # per position from self.first: the target's feature, its law after it
+
+    def propose(self, k: int, rule) -> tuple[list[int], np.ndarray | None]:
+        with self.learner.applied():
+            return self.inner.propose(k, rule)
+
+    def verified(self, logits: torch.Tensor) -> None:
+        """The target's logits (a + 1, vocab) after the pending token and each accepted draft."""
+        columns = self.rows.columns
+        self.laws.append(torch.softmax((logits if columns is None else logits[:, columns]).float(), dim=-1))
+
+    def commit(self, new: list[int], features: torch.Tensor) -> None:
+        """Commit through ``inner``, keep the verified positions, and learn from each full chunk of them."""
+        with self.learner.applied():
+            self.inner.commit(new, features)
+        self.tokens.append(torch.tensor(new, device=features.device))
+        self.features.append(features[0])
+        self.buffer_bytes = max(self.buffer_bytes, sum(t.nbytes for t in (*self.tokens, *self.features, *self.laws)))
+        tokens, feats, laws = (torch.cat(x) for x in (self.tokens, self.features, self.laws))
+        ready = min(len(feats), len(laws) - self.rows.lead)
+        if ready < self.options.every:
+            return
+        began = time.perf_counter()
+        for _ in range(self.options.steps):
+            with torch.enable_grad():
+                self.learner.step(self.rows.loss(self.learner, self.first, tokens, feats[None, :ready], laws))
+        self.first += ready
+        self.tokens, self.features, self.laws = [tokens[ready:]], [feats[ready:]], [laws[ready:]]
+        if feats.is_cuda:
+            torch.cuda.synchronize()
+        self.update_seconds += time.perf_counter() - began
+        self.updates += 1
+
+    def extra_bytes(self) -> dict:
+        """The learner's bytes (:meth:`Learner.extra_bytes`) and the most the pending positions held (``buffer``)."""
+        own = self.learner.extra_bytes()
+        return {**own, "buffer": self.buffer_bytes, "total": own["total"] + self.buffer_bytes}
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ChainRows:
+    """What an EAGLE-3 chain (``calibrate.drafters.eagle3.Eagle3Proposer``) learns from: head row ``t`` (the
+    target's feature at ``t``, token ``t + 1``) guesses token ``t + 2``, taught by the law after ``t + 1``."""
+
+    lead = 1
+
+    def __init__(self, chain):
+        self.inner, self.columns = chain, chain.columns
+
+    def loss(self, learner: Learner, first: int, tokens: torch.Tensor, features: torch.Tensor,
+             laws: torch.Tensor) -> torch.Tensor:
+        """The mean distillation loss of head rows ``first .. first + r - 1``: ``tokens`` (> r,) ``x_first ..``,
+        ``features`` (1, r, n * width), ``laws`` (> r, draft) after ``first ..``; the rows before from the
+        chain's cache."""
+        chain, r = self.inner, features.shape[1]
+        past = tuple(x[:, :, :first] for x in chain.past)
+        logits = learner(tokens[None, 1:r + 1], features, past_key_values=past, attention_hook=chain.hook,
+                         **chain.restriction).logits[0]
+        return distillation_loss(logits.float(), laws[1:r + 1]).mean()
+
+
+class BlockRows:
+    """What DFlash blocks (``calibrate.drafters.blocks.DFlashBlockProposer``) learn from: the block anchored at
+    each position ``p`` (token ``x_p``, the context before ``p``), row ``j`` (1 .. B - 1) guessing token
+    ``p + j``, taught by the law after ``p + j - 1``; so a position waits for the laws ``B - 2`` further on.
+    The output head is the target's and does not learn."""
+
+    def __init__(self, blocks):
+        self.inner, self.columns = blocks, blocks.model.draft_ids()
+        self.lead = blocks.block_size - 2
+
+    def loss(self, learner: Learner, first: int, tokens: torch.Tensor, features: torch.Tensor,
+             laws: torch.Tensor) -> torch.Tensor:
+        """The mean distillation loss of the rows of the blocks anchored at ``first .. first + r - 1``: ``tokens``
+        (> r,) ``x_first ..``, ``features`` (1, r, ·) their context features (encoded again with gradient), ``laws``
+        (>= r + B - 2, draft) after ``first ..``; the context before ``first`` from the blocks' cache; the
+        many blocks in one call (``calibrate.drafters.blocks.anchored_masks``)."""
+        from .drafters.blocks import _embed, anchored_masks, block_ids, block_tap
+
+        blocks, r = self.inner, features.shape[1]
+        model, B = blocks.model, blocks.block_size
+        anchors = torch.arange(first, first + r, device=features.device)
+        with learner.applied(), frozen(blocks.target):  # the target's embedding and output head: no gradient
+            new = model.encode_context(features.to(model.fc.weight.dtype), anchors[None])
+            context = [(torch.cat((k[:, :, :first], k1), dim=2), torch.cat((v[:, :, :first], v1), dim=2))
+                       for (k, v), (k1, v1) in zip(blocks.context, new)]
+            ids, pos = block_ids(model, anchors, tokens[:r])
+            with block_tap(model, blocks.spec):
+                hidden = model.forward_block(_embed(model, blocks.target, ids), pos, context,
+                                             anchored_masks(model, anchors, first + r, blocks.spec))
+            logits = model.draft_logits(hidden.view(r, B, -1)[:, 1:], blocks.target)  # (r, B - 1, draft)
+        teacher = laws.unfold(0, B - 1, 1)[:r].transpose(1, 2)  # (r, B - 1, draft): block p's row j, law after p+j-1
+        return distillation_loss(logits.float(), teacher).mean()
+
+
+def online_proposer(drafter, method: str, spec: ScaleSpec | None, options: OnlineOptions) -> OnlineProposer:
+    """The adapter's proposer under ``spec`` learning as it drafts (an EAGLE-3 chain, DFlash blocks), with a fresh
+    :class:`Learner` (``method``), so every decode starts from the checkpoint."""
+    if not drafter_kind(drafter.kind).online_decoding:
+        raise UserError(f"{method}: online adaptation while decoding is for EAGLE-3 and DFlash drafters only for "
+                        f"now, not {drafter.kind}")
+    if getattr(drafter, "pointer", None) is not None:
+        raise UserError(f"{method}: online adaptation of a drafter with a copy pointer is not supported; pass the "
+                        "drafter's own folder as --drafter-path")
+    blocks = drafter.kind == "dflash"
+    rows = (BlockRows if blocks else ChainRows)(drafter.proposer(spec))
+    return OnlineProposer(rows, Learner(drafter.model if blocks else drafter.head, method, options), options)
 
 
 # ----------------------------------------------------------------------------------------------

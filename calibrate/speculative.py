@@ -36,7 +36,9 @@ cache holds ``x_0 .. x_{N-1}``; ``x_N``, the last correction, is pending):
 3. **verify**: one cached target forward over ``x_N`` and the drafts; the rule accepts a prefix of
    the drafts and picks the target's own next token;
 4. **commit**: the accepted drafts and that token are committed (the token is now pending), and the
-   proposer's ``commit`` receives them with the target's features of the verified positions;
+   proposer's ``commit`` receives them with the target's features of the verified positions (a
+   proposer that learns, ``calibrate.online.OnlineProposer``, first receives the target's logits there
+   through its optional ``verified``);
 5. **crop**: the target's cache drops the rows of the rejected drafts.
 
 Measures (:class:`SpeculativeResult`):
@@ -278,6 +280,7 @@ def speculative_generate(target, proposer, prompt: torch.Tensor, max_new_tokens:
     t0 = time.perf_counter() - prefill_seconds
     tokens = [first]
     proposer.start(prompt, feats, tokens[0])
+    verified = getattr(proposer, "verified", None)
     t1 = time.perf_counter()
     accepted_counts, drafting = [], 0.0
     stopped = stop is not None and first == stop
@@ -292,6 +295,8 @@ def speculative_generate(target, proposer, prompt: torch.Tensor, max_new_tokens:
         new = drafts[:accepted] + [token]
         crop_cache(cache, cache.get_seq_length() - (len(drafts) - accepted))  # keep pending + accepted drafts
         t = time.perf_counter()
+        if verified is not None:  # a proposer that learns reads the target's law at the verified positions
+            verified(logits[:accepted + 1])
         proposer.commit(new, None if feats is None else feats[:, :accepted + 1])
         drafting += time.perf_counter() - t
         tokens.extend(new)

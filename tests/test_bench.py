@@ -11,6 +11,7 @@ import torch
 from calibrate.bench import BenchOptions, partial_dir, plot_result, report_tables, run_bench
 from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.errors import UserError
+from calibrate.online import DECODING_LR
 
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
 
@@ -107,10 +108,45 @@ def test_a_resumed_bench_keeps_the_finished_prompts(tmp_path, workload, drafter,
     assert len(result["units"]) == 3
 
 
+def test_online_arms_learn_in_the_loop_and_count_their_cost(tmp_path, workload, drafter):
+    """Online arms decode the target's own text (greedy), learn in the loop (update seconds inside the decode
+    time, a learner's bytes held), from the checkpoint at every prompt; frozen arms hold 0 bytes."""
+    head = {k: v.clone() for k, v in drafter.head.state_dict().items()}
+    opts = _opts(tmp_path, workload, variants=("none", "online-full", "online-lora+spec"), window=None,
+                 online_every=8, online_lr=1e-2, online_rank=2)
+    result = run_bench(opts, drafter=drafter)
+    assert result["options"]["online"] == {"every": 8, "steps": 1, "lr": {"online-full": 0.01, "online-lora": 0.01},
+                                           "rank": 2, "carry": False}
+    for name, arm in result["arms"].items():
+        assert arm["identical"] is True, name
+        assert arm["peak_memory"] > 0 and arm["peak_memory_over_none"] is not None
+        runs = [u["arms"][name] for u in result["units"]]
+        if name == "none":
+            assert arm["update_seconds"] == 0 and arm["updates"] == 0 and arm["extra_bytes"]["total"] == 0
+            continue
+        assert arm["updates"] == sum(r["updates"] for r in runs) > 0
+        assert all(r["update_seconds"] <= r["draft_seconds"] <= r["decode_seconds"] for r in runs)
+        assert 0 < arm["update_share"] < 1
+        held = arm["extra_bytes"]
+        assert held["total"] == held["weights"] + held["gradients"] + held["optimizer"] + held["buffer"] > 0
+    full, lora = (result["arms"][n]["extra_bytes"]["weights"] for n in ("online-full", "online-lora+spec"))
+    assert full > lora > 0  # a copy of the head against rank-2 factors
+    assert all(torch.equal(head[k], v) for k, v in drafter.head.state_dict().items())
+    assert report_tables(result)[1].row_count == 3
+
+
 def test_sampled_bench_runs_each_arm_from_a_paired_stream(tmp_path, workload, drafter):
     result = run_bench(_opts(tmp_path, workload, temperature=0.8, variants=("none", "lookup"), window=None,
                              prompts=2), drafter=drafter)
     assert all(arm["identical"] is None for arm in result["arms"].values())  # sampling: no equality to claim
+
+
+def test_online_arms_learn_at_the_decoding_rates_by_default(tmp_path, workload):
+    online = _opts(tmp_path, workload, variants=("none", "online-full", "online-lora"), window=None).to_dict()["online"]
+    assert online["lr"] == DECODING_LR and online["every"] == 64 and online["rank"] == 8
+
+
+_ONLINE = {"variants": ("none", "online-full"), "window": None}  # the rank's width: the demo head's config (192)
 
 
 @pytest.mark.parametrize("over,fragment", [
@@ -127,6 +163,15 @@ def test_sampled_bench_runs_each_arm_from_a_paired_stream(tmp_path, workload, dr
     ({"variants": ("none", "spec"), "window": None}, "--variants spec: pass --spec"),
     ({"variants": ("none", "spec"), "window": 0}, "--window 0"),
     ({"drafter": "gpt"}, "gpt"),
+    (_ONLINE | {"online_lr": 0.0}, "--online-lr 0"),
+    (_ONLINE | {"online_lr": -1e-3}, "--online-lr -0.001"),
+    (_ONLINE | {"online_lr": float("nan")}, "--online-lr nan"),
+    (_ONLINE | {"online_every": 0}, "--online-every 0"),
+    (_ONLINE | {"online_steps": 0}, "--online-steps 0"),
+    (_ONLINE | {"variants": ("none", "online-lora"), "online_rank": 0}, "--online-rank 0"),
+    (_ONLINE | {"variants": ("none", "online-lora"), "online_rank": 200}, "--online-rank 200: above the width"),
+    ({"variants": ("none", "window"), "online_lr": 1e-3}, "--online-lr: no online arm"),
+    (_ONLINE | {"drafter": "pard"}, "online-full: online adaptation while decoding is for EAGLE-3 and DFlash"),
 ])
 def test_bad_options_are_refused_before_any_model_loads(tmp_path, workload, over, fragment):
     with pytest.raises(UserError, match=fragment.replace("+", r"\+")):

@@ -65,6 +65,15 @@ def test_logits_are_the_heads_rows_on_the_vocabulary_and_minus_infinity_elsewher
     assert any("drafts from 86 of the target's 256 tokens" in n for n in notes)
 
 
+def test_draft_logits_are_the_finite_columns_of_the_logits(models, target):
+    """``draft_logits`` (what online adaptation learns through) is ``compute_logits`` at the draft ids, exactly."""
+    for model in models:
+        hidden = torch.randn(3, 5, target.config.hidden_size, generator=torch.Generator().manual_seed(2))
+        ids = model.draft_ids()
+        full = model.compute_logits(hidden, target)
+        assert torch.equal(model.draft_logits(hidden, target), full if ids is None else full[..., ids])
+
+
 def test_the_vocabularys_rows_are_cut_once(models, target):
     """Cutting 4,096 rows out of SmolLM2's head costs about what the drafting forward does: once per head."""
     _, restricted = models

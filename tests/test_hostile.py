@@ -702,6 +702,7 @@ GENERATE = [
 ]
 
 _BENCH = "bench --out {w}/b.json --workload math --variants none,window"
+_BENCH_ONLINE = "bench --out {w}/b.json --workload math --variants none,online-full,online-lora"
 BENCH = [
     Case("bench-new-tokens-zero", _BENCH + " --new-tokens 0", "--new-tokens 0"),
     Case("bench-bin-size-zero", _BENCH + " --bin-size 0", "--bin-size 0"),
@@ -733,6 +734,21 @@ BENCH = [
     Case("bench-partial-is-a-file", "bench --out {w}/b.json --variants none", "is a file where the run keeps",
          (("b.json.partial", "x"),)),
     Case("bench-plot-not-png", _BENCH + " --plot {w}/p.pdf", "--plot"),
+    # the online arms' options (calibrate.online); the rank's width is read from the head's config.json
+    Case("bench-online-lr-zero", _BENCH_ONLINE + " --online-lr 0", "--online-lr 0"),
+    Case("bench-online-lr-negative", _BENCH_ONLINE + " --online-lr -0.001", "--online-lr -0.001"),
+    Case("bench-online-lr-nan", _BENCH_ONLINE + " --online-lr nan", "--online-lr nan"),
+    Case("bench-online-every-zero", _BENCH_ONLINE + " --online-every 0", "--online-every 0"),
+    Case("bench-online-steps-zero", _BENCH_ONLINE + " --online-steps 0", "--online-steps 0"),
+    Case("bench-online-rank-zero", _BENCH_ONLINE + " --online-rank 0", "--online-rank 0"),
+    Case("bench-online-rank-above-width", _BENCH_ONLINE + " --online-rank 200", "--online-rank 200"),
+    Case("bench-online-rank-above-width-of-the-head", _BENCH_ONLINE + " --drafter-path {fx}/eagle3 --online-rank 40",
+         "--online-rank 40"),
+    Case("bench-online-option-without-arm", _BENCH + " --online-lr 0.001", "--online-lr"),
+    Case("bench-online-drafter-pard", _BENCH_ONLINE.replace("--workload", "--drafter pard --workload"),
+         "--variants online-full"),
+    Case("bench-online-rank-above-the-dflash-width", _BENCH_ONLINE + " --drafter dflash --online-rank 200",
+         "--online-rank 200"),
 ]
 
 

@@ -34,7 +34,8 @@ class DrafterKind:
     causal_lm: bool = False  # a whole causal LM, with no target of its own: --select needs --target-path
     parallel: bool = False  # drafts several tokens from one forward: eval adds per-position metrics (measure.blocks)
     blocks: bool = False  # drafts a block of its checkpoint's block size (the adapter's block_size) per forward
-    online: bool = False  # online adaptation (calibrate.online) can adapt its head
+    online: bool = False  # teacher-forced online adaptation (calibrate.online, sharpdraft eval) can adapt its head
+    online_decoding: bool = False  # online adaptation in the decoding loop (calibrate.online.OnlineProposer, bench)
     pointer: bool = False  # a copy pointer (calibrate.drafters.pointer) can join it: the adapter's pointer
 
 
@@ -43,9 +44,9 @@ KINDS: dict[str, DrafterKind] = {
     "pard": DrafterKind("hf", "a PARD drafter: K drafts from one forward over its mask tokens", evaluates=True,
                         causal_lm=True, parallel=True, pointer=True),
     "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head)",
-                          evaluates=True, reads_aux_layers=True, online=True, pointer=True),
+                          evaluates=True, reads_aux_layers=True, online=True, online_decoding=True, pointer=True),
     "dflash": DrafterKind("dflash", "target features, then DFlash blocks (B - 1 drafts per forward)", evaluates=True,
-                          parallel=True, blocks=True, pointer=True),
+                          parallel=True, blocks=True, online_decoding=True, pointer=True),
 }
 _DTYPES = ("float32", "bfloat16", "float16")
 # How engines read the auxiliary layer ids k written in a drafter's config.json: hidden_states[k + aux_offset(...)].

@@ -157,6 +157,12 @@ class Proposer(Protocol):
     def close(self) -> None:
         """Undo anything done to shared models (runtime bindings)."""
 
+    # Optional, for a proposer that learns from the target (``calibrate.online.OnlineProposer``); the loop
+    # calls it, where it exists, just before ``commit``:
+    #
+    #     def verified(self, logits: torch.Tensor) -> None:
+    #         """The target's logits (len(new), vocab) after the pending token and each accepted draft."""
+
 
 @runtime_checkable
 class BlockProposer(Proposer, Protocol):

@@ -474,6 +474,17 @@ class DFlashDraftModel(nn.Module):
         twelfth of the head for 4,096 of SmolLM2's 49,152 tokens) and every other column is ``-inf``: the
         drafts, and the laws speculative sampling draws them from, never leave it."""
         head = target.get_output_embeddings()
+        if getattr(self, "d2t", None) is None:
+            return head(hidden)
+        logits = self.draft_logits(hidden, target)  # cuts the draft rows of the head, once
+        out = hidden.new_full((*hidden.shape[:-1], head.weight.shape[0]), float("-inf"))
+        out[..., self._draft_rows[1]] = logits.to(out.dtype)
+        return out
+
+    def draft_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """The logits over the draft vocabulary alone (..., draft), column ``i`` the token ``draft_ids()[i]``
+        (over the whole vocabulary without one): :meth:`compute_logits`' finite columns, without the rest."""
+        head = target.get_output_embeddings()
         d2t = getattr(self, "d2t", None)
         if d2t is None:
             return head(hidden)
@@ -483,10 +494,8 @@ class DFlashDraftModel(nn.Module):
             ids = self.draft_ids()
             bias = None if head.bias is None else head.bias.detach()[ids]
             self._draft_rows = (key, ids.to(head.weight.device), head.weight.detach()[ids], bias)
-        _, ids, weight, bias = self._draft_rows
-        out = hidden.new_full((*hidden.shape[:-1], head.weight.shape[0]), float("-inf"))
-        out[..., ids] = nn.functional.linear(hidden.to(weight.dtype), weight, bias).to(out.dtype)
-        return out
+        _, _, weight, bias = self._draft_rows
+        return nn.functional.linear(hidden.to(weight.dtype), weight, bias)
 
 
 def context_features(target: nn.Module, input_ids: torch.Tensor, target_layer_ids) -> torch.Tensor:
