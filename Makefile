@@ -95,7 +95,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_theory.py
 	$(PY) benchmarks/bench_runtime.py
 	$(PY) benchmarks/bench_dflash_block.py
-	$(PY) benchmarks/bench_decode.py
+	# with vLLM's CPU build installed (make vllm), its target-only step on the same prompts, in the same run
+	if [ -x $(VLLM_PY) ]; then rm -rf out/bench-export && $(VENV)/bin/sharpdraft export --out out/bench-export \
+		--max-length 8192 && $(PY) benchmarks/bench_decode.py --lengths 256,2048,8160 --vllm-export out/bench-export; \
+	else $(PY) benchmarks/bench_decode.py; fi
 	$(PY) benchmarks/bench_calibrate.py --max-length 2048 --sequences 3
 	$(PY) benchmarks/bench_calibrate.py --drafter eagle3 --corpus stdlib --sequences 6 --select
 
