@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test vllm test-vllm table pard-table bench notebooks clean
+.PHONY: demo test vllm test-vllm table pard-table longgen-table bench notebooks clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -90,6 +90,15 @@ pard-table: $(STAMP)
 		--extra-spec head=out/pard-table/spec-head.json --variants none,spec,qwen-logn,window,sinks,clamp \
 		--slopes 0.05,0.1,0.2,0.4 --out out/pard-table/eval.json
 	$(PY) scripts/eval_table.py out/pard-table/eval.json --at 8192 --versus window,spec > out/pard-table/table.md
+
+# The long-generation tables (docs/results.md "Long generations"): each workload's generated corpus, each
+# drafter kind alone and with its copy pointer, calibrated and selected on the train prompts, checked by
+# output position on the held-out ones (about 5 minutes a calibration and 6 an eval on 2 CPU cores: about
+# 25 minutes a workload and kind). LONGGEN_WORKLOADS / LONGGEN_KINDS narrow it. Writes out/longgen/.
+LONGGEN_WORKLOADS ?= diary math science
+LONGGEN_KINDS ?= eagle3 dflash pard
+longgen-table: $(STAMP)
+	SD=$(VENV)/bin/sharpdraft bash scripts/longgen_table.sh "$(LONGGEN_WORKLOADS)" "$(LONGGEN_KINDS)"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_theory.py
