@@ -36,7 +36,8 @@ from .errors import UserError
 from .preflight import check_outputs, local_inputs
 from .workloads import Prompt, Workload, chat_ids, check_fits, load_workload, parse_workload
 
-__all__ = ["GenerateOptions", "Generation", "read_generations", "run_generation", "tokenizer_identity"]
+__all__ = ["GenerateOptions", "Generation", "read_generations", "run_generation", "tokenizer_and_context",
+           "tokenizer_identity"]
 
 MAX_NEW_TOKENS = 1 << 17
 
@@ -151,7 +152,7 @@ def run_generation(opts: GenerateOptions, *, model=None, tokenizer=None, progres
         torch.set_num_threads(opts.threads)
     checked = False
     if model is None:
-        tokenizer, context = _tokenizer_and_context(opts.target_path)
+        tokenizer, context = tokenizer_and_context(opts.target_path)
         if tokenizer is not None and context:  # a prompt too long is refused before the weights load
             check_fits(workload, tokenizer, context, opts.new_tokens)
             checked = True
@@ -181,7 +182,7 @@ def run_generation(opts: GenerateOptions, *, model=None, tokenizer=None, progres
     return read_generations(opts.out)
 
 
-def _tokenizer_and_context(target_path: str | None):
+def tokenizer_and_context(target_path: str | None):
     """``(tokenizer, context length)`` of the target read without its weights; ``(None, None)`` where that
     needs the weights (the built-in target before its converted copy is cached)."""
     from .drafters.target import load_tokenizer

@@ -188,14 +188,14 @@ def target_tokenizer(drafter: str, drafter_path: str | None, target_path: str | 
     with one). An ``hf`` or ``pard`` checkpoint without a target reads its own tokenizer: None here.
     """
     from .drafters.target import has_tokenizer, load_tokenizer
-    from .generate import _tokenizer_and_context
+    from .generate import tokenizer_and_context
 
     if target_path is not None:
         folder = Path(target_path).expanduser()
         return load_tokenizer(target_path, option="--target-path") if folder.is_dir() and has_tokenizer(folder) \
             else None
     if drafter_path is None or drafter in ("eagle3", "dflash"):
-        return _tokenizer_and_context(None)[0]
+        return tokenizer_and_context(None)[0]
     return None
 
 
