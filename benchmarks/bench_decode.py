@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from bench_vllm import ENGINE_PY, ROOT  # this folder is on the path when a benchmark runs as a script
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -103,9 +105,6 @@ def main(argv=None) -> None:
             ms = 1e3 * seconds / args.new_tokens
             print(f"  {n:8,d} {'vLLM target only':16s} {ms:9.1f} {ms / target_ms[n]:6.2f} {'':>7s}")
 
-
-ROOT = Path(__file__).resolve().parent.parent
-ENGINE_PY = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def _vllm_target_only(args, prompts: list[list[int]]) -> dict[int, float]:
