@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     from calibrate.speculative import GREEDY, prefill, speculative_generate, target_generate
 
     cpu = torch.device("cpu")
-    head = load_drafter("eagle3", None, None, cpu, torch.float32)
+    head = load_drafter("eagle3", "calibrate/assets/eagle3-smollm2", None, cpu, torch.float32)  # the head alone
     copy = load_drafter("eagle3", "calibrate/assets/eagle3-smollm2-copy", None, cpu, torch.float32)
     target = head.target
     text = next(pack("stdlib:heldout", head.tokenize, head.eos_token_id, max(lengths) + 1, limit=1))

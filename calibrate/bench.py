@@ -261,13 +261,13 @@ def _run(out, opts: BenchOptions) -> dict:
 def _cost(proposer, peak) -> dict:
     """What a run cost beyond its time: the decode's peak memory (``calibrate.online.PeakMemory``), and for an
     online arm its updates' wall time (inside ``decode_seconds``), their count and its extra state in bytes."""
-    from .online import extra_bytes
+    from .online import extra_bytes, learning
 
-    learning = hasattr(proposer, "update_seconds")
+    online = learning(proposer)  # the learner, also inside a copy pointer
     return {"peak_memory": peak.peak, "peak_memory_method": peak.method,
-            "update_seconds": proposer.update_seconds if learning else 0.0,
-            "updates": proposer.updates if learning else 0,
-            "extra_bytes": proposer.extra_bytes() if learning else extra_bytes(None) | {"buffer": 0}}
+            "update_seconds": online.update_seconds if online else 0.0,
+            "updates": online.updates if online else 0,
+            "extra_bytes": online.extra_bytes() if online else extra_bytes(None) | {"buffer": 0}}
 
 
 def _r(x, digits: int = 4):
@@ -310,7 +310,8 @@ def _result(opts: BenchOptions, workload: Workload, units: list[dict], num_draft
         "schema": "sharpdraft.bench/v1",
         "options": opts.to_dict(),
         "workload": workload.to_dict(),
-        "drafter": {"kind": opts.drafter, "path": opts.drafter_path, "n_ref": drafter.default_n_ref},
+        "drafter": {"kind": opts.drafter, "path": drafter.info.path, "n_ref": drafter.default_n_ref,
+                    **({} if getattr(drafter, "pointer", None) is None else {"copy_pointer": drafter.pointer.to_dict()})},
         "num_draft": num_draft,
         "bins": [[b * opts.bin_size, min((b + 1) * opts.bin_size, opts.new_tokens)] for b in range(bins)],
         "prompts": [{"id": p.id, "prompt_tokens": u["prompt_tokens"], "output_tokens": u["target"]["tokens"],

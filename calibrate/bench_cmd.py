@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .bench import DEFAULT_VARIANTS, BenchOptions, plot_result, report_tables, run_bench
-from .drafters import kind_names
+from .drafters import DEFAULT_DRAFTERS, kind_names
 from .eval import flags
 from .workloads import BUILTIN
 
@@ -24,8 +24,8 @@ def bench(
     *,
     out: Annotated[Path, typer.Option("--out", help="Where to write the result (JSON).")],
     drafter: Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names(evaluates=True))}.")] = "eagle3",
-    drafter_path: Annotated[Optional[str], typer.Option("--drafter-path", help="Drafter checkpoint (default: the "
-                                                                               "built-in one of the kind).")] = None,
+    drafter_path: Annotated[Optional[str], typer.Option("--drafter-path", help="Drafter checkpoint, or a folder with a "
+                                              f"copy_pointer.json naming one (default: {DEFAULT_DRAFTERS}).")] = None,
     target_path: Annotated[Optional[str], typer.Option("--target-path", help="Target model folder (default: the "
                                                                              "built-in SmolLM2).")] = None,
     spec: Annotated[Optional[Path], typer.Option(help="Scale spec for the spec arm (sharpdraft calibrate --out).")]

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from sharpdraft_theory.estimators import ESTIMATOR_CHOICES, get_estimator
 
-from .drafters import kind_names
+from .drafters import DEFAULT_DRAFTERS, kind_names
 from .errors import UserError
 from .numbers import fixed
 
@@ -28,8 +28,8 @@ def calibrate(
     out: Annotated[Path, typer.Option("--out", help="Where to write the scale spec (JSON).")],
     drafter: Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names())}.")] = "hf",
     drafter_path: Annotated[Optional[str], typer.Option(
-        "--drafter-path", help="Drafter checkpoint folder, .gguf file or hub id (default: built-in: SmolLM2 for "
-                               "hf, its heads for eagle3 and dflash, its PARD drafter for pard).")] = None,
+        "--drafter-path", help="Drafter checkpoint folder, .gguf file or hub id (default: SmolLM2 for hf; "
+                               f"{DEFAULT_DRAFTERS}).")] = None,
     target_path: Annotated[Optional[str], typer.Option(
         "--target-path", help="Target model folder (eagle3, dflash; the tokenizer source for hf/pard without one).")] = None,
     corpus: Annotated[str, typer.Option(

@@ -58,7 +58,7 @@ from torch import nn
 
 from sharpdraft_theory import ScaleSpec
 
-from .drafters import drafter_kind
+from .drafters import default_drafter_path, drafter_kind
 from .drafters.base import TeacherForced
 from .errors import UserError
 from .taps import ScalingTap
@@ -66,7 +66,8 @@ from .training.loss import distillation_loss
 
 __all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "DECODING_LR", "OnlineOptions", "OnlineArm", "online_options",
            "online_arms", "check_rank", "check_rank_unloaded", "Learner", "OnlineSequence", "online_pass",
-           "OnlineProposer", "ChainRows", "BlockRows", "online_proposer", "tally_online", "extra_bytes", "PeakMemory"]
+           "OnlineProposer", "OnlineChainProposer", "OnlineBlockProposer", "ChainRows", "BlockRows", "online_proposer",
+           "learning", "tally_online", "extra_bytes", "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
 ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
@@ -277,7 +278,7 @@ def check_rank_unloaded(kind: str, drafter_path: str | None, rank: int) -> None:
     home, config_of, model_of = (
         (dflash.DFLASH_HEAD_DIR, dflash.DFlashConfig, dflash.DFlashDraftModel) if kind == "dflash"
         else (eagle3.DEMO_HEAD_DIR, eagle3.Eagle3Config, eagle3.Eagle3Head))
-    folder = Path(drafter_path) if drafter_path is not None else home
+    folder = Path(default_drafter_path(kind, drafter_path) or home)
     config = locate(folder)[1] / "config.json" if folder.is_dir() else None
     if config is None or not config.is_file():
         return
@@ -492,6 +493,29 @@ class OnlineProposer:
         self.inner.close()
 
 
+class OnlineChainProposer(OnlineProposer):
+    """An EAGLE-3 chain that learns (:class:`OnlineProposer`), still a ``ChainProposer``: a copy pointer
+    (``calibrate.drafters.pointer.with_pointer``) mixes its rows, drafted with the learnt weights."""
+
+    def __init__(self, rows, learner: Learner, options: OnlineOptions):
+        super().__init__(rows, learner, options)
+        chain = self.inner
+        self.columns, self.vocab_size, self.sliding_window = chain.columns, chain.vocab_size, chain.sliding_window
+
+    def row_logits(self, drafted: list[int]) -> torch.Tensor:
+        with self.learner.applied():
+            return self.inner.row_logits(drafted)
+
+
+class OnlineBlockProposer(OnlineProposer):
+    """DFlash blocks that learn (:class:`OnlineProposer`), still a ``BlockProposer``: a copy pointer mixes
+    the rows the learnt weights draft."""
+
+    def draft_logits(self, k: int) -> torch.Tensor:
+        with self.learner.applied():
+            return self.inner.draft_logits(k)
+
+
 class ChainRows:
     """What an EAGLE-3 chain (``calibrate.drafters.eagle3.Eagle3Proposer``) learns from: head row ``t`` (the
     target's feature at ``t``, token ``t + 1``) guesses token ``t + 2``, taught by the law after ``t + 1``."""
@@ -553,12 +577,21 @@ def online_proposer(drafter, method: str, spec: ScaleSpec | None, options: Onlin
     if not drafter_kind(drafter.kind).online_decoding:
         raise UserError(f"{method}: online adaptation while decoding is for EAGLE-3 and DFlash drafters only for "
                         f"now, not {drafter.kind}")
-    if getattr(drafter, "pointer", None) is not None:
-        raise UserError(f"{method}: online adaptation of a drafter with a copy pointer is not supported; pass the "
-                        "drafter's own folder as --drafter-path")
+    from .drafters.pointer import unwrap, with_pointer
+
     blocks = drafter.kind == "dflash"
-    rows = (BlockRows if blocks else ChainRows)(drafter.proposer(spec))
-    return OnlineProposer(rows, Learner(drafter.model if blocks else drafter.head, method, options), options)
+    inner, pointer = unwrap(drafter.proposer(spec))  # a copy pointer stays around the learner: it has no weights
+    rows = (BlockRows if blocks else ChainRows)(inner)
+    online = (OnlineBlockProposer if blocks else OnlineChainProposer)(
+        rows, Learner(drafter.model if blocks else drafter.head, method, options), options)
+    return online if pointer is None else with_pointer(online, pointer, spec)
+
+
+def learning(proposer) -> OnlineProposer | None:
+    """The :class:`OnlineProposer` in ``proposer`` (itself, or inside a copy pointer), None in a frozen one."""
+    while proposer is not None and not isinstance(proposer, OnlineProposer):
+        proposer = getattr(proposer, "inner", None)
+    return proposer
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The long-generation tables (docs/results.md "Long generations"): for each workload's generated corpus
 # (calibrate/assets/generated/, the built-in target's own text) and each drafter kind, calibrate on the
-# train prompts with --select, fit the plain scale from the same statistics, then check on the held-out
-# prompts, teacher-forced on the same generated tokens for every arm, by output position: the head alone
-# and with its copy pointer. Writes out/longgen/. Usage: scripts/longgen_table.sh [WORKLOADS] [KINDS]
+# train prompts with --select (the head alone, named: the kind's default adds its copy pointer), fit the
+# plain scale from the same statistics, then check on the held-out prompts, teacher-forced on the same
+# generated tokens for every arm, by output position: the head alone and with its copy pointer. Writes out/longgen/. Usage: scripts/longgen_table.sh [WORKLOADS] [KINDS]
 # (about 5 minutes a calibration and 6 an eval on 2 CPU cores).
 set -euo pipefail
 WORKLOADS=${1:-diary math science}
@@ -16,8 +16,9 @@ for w in $WORKLOADS; do
   lengths=512,2048,4096; [ "$w" = diary ] || lengths=512,1024,2048
   for kind in $KINDS; do
     base="$OUT/$w-$kind"
-    [ -f "$base-select.json" ] || $SD calibrate --drafter "$kind" --corpus "generated:$w" --sequences 6 \
-      --max-length 2048 --select --stats "$base-stats.npz" --out "$base-select.json"
+    [ -f "$base-select.json" ] || $SD calibrate --drafter "$kind" --drafter-path "calibrate/assets/$kind-smollm2" \
+      --corpus "generated:$w" --sequences 6 --max-length 2048 --select --stats "$base-stats.npz" \
+      --out "$base-select.json"
     [ -f "$base-spec.json" ] || $SD fit "$base-stats.npz" --out "$base-spec.json"
     for drafter in "$kind-smollm2" "$kind-smollm2-copy"; do
       [ -f "$OUT/$w-$drafter.json" ] || $SD eval --drafter "$kind" --drafter-path "calibrate/assets/$drafter" \

@@ -641,6 +641,7 @@ RESUME_CASES = [
                                                                         (_CP + "/seq-00000.npz", "[1, 2]"))),
 ]
 
+ASSETS = Path(__file__).resolve().parents[1] / "calibrate" / "assets"  # the built-in drafters (cases chdir away)
 EVAL_ONLINE = ("eval --drafter eagle3 --drafter-path {fx}/eagle3 --target-path {fx}/target --corpus {fx}/corpus.txt "
                "--lengths 32,64,128 --sequences 1 --device cpu --threads 1 --variants none,online-lora")
 ONLINE = [  # the online arms' options (calibrate.online): all refused before a model loads
@@ -665,6 +666,12 @@ ONLINE = [  # the online arms' options (calibrate.online): all refused before a 
     Case("online-drafter-hf", EVAL + " --variants none,online-full", "online-full"),
     Case("online-speculative", EVAL_ONLINE + " --speculative", "--speculative"),
     Case("online-carry-resume", EVAL_ONLINE + " --online-carry --resume --out {w}/r.json", "--online-carry"),
+    # eval's online arms adapt the head alone: the built-in default (the head with its copy pointer) is refused
+    Case("online-default-pointer", "eval --drafter eagle3 --corpus {fx}/corpus.txt --lengths 32,64,128 --sequences 1 "
+         "--device cpu --threads 1 --variants none,online-full", "copy pointer"),
+    Case("online-named-pointer", f"eval --drafter eagle3 --drafter-path {ASSETS}/eagle3-smollm2-copy "
+         "--corpus {fx}/corpus.txt --lengths 32,64,128 --sequences 1 --device cpu --threads 1 "
+         "--variants none,online-lora", "--drafter-path"),
 ]
 ONLINE_AFTER_LOADING = [  # needs the head's widths: refused once it is read, still in one line
     Case("online-rank-above-width", EVAL_ONLINE + " --online-rank 200", "--online-rank 200"),

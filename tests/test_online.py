@@ -37,9 +37,8 @@ MEMORISING_STEPS = 20  # steps on one chunk that make the drafter fit it
 def drafter(tmp_path_factory):
     target = tiny_target(0)
     # the whole vocabulary as the draft vocabulary: acceptance can reach 1, so memorising shows
-    head = load_eagle3_head(write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1,
-                                              draft_vocab_size=256), target)
-    return Eagle3Adapter(head, target, ByteTokenizer())
+    folder = write_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target, seed=1, draft_vocab_size=256)
+    return Eagle3Adapter(load_eagle3_head(folder, target), target, ByteTokenizer(), path=str(folder))
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +98,11 @@ def test_every_sequence_starts_from_the_checkpoint(drafter, corpus):
     variants = ["none", "online-full", "online-lora"]
     online = dict(online_every=32, online_steps=2, online_lr=1e-2)  # M, G and the rate of every run here
     with torch.no_grad():
-        both = evaluate(drafter, EvalOptions(spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2,
+        both = evaluate(drafter, EvalOptions(drafter_path=drafter.info.path, spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2,
                                              rows_per_bucket=8, variants=variants, **online))
-        second = evaluate(drafter, EvalOptions(spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=1, skip=1,
+        second = evaluate(drafter, EvalOptions(drafter_path=drafter.info.path, spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=1, skip=1,
                                                rows_per_bucket=8, variants=variants, **online))
-        carried = evaluate(drafter, EvalOptions(spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2,
+        carried = evaluate(drafter, EvalOptions(drafter_path=drafter.info.path, spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=2,
                                                 rows_per_bucket=8, variants=variants, **online, online_carry=True))
     after = _state(drafter.head)
     assert all(torch.equal(checkpoint[k], after[k]) for k in checkpoint)
@@ -175,7 +174,7 @@ def test_eval_reports_every_arms_cost_and_the_spec_holds_no_bytes(drafter, corpu
 
     variants = ["none", "spec", "online-full", "online-lora+spec"]
     with torch.no_grad():
-        result = evaluate(drafter, EvalOptions(spec=SPEC, lengths=[32, 64, 128], corpus=corpus, sequences=1,
+        result = evaluate(drafter, EvalOptions(drafter_path=drafter.info.path, spec=SPEC, lengths=[32, 64, 128], corpus=corpus, sequences=1,
                                                rows_per_bucket=8, variants=variants, online_every=32))
     costs = result["costs"]
     assert list(costs) == variants and result["online"]["every"] == 32

@@ -188,3 +188,38 @@ def test_lora_adapts_every_layer_of_a_dflash_model(drafters):
     learner = Learner(drafters["dflash"].model, "online-lora", OnlineOptions(rank=2))
     layers = drafters["dflash"].model.config.num_hidden_layers
     assert len(learner.lora) == 7 * layers
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_copy_pointer_stays_around_the_learning_drafter(drafters, kind):
+    """A drafter with a copy pointer (the built-in drafters' default): the online arm learns the head, and the
+    pointer, which has no weights, mixes the rows the learnt weights draft. Greedy output stays the target's, the
+    learner is found through the pointer, and after learning the pointer's mixed law is not the checkpoint's."""
+    from calibrate.drafters.pointer import CopyPointer, unwrap, with_pointer
+    from calibrate.online import learning
+
+    plain = drafters[kind]
+    pointer = CopyPointer(2, 4.0, 4.0, 0.8)
+    pointed = (Eagle3Adapter(plain.head, plain.target, None, pointer=pointer) if kind == "eagle3"
+               else DFlashAdapter(plain.model, plain.target, None, pointer=pointer))
+    options = OnlineOptions(every=EVERY, steps=10, lr=1e-1)
+    prompt = torch.tensor([[5, 6, 7, 8, 9] * 3])  # repeats: the pointer has matches to copy
+    shared = prefill(plain.target, prompt, plain.feature_ids)
+    proposer = online_proposer(pointed, "online-full", SPEC, options)
+    online = learning(proposer)
+    assert unwrap(proposer) == (online, pointer) and learning(plain.proposer(None)) is None
+    out = speculative_generate(plain.target, proposer, prompt, NEW, _drafts(plain), shared)
+    assert out.tokens == greedy_generate(plain.target, prompt, NEW, shared).tokens
+    assert online.updates >= 3 and out.drafter == f"online-full+{kind}"
+
+    frozen_pointed = with_pointer(plain.proposer(SPEC), pointer, SPEC)
+    again = _prompt(9)
+    start = prefill(plain.target, again, plain.feature_ids)
+    pending = int(start.logits.argmax())
+    for p in (proposer, frozen_pointed):
+        p.start(again, start.features, pending)
+
+    def first_law(p):
+        return p._row([]) if kind == "eagle3" else p.draft_logits(_drafts(plain))
+
+    assert (first_law(proposer) - first_law(frozen_pointed)).abs().max() > 0.1

@@ -400,3 +400,23 @@ def test_pard_with_a_pointer_drafts_once_a_step_and_forces_as_it_drafts(spec):
         chain.start(prompt[:, :p], None, int(prompt[0, p]))
         assert int(chain.draft_logits(1)[0].argmax()) == int(forced.drafted[0, p])
     assert float((forced.drafted[0, 12:23] == prompt[0, 13:24]).float().mean()) > 0.9
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "pard"])
+def test_the_built_in_default_is_the_head_with_its_copy_pointer(kind):
+    """Without --drafter-path a built-in kind loads its SmolLM2 head with the copy pointer fitted for it; the head
+    alone stays loadable by name, and a path given is used as is."""
+    from calibrate.drafters import ASSETS, default_drafter_path
+    from calibrate.drafters.pointer import locate
+
+    default = default_drafter_path(kind, None)
+    pointer, head = locate(default)
+    assert pointer is not None and head == (ASSETS / f"{kind}-smollm2").resolve()
+    assert locate(head)[0] is None  # the head alone: no pointer
+    assert default_drafter_path(kind, "some/folder") == "some/folder"
+
+
+def test_a_kind_without_a_built_in_pointer_keeps_its_adapters_default():
+    from calibrate.drafters import default_drafter_path
+
+    assert default_drafter_path("hf", None) is None

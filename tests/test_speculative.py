@@ -111,10 +111,12 @@ def test_bad_num_draft(target):
 
 @pytest.mark.slow
 def test_smollm2_demo_head_equals_greedy():
-    """The real target and the packaged demo head: identical output, and some drafts accepted."""
+    """The real target and the built-in EAGLE-3 drafter (the demo head with its copy pointer): identical output,
+    and some drafts accepted."""
     from calibrate.drafters import load_drafter
 
-    d = load_drafter("eagle3", None, None, torch.device("cpu"), torch.float32)  # the head ships: no skip
+    d = load_drafter("eagle3", None, None, torch.device("cpu"), torch.float32)  # the drafter ships: no skip
+    assert d.pointer is not None
     prompt = torch.tensor([d.tokenize("The for statement is used to iterate over the elements of a sequence")])
     reference = greedy_generate(d.target, prompt, 12).tokens
     out = speculative_generate(d.target, d.proposer(None), prompt, 12, 4)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import UserError
 
-__all__ = ["DrafterKind", "KINDS", "AUX_READINGS", "aux_offset", "drafter_kind", "drafts_in_parallel", "kind_names",
-           "load_drafter", "resolve_device", "resolve_dtype"]
+__all__ = ["ASSETS", "DEFAULT_DRAFTERS", "DrafterKind", "KINDS", "AUX_READINGS", "aux_offset", "default_drafter_path", "drafter_kind",
+           "drafts_in_parallel", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
 
 
 @dataclass(frozen=True)
@@ -37,17 +38,26 @@ class DrafterKind:
     online: bool = False  # teacher-forced online adaptation (calibrate.online, sharpdraft eval) can adapt its head
     online_decoding: bool = False  # online adaptation in the decoding loop (calibrate.online.OnlineProposer, bench)
     pointer: bool = False  # a copy pointer (calibrate.drafters.pointer) can join it: the adapter's pointer
+    default: str | None = None  # the folder under calibrate/assets that --drafter-path's absence names (None: the
+    # adapter's own built-in); the built-in drafters start users on the head with its copy pointer
 
 
 KINDS: dict[str, DrafterKind] = {
     "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True, causal_lm=True),
-    "pard": DrafterKind("hf", "a PARD drafter: K drafts from one forward over its mask tokens", evaluates=True,
-                        causal_lm=True, parallel=True, pointer=True),
-    "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head)",
-                          evaluates=True, reads_aux_layers=True, online=True, online_decoding=True, pointer=True),
-    "dflash": DrafterKind("dflash", "target features, then DFlash blocks (B - 1 drafts per forward)", evaluates=True,
-                          parallel=True, blocks=True, online_decoding=True, pointer=True),
+    "pard": DrafterKind("hf", "a PARD drafter: K drafts from one forward over its mask tokens (default: the SmolLM2 "
+                        "one with its copy pointer)", evaluates=True, causal_lm=True, parallel=True, pointer=True,
+                        default="pard-smollm2-copy"),
+    "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head with its "
+                          "copy pointer)", evaluates=True, reads_aux_layers=True, online=True, online_decoding=True,
+                          pointer=True, default="eagle3-smollm2-copy"),
+    "dflash": DrafterKind("dflash", "target features, then DFlash blocks (B - 1 drafts per forward; default: the "
+                          "SmolLM2 head with its copy pointer)", evaluates=True, parallel=True, blocks=True,
+                          online_decoding=True, pointer=True, default="dflash-smollm2-copy"),
 }
+ASSETS = Path(__file__).resolve().parent.parent / "assets"  # the built-in drafters' folders
+# what --drafter-path's absence means, for the commands' help
+DEFAULT_DRAFTERS = ("for eagle3, dflash and pard the SmolLM2 head with its copy pointer, calibrate/assets/KIND-smollm2-copy; "
+                    "the head alone is calibrate/assets/KIND-smollm2")
 _DTYPES = ("float32", "bfloat16", "float16")
 # How engines read the auxiliary layer ids k written in a drafter's config.json: hidden_states[k + aux_offset(...)].
 # vLLM: k as is. SGLang (through which SpecForge trains) since its PR #25454: k + 1 only when the first id is 1
@@ -87,6 +97,16 @@ def drafter_kind(name: str, *, evaluates: bool = False) -> DrafterKind:
     return KINDS[name]
 
 
+def default_drafter_path(kind: str, drafter_path: str | None) -> str | None:
+    """``--drafter-path`` as given, or where it is absent the built-in drafter of ``kind`` (``DrafterKind.default``:
+    the SmolLM2 head with its copy pointer); None where the kind's adapter picks its own default (``hf``).
+    The heads alone stay loadable by name: ``calibrate/assets/eagle3-smollm2`` and its kin."""
+    if drafter_path is not None:
+        return drafter_path
+    default = drafter_kind(kind).default
+    return None if default is None else str(ASSETS / default)
+
+
 def drafts_in_parallel(drafter) -> bool:
     """Whether the loaded ``drafter`` drafts several tokens from one forward: its kind can
     (``DrafterKind.parallel``) and its checkpoint does (a PARD checkpoint without its mask token
@@ -96,12 +116,14 @@ def drafts_in_parallel(drafter) -> bool:
 
 def load_drafter(kind: str, drafter_path: str | None, target_path: str | None, device, dtype, *,
                  aux_layer_reading: str | None = None):
-    """Load a drafter of ``kind`` (``None`` paths mean the built-in defaults) on ``device`` in ``dtype``.
+    """Load a drafter of ``kind`` on ``device`` in ``dtype``; a ``None`` path means the built-in default
+    (:func:`default_drafter_path`: for EAGLE-3, DFlash and PARD the SmolLM2 head with its copy pointer).
 
     ``aux_layer_reading`` (``--aux-layer-reading``; None: the checkpoint's own framework decides)
     says which engine's reading of auxiliary layer ids applies, for kinds that read target layers.
     """
     entry = drafter_kind(kind)
+    drafter_path = default_drafter_path(kind, drafter_path)
     module = importlib.import_module(f"{__name__}.{entry.module}")
     if aux_layer_reading is None:
         return module.load(kind, drafter_path, target_path, device, dtype)

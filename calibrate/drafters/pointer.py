@@ -51,7 +51,7 @@ from .base import BlockProposer, ChainProposer, pick_rows
 
 __all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "PointerArm", "PointerBlockProposer", "PointerChainProposer",
            "alpha", "block_mix", "describe", "keeping_slope", "limits", "locate", "matches", "read", "spec_block_mix",
-           "with_pointer", "write"]
+           "unwrap", "with_pointer", "write"]
 
 FILE = "copy_pointer.json"
 FORMAT = "sharpdraft-copy-pointer"
@@ -188,13 +188,21 @@ def with_pointer(inner, pointer: CopyPointer, spec=None):
     raise TypeError(f"a copy pointer wraps a chain or block proposer, not {type(inner).__name__}")
 
 
+def unwrap(proposer):
+    """``(inner, pointer)``: the proposer a copy pointer wraps and that pointer, or ``(proposer, None)``."""
+    return (proposer.inner, proposer.pointer) if isinstance(proposer, _Pointed) else (proposer, None)
+
+
 class _Pointed:
-    """What both pointer proposers share: the inner proposer, its name and features, the known text."""
+    """What both pointer proposers share: the inner proposer, its name and features, the known text; an inner
+    proposer that learns (``calibrate.online``) still reads the target's laws through ``verified``."""
 
     def __init__(self, inner, pointer: CopyPointer, spec=None):
         self.inner, self.pointer, self.spec = inner, pointer, spec
         self.name, self.feature_ids = inner.name, inner.feature_ids  # records what drafts, as without a pointer
         self.tokens: list[int] = []  # x_0 .. x_N, the known text the copies come from
+        if hasattr(inner, "verified"):
+            self.verified = inner.verified
 
     def start(self, prompt: torch.Tensor, features, pending: int) -> None:
         self.inner.start(prompt, features, pending)

@@ -11,12 +11,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..drafters import kind_names
+from ..drafters import DEFAULT_DRAFTERS, kind_names
 
 Drafter = Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names(evaluates=True))}.")]
 DrafterPath = Annotated[Optional[str], typer.Option(
-    "--drafter-path", help="Drafter checkpoint (default: the built-in SmolLM2 drafters for eagle3, dflash and "
-                           "pard), or a folder with a copy_pointer.json naming one (e.g. calibrate/assets/eagle3-smollm2-copy).")]
+    "--drafter-path", help="Drafter checkpoint, or a folder with a copy_pointer.json naming one (default: "
+                           f"{DEFAULT_DRAFTERS}).")]
 TargetPath = Annotated[Optional[str], typer.Option(
     "--target-path", help="Target model folder (default: built-in SmolLM2).")]
 Spec = Annotated[Optional[Path], typer.Option(help="Scale spec JSON to evaluate (default: log-linear, slope 0.2, "

@@ -159,6 +159,8 @@ class EvalOptions:
         settle("online", online_options(self.variants, kind=self.drafter, every=self.online_every,
                                         steps=self.online_steps, lr=self.online_lr, rank=self.online_rank,
                                         carry=self.online_carry, speculative=self.speculative, resume=self.resume))
+        if self.online is not None:
+            self._check_online_drafter()
         settle("temperature", check_temperature(self.temperature))
         if self.seed is not None and not self.sample:
             raise UserError(f"--seed {self.seed}: seeds the draws of --sample only, and greedy decoding draws nothing; "
@@ -185,6 +187,21 @@ class EvalOptions:
         self._check_specs()
         if self.n_ref is not None:  # the grid's specs are checked before loading when n_ref is known
             scale_grid(list(self.slopes), list(self.alphas), self.n_ref, self.top_k)
+
+    def _check_online_drafter(self) -> None:
+        """eval's online arms adapt and score the EAGLE-3 head alone: a drafter with a copy pointer (the built-in
+        default among them) would be compared with itself pointer-less; refused, naming the head to pass."""
+        from ..drafters import default_drafter_path
+        from ..drafters.pointer import locate
+
+        path = default_drafter_path(self.drafter, self.drafter_path)
+        if path is None or not Path(path).is_dir():
+            return  # the loader says what is missing
+        pointer, head = locate(path)
+        if pointer is not None:
+            raise UserError(f"--variants online-...: eval's online arms adapt the head alone, and the drafter {path} "
+                            f"has a copy pointer; pass the head itself, --drafter-path {head}, or run them with "
+                            "sharpdraft bench, where the pointer stays around the learning head")
 
     def _check_counts(self) -> None:
         """``--sequences``, ``--threads``, ``--skip``, ``--num-draft``, ``--new-tokens`` and ``--top-k``: each at
