@@ -357,22 +357,25 @@ def report_tables(result: dict):
     for name, arm in result["arms"].items():
         by_bin.add_row(name, *[cell(t) for t in arm["acceptance_by_bin"]])
     speed = Table(title=f"speed (target only: {result['target']['tokens_per_second']} tokens/s)")
-    speed.caption = ("fade: last bin over first; speedup: geometric mean over prompts; updates: seconds learning, "
-                     "inside the decode time; peak: the largest of any prompt's decode; extra: state beyond the "
-                     "drafter; = target: greedy output equal")
-    for col in ("arm", "accept. length", "fade", "tokens/s", "speedup", "updates (s)", "peak MiB", "extra MiB",
-                "looped", "= target"):
+    learning = any(arm.get("updates") for arm in result["arms"].values())  # the online arms' columns, with one
+    speed.caption = ("fade: last bin over first; speedup: geometric mean over prompts; peak: the largest of any "
+                     "prompt's decode; " + ("updates: seconds learning, inside the decode time; extra: state beyond "
+                                            "the drafter; " if learning else "") + "= target: greedy output equal")
+    columns = ("arm", "accept.", "fade", "tokens/s", "speedup", *(("updates s",) if learning else ()), "peak MiB",
+               *(("extra MiB",) if learning else ()), "looped", "= target")
+    for col in columns:
         speed.add_column(col, justify="right")
 
     def mib(n):
-        return "-" if n is None else f"{n / 2**20:.1f}"
+        return "-" if n is None else f"{n / 2**20:.0f}"
 
     for name, arm in result["arms"].items():
         fade_cell = "-" if arm["fade"] is None else f"{cell(arm['fade'])} (n={arm['fade_prompts']})"
         extra = arm.get("extra_bytes")
+        updates = (f"{arm.get('update_seconds') or 0:.1f}",) if learning else ()
+        held = (mib(extra and extra["total"]),) if learning else ()
         speed.add_row(name, f"{arm['acceptance_length']:.2f}", fade_cell, str(arm["tokens_per_second"]),
-                      cell(arm["speedup_geomean"]), f"{arm.get('update_seconds') or 0:.1f}",
-                      mib(arm.get("peak_memory")), mib(extra and extra["total"]),
+                      cell(arm["speedup_geomean"]), *updates, mib(arm.get("peak_memory")), *held,
                       f"{arm['looped']}/{len(result['prompts'])}",
                       "-" if arm["identical"] is None else "yes" if arm["identical"] else "NO")
     return by_bin, speed
