@@ -200,3 +200,16 @@ def test_peak_memory_sees_what_a_pass_allocates():
     if big.method is None:
         pytest.skip("this system exposes no resettable peak resident set (/proc/self/clear_refs)")
     assert big.peak - small.peak > 200 * 2**20, (big.peak, small.peak)
+
+
+def test_eval_refuses_online_arms_on_a_drafter_with_a_copy_pointer(drafter, corpus):
+    """eval's online arms adapt and score the head alone: beside arms that mix a copy pointer in they would
+    compare two drafters, so a loaded drafter with a pointer is refused in one line (the CLI refuses the folder
+    before loading: tests/test_hostile.py)."""
+    from calibrate.drafters.pointer import CopyPointer
+    from calibrate.errors import UserError
+
+    pointed = Eagle3Adapter(drafter.head, drafter.target, ByteTokenizer(), pointer=CopyPointer(2, 4.0, 4.0, 0.8))
+    with torch.no_grad(), pytest.raises(UserError, match="copy pointer"):
+        evaluate(pointed, EvalOptions(spec=SPEC, lengths=[32, 64], corpus=corpus, sequences=1,
+                                      variants=["none", "online-full"]))

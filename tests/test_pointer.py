@@ -420,3 +420,42 @@ def test_a_kind_without_a_built_in_pointer_keeps_its_adapters_default():
     from calibrate.drafters import default_drafter_path
 
     assert default_drafter_path("hf", None) is None
+
+
+@pytest.mark.parametrize("unmatched", UNMATCHED)
+def test_a_teacher_forced_arm_forms_its_law_over_the_head_columns_and_the_texts_tokens(unmatched):
+    """``PointerArm`` over a head with a draft vocabulary gives its rows over the union of the head's columns and
+    the text's tokens only: put back in the whole vocabulary they are the whole-vocabulary mix (float64 rounding
+    of float32 log laws: 1e-5), and the columns left out are exactly those where that law is 0."""
+    from dataclasses import dataclass
+
+    from calibrate.drafters.base import ForcedRows
+    from calibrate.drafters.pointer import PointerArm
+
+    vocab, rows = 300, 40
+    gen = torch.Generator().manual_seed(3)
+    head_columns = torch.randperm(vocab, generator=gen)[:50].sort().values
+    tokens = torch.randint(0, vocab, (rows + 2,), generator=gen)
+    tokens[20:30] = tokens[5:15]  # a repeat to copy
+    logits = torch.randn(rows, len(head_columns), generator=gen)
+    positions = torch.arange(rows) + 1
+
+    @dataclass
+    class Arm:
+        columns = head_columns
+
+        def __call__(self, spec, tap):
+            yield ForcedRows(torch.arange(rows), logits, positions, positions + 1, positions + 1, head_columns)
+
+    pointer = CopyPointer(2, 4.0, 4.0, 0.8, unmatched)
+    arm = PointerArm(Arm(), pointer, tokens, vocab)
+    (part,) = arm(None, None)
+    assert torch.equal(part.columns, torch.unique(torch.cat((head_columns, tokens)))) and len(part.columns) < vocab
+    whole = pointer.mix(logits, head_columns, tokens, positions - 1, 1.0, vocab)
+    placed = torch.full((rows, vocab), float("-inf"))
+    placed[:, part.columns] = part.logits
+    finite = torch.isfinite(whole)
+    assert torch.equal(finite, torch.isfinite(placed))
+    assert float((whole[finite].double() - placed[finite].double()).abs().max()) < 1e-5
+    assert torch.equal(part.drafted(), whole.argmax(-1))
+

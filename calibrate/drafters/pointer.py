@@ -276,32 +276,46 @@ class PointerArm:
     the row at position ``t`` (knowing ``x_0 .. x_t`` of ``tokens``, as the EAGLE-3 row ``t - 1`` does) gets
     :meth:`CopyPointer.mix`'s law over the target's ``vocab_size`` tokens, with the spec's factor for the row's
     count and, besides causality, the keys of :func:`limits` (with the drafter's ``sliding_window``); at ``t = 0``
-    there is nothing to copy from, the drafter's law alone."""
+    there is nothing to copy from, the drafter's law alone.
 
-    columns = None  # the mixed laws are over the target's whole vocabulary
+    The mixed law has mass only on the inner arm's columns and on tokens of the text (what a copy brings back),
+    so its rows are formed over that union, ``columns`` (sorted target ids; None where it is the whole
+    vocabulary): the same law, without the columns where it is 0. The mix runs in that index space (token ids
+    mapped to their column: matching compares ids, so it matches as before)."""
 
     def __init__(self, arm, pointer: CopyPointer, tokens: torch.Tensor, vocab_size: int,
                  sliding_window: int | None = None):
         self.arm, self.pointer, self.tokens = arm, pointer, tokens.reshape(-1)
         self.vocab_size, self.sliding_window = int(vocab_size), sliding_window
+        inner = arm.columns
+        support = None if inner is None else torch.unique(torch.cat((inner, self.tokens.to(inner.device))))
+        if support is not None and len(support) < self.vocab_size:
+            self.columns = support
+            self.inner_columns = torch.searchsorted(support, inner)  # the inner rows' columns, as indices
+            self.keys = torch.searchsorted(support, self.tokens.to(support.device))  # the text, as indices
+        else:  # the whole vocabulary
+            self.columns, self.keys = None, self.tokens
+            self.inner_columns = None if inner is None else inner
 
     def __call__(self, spec, tap):
         keys = limits(spec, self.sliding_window)
         for part in self.arm(spec, tap):
-            yield replace(part, logits=self._mix(part, spec, keys), columns=None)
+            yield replace(part, logits=self._mix(part, spec, keys), columns=self.columns)
 
     def _mix(self, part, spec, keys: dict) -> torch.Tensor:
-        """The log laws (r, vocab) of ``part``'s rows."""
+        """The log laws (r, columns) of ``part``'s rows."""
         logits = part.logits
-        if part.columns is None:
-            columns, out = torch.arange(logits.shape[-1], device=logits.device), torch.log_softmax(logits.float(), -1)
-        else:
-            columns = part.columns
-            out = torch.full((len(logits), self.vocab_size), float("-inf"), device=logits.device)
+        width = self.vocab_size if self.columns is None else len(self.columns)
+        columns = (torch.arange(logits.shape[-1], device=logits.device) if self.inner_columns is None
+                   else self.inner_columns)
+        out = torch.full((len(logits), width), float("-inf"), device=logits.device)
         later = part.positions >= 1
+        first = (~later).nonzero()[:, 0]
+        if len(first):  # nothing to copy from yet: the drafter's law alone
+            out[first[:, None], columns] = torch.log_softmax(logits[first].float(), -1)
         if later.any():
-            out[later] = self.pointer.mix(logits[later], columns, self.tokens, part.positions[later] - 1,
-                                          alpha(spec, part.counts[later]), out.shape[-1], **keys)
+            out[later] = self.pointer.mix(logits[later], columns, self.keys, part.positions[later] - 1,
+                                          alpha(spec, part.counts[later]), width, **keys)
         return out
 
 

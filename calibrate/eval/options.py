@@ -159,8 +159,6 @@ class EvalOptions:
         settle("online", online_options(self.variants, kind=self.drafter, every=self.online_every,
                                         steps=self.online_steps, lr=self.online_lr, rank=self.online_rank,
                                         carry=self.online_carry, speculative=self.speculative, resume=self.resume))
-        if self.online is not None:
-            self._check_online_drafter()
         settle("temperature", check_temperature(self.temperature))
         if self.seed is not None and not self.sample:
             raise UserError(f"--seed {self.seed}: seeds the draws of --sample only, and greedy decoding draws nothing; "
@@ -188,20 +186,17 @@ class EvalOptions:
         if self.n_ref is not None:  # the grid's specs are checked before loading when n_ref is known
             scale_grid(list(self.slopes), list(self.alphas), self.n_ref, self.top_k)
 
-    def _check_online_drafter(self) -> None:
-        """eval's online arms adapt and score the EAGLE-3 head alone: a drafter with a copy pointer (the built-in
-        default among them) would be compared with itself pointer-less; refused, naming the head to pass."""
+    def check_online_drafter(self) -> None:
+        """Before the drafter loads: eval's online arms adapt and score an EAGLE-3 head alone, so a drafter folder
+        with a copy pointer (the built-in default among them) is refused (:func:`refuse_online_pointer`)."""
         from ..drafters import default_drafter_path
         from ..drafters.pointer import locate
 
         path = default_drafter_path(self.drafter, self.drafter_path)
-        if path is None or not Path(path).is_dir():
-            return  # the loader says what is missing
-        pointer, head = locate(path)
-        if pointer is not None:
-            raise UserError(f"--variants online-...: eval's online arms adapt the head alone, and the drafter {path} "
-                            f"has a copy pointer; pass the head itself, --drafter-path {head}, or run them with "
-                            "sharpdraft bench, where the pointer stays around the learning head")
+        if self.online is not None and path is not None and Path(path).is_dir():  # else the loader says what's missing
+            pointer, head = locate(path)
+            if pointer is not None:
+                refuse_online_pointer(path, head)
 
     def _check_counts(self) -> None:
         """``--sequences``, ``--threads``, ``--skip``, ``--num-draft``, ``--new-tokens`` and ``--top-k``: each at
@@ -280,3 +275,11 @@ class EvalOptions:
         return cls(lengths=tuple(edges), variants=tuple(_variants(variants)), slopes=tuple(grids[0]),
                    alphas=tuple(grids[1]), spec=None if loaded is None else at_top_k(loaded, k, f"--spec {spec}"),
                    spec_file=spec, extra_specs=extras, extra_spec_files=files, top_k=top_k, **options)
+
+
+def refuse_online_pointer(path, head) -> None:
+    """eval's online arms on a drafter with a copy pointer at ``path`` (the head at ``head``): they would adapt and
+    score the head alone beside arms that mix the pointer in, so one line says what to run instead."""
+    raise UserError(f"--variants online-...: eval's online arms adapt the head alone, and the drafter {path} has a "
+                    f"copy pointer; pass the head itself, --drafter-path {head}, or run them with sharpdraft bench, "
+                    "where the pointer stays around the learning head")

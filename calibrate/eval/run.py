@@ -36,7 +36,7 @@ from ..online import (ONLINE_VARIANTS, OnlineOptions, PeakMemory, check_rank, ex
                       tally_online)
 from ..speculative import CHAIN_LOOP, GREEDY, Sampling
 from .decode import prompt_seed, speculative_buckets, speculative_record
-from .options import EvalOptions
+from .options import EvalOptions, refuse_online_pointer
 from .variants import LOOKUP_VARIANTS, check_on_drafter, default_spec, describe_spec, variant_specs, with_lookup
 
 __all__ = ["run_eval", "evaluate", "draft_length", "BLOCK_ANCHORS"]
@@ -52,6 +52,7 @@ def run_eval(opts: EvalOptions, *, progress=None) -> dict:
     dtype = resolve_dtype(opts.dtype, device)
     if opts.threads:
         torch.set_num_threads(opts.threads)
+    opts.check_online_drafter()
     with torch.inference_mode() if opts.online is None else torch.no_grad():  # online arms learn: autograd on
         drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, device, dtype)
         reference = None if opts.reference_drafter_path is None else load_drafter(
@@ -93,6 +94,8 @@ def evaluate(drafter, opts: EvalOptions, *, reference=None, saved: SavedUnits | 
     if drafter.kind != opts.drafter or (reference is None) != (opts.reference_drafter_path is None):
         raise ValueError(f"evaluate: the drafter is {drafter.kind}{' with a reference' if reference else ''}, the "
                          f"options are for {opts.drafter}{' with a reference' if opts.reference_drafter_path else ''}")
+    if opts.online is not None and getattr(drafter, "pointer", None) is not None:
+        refuse_online_pointer(drafter.info.path, "the head alone")
     kind = drafter_kind(opts.drafter)  # one that evaluates: EvalOptions checked it
     n_ref = drafter.default_n_ref if opts.n_ref is None else int(opts.n_ref)
     spec = default_spec(n_ref, opts.top_k) if opts.spec is None else opts.spec
