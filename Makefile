@@ -104,7 +104,7 @@ pard-table: $(STAMP)
 LONGGEN_WORKLOADS ?= diary math science
 LONGGEN_KINDS ?= eagle3 dflash pard
 longgen-table: $(STAMP)
-	SD=$(VENV)/bin/sharpdraft bash scripts/longgen_table.sh "$(LONGGEN_WORKLOADS)" "$(LONGGEN_KINDS)"
+	SD=$(VENV)/bin/sharpdraft PY=$(PY) bash scripts/longgen_table.sh "$(LONGGEN_WORKLOADS)" "$(LONGGEN_KINDS)"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_theory.py

@@ -3,8 +3,9 @@
 # (calibrate/assets/generated/, the built-in target's own text) and each drafter kind, calibrate on the
 # train prompts with --select (the head alone, named: the kind's default adds its copy pointer), fit the
 # plain scale from the same statistics, then check on the held-out prompts, teacher-forced on the same
-# generated tokens for every arm, by output position: the head alone and with its copy pointer. Writes out/longgen/. Usage: scripts/longgen_table.sh [WORKLOADS] [KINDS]
-# (about 5 minutes a calibration and 6 an eval on 2 CPU cores).
+# generated tokens for every arm, by output position: the head alone and with its copy pointer. Writes
+# out/longgen/: each eval's JSON and its table by output position (.md).
+# Usage: scripts/longgen_table.sh [WORKLOADS] [KINDS] (about 5 minutes a calibration and 6 an eval on 2 CPU cores).
 set -euo pipefail
 WORKLOADS=${1:-diary math science}
 KINDS=${2:-eagle3 dflash pard}
@@ -24,6 +25,8 @@ for w in $WORKLOADS; do
       [ -f "$OUT/$w-$drafter.json" ] || $SD eval --drafter "$kind" --drafter-path "calibrate/assets/$drafter" \
         --spec "$base-spec.json" --corpus "generated:$w:heldout" --lengths "$lengths" --sequences 4 \
         --variants none,spec,window,clamp+spec,lookup,lookup+head --threads 1 --out "$OUT/$w-$drafter.json"
+      ${PY:-.venv/bin/python} scripts/eval_table.py "$OUT/$w-$drafter.json" --by-output expected_acceptance \
+        > "$OUT/$w-$drafter.md"
     done
   done
 done

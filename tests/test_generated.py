@@ -214,6 +214,17 @@ def test_cli_eval_on_a_generated_corpus_reports_by_output_position(fx, tmp_path)
     printed = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
     assert printed.exit_code == 0, printed.output
     assert "by output position" in printed.stdout and "copy share" in printed.stdout
+    # the markdown of scripts/eval_table.py --by-output: a row per bin, none's value and each difference as eval
+    # paired it
+    from calibrate.eval.tables import output_table
+
+    rows = [line for line in output_table(r).splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == len(bins)
+    for line, b in zip(rows, bins):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == f"{b['start']}-{b['end']}" and cells[2] == f"{b['none']['expected_acceptance']:.3f}"
+        for cell, v in zip(cells[3:], ("spec", "window")):  # the paired mean eval gives (the intervals resampled anew)
+            assert cell.strip("*").split(" ")[0] == f"{b[v]['delta_vs_none']['expected_acceptance'][0]:+.3f}"
 
 
 def test_an_interrupted_eval_on_a_generated_corpus_resumes_to_the_same_bins(fx, tmp_path, monkeypatch):

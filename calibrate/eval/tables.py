@@ -16,6 +16,10 @@ With ``--against OTHER.json`` (another drafter's eval on the same corpus, length
 per bucket and variant both hold, each metric for this drafter, the other, and their difference paired
 over the same rows and prompts (two drafters, or two trainings of one, compared as eval compares variants).
 
+With ``--by-output METRIC`` (an eval on a generated corpus, ``--corpus generated:NAME``): a row per bin of the
+output's position, the share of its rows a 3-gram lookup drafts right (how much the text repeats itself),
+``none``'s METRIC and every other variant's paired difference from it.
+
 On a recall corpus (``--corpus recall:SOURCE``) agreement on the copied tokens and on the other rows
 join the metrics (paired over those rows: the bucket's ``copy_rows_per_sequence`` and
 ``other_rows_per_sequence``), and one more table gives the target's own accuracy on both.
@@ -111,6 +115,28 @@ def tables(result: dict) -> str:
     return "\n".join(lines)
 
 
+def output_table(result: dict, metric: str = "expected_acceptance") -> str:
+    """An eval on a generated corpus by output position (its ``output_bins``): a row per bin, its copy rows, none's
+    ``metric`` and every other variant's paired difference from none (95% over sequences; bold: excludes 0)."""
+    if not result.get("output_bins"):
+        raise SystemExit("--by-output: this eval has no output bins; run it on a generated corpus "
+                         "(--corpus generated:NAME)")
+    bins = result["output_bins"]["bins"]
+    if metric not in bins[0]["none"]:
+        raise SystemExit(f"--by-output {metric}: not a metric of this eval; give agreement or expected_acceptance")
+    others = [v for v in _variants(bins[0]) if v != "none"]
+    lines = [f"{TITLES.get(metric, metric)} by output position, {bins[0]['sequences']} sequences of "
+             f"{result['corpus']}; copy rows: the share a 3-gram lookup drafts right; paired difference from none, "
+             "95% interval over sequences (bold: excludes 0)", "",
+             "| output bin | copy rows | none | " + " | ".join(f"{v} - none" for v in others) + " |",
+             "|---|---:|---:|" + "---:|" * len(others)]
+    for b in bins:
+        cells = [_delta(contrast(b, v, "none", metric), bracket=False) for v in others]
+        lines.append(f"| {b['start']}-{b['end']} | {b['copy_rows_share'][0]:.2f} | {b['none'][metric]:.3f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _number(value) -> str:
     return "" if value is None else f"{value:.3f}"
 
@@ -198,11 +224,15 @@ def main() -> None:
     ap.add_argument("--at", type=int, help="one table for this bucket n, a row per variant")
     ap.add_argument("--versus", default="", help="with --at: comma-separated variants to pair every variant against "
                                                  "besides none")
+    ap.add_argument("--by-output", metavar="METRIC", help="an eval on a generated corpus: METRIC (agreement, "
+                                                          "expected_acceptance) by output position")
     ap.add_argument("--against", type=Path, help="another drafter's eval --out file over the same prompts: "
                                                  "this one's metrics, that one's and the paired differences")
     args = ap.parse_args()
     result = read_result(args.eval_json, "eval_json")
-    if args.against is not None:
+    if args.by_output is not None:
+        print(output_table(result, args.by_output))
+    elif args.against is not None:
         other = read_result(args.against, "--against")
         print(table_against(result, other, (args.eval_json.stem, args.against.stem)))
     elif args.at is None:
