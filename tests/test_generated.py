@@ -190,9 +190,11 @@ def test_cli_eval_on_a_generated_corpus_reports_by_output_position(fx, tmp_path)
     args = ["eval", "--drafter", "eagle3", "--drafter-path", str(fx / "eagle3"), "--target-path", str(fx / "target"),
             "--corpus", f"generated:{fx / 'run'}:heldout", "--lengths", "32,64,128", "--sequences", "2",
             "--variants", "none,spec,window", "--bin-size", "32", "--device", "cpu", "--threads", "1"]
-    result = CliRunner().invoke(app, [*args, "--json", "--out", str(tmp_path / "e.json")])
+    result = CliRunner().invoke(app, [*args, "--json", "--out", str(tmp_path / "e.json"), "--plot",
+                                      str(tmp_path / "e.png")])
     assert result.exit_code == 0, result.output
     r = json.loads((tmp_path / "e.json").read_text())
+    assert (tmp_path / "e.png").stat().st_size > 0  # with a panel by output position (calibrate/plots/eval.py)
     prompts = r["generated"]["prompt_lengths"]
     assert r["generated"]["ids"] == ["c", "d"] and r["generated"]["split"] == "heldout"
     assert r["output_bins"]["bin_size"] == 32
