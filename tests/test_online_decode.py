@@ -52,6 +52,13 @@ def _drafts(drafter) -> int:
     return 4 if drafter.kind == "eagle3" else drafter.block_size - 1
 
 
+def _start(drafter, prompt: torch.Tensor, *proposers) -> None:
+    """Start each of ``proposers`` on ``prompt`` after one prefill of ``drafter``'s target, as the loop does."""
+    shared = prefill(drafter.target, prompt, drafter.feature_ids)
+    for proposer in proposers:
+        proposer.start(prompt, shared.features, int(shared.logits.argmax()))
+
+
 @pytest.mark.parametrize("spec", [None, SPEC], ids=["alone", "spec"])
 @pytest.mark.parametrize("method", ["online-full", "online-lora"])
 @pytest.mark.parametrize("kind", KINDS)
@@ -123,11 +130,7 @@ def test_the_drafter_drafts_with_the_learnt_weights(drafters, kind):
     speculative_generate(drafter.target, learnt, _prompt(7), NEW, _drafts(drafter))
     again = OnlineProposer(type(learnt.rows)(drafter.proposer(None)), learnt.learner, options)
     plain = drafter.proposer(None)
-    prompt = _prompt(8)
-    shared = prefill(drafter.target, prompt, drafter.feature_ids)
-    pending = int(shared.logits.argmax())
-    for proposer in (again, plain):
-        proposer.start(prompt, shared.features, pending)
+    _start(drafter, _prompt(8), again, plain)
 
     def first_logits(proposer):
         return proposer.row_logits([]) if kind == "eagle3" else proposer.block_logits()
@@ -213,11 +216,7 @@ def test_a_copy_pointer_stays_around_the_learning_drafter(drafters, kind):
     assert online.updates >= 3 and out.drafter == f"online-full+{kind}"
 
     frozen_pointed = with_pointer(plain.proposer(SPEC), pointer, SPEC)
-    again = _prompt(9)
-    start = prefill(plain.target, again, plain.feature_ids)
-    pending = int(start.logits.argmax())
-    for p in (proposer, frozen_pointed):
-        p.start(again, start.features, pending)
+    _start(plain, _prompt(9), proposer, frozen_pointed)
 
     def first_law(p):
         return p._row([]) if kind == "eagle3" else p.draft_logits(_drafts(plain))
