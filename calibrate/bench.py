@@ -279,6 +279,8 @@ def _triple(t):
 
 
 def _result(opts: BenchOptions, workload: Workload, units: list[dict], num_draft: int, drafter) -> dict:
+    from .eval.run import pointer_record
+
     bins = -(-opts.new_tokens // opts.bin_size)
     full = [i for i, u in enumerate(units) if u["target"]["tokens"] >= opts.new_tokens]
     arms = {}
@@ -311,7 +313,7 @@ def _result(opts: BenchOptions, workload: Workload, units: list[dict], num_draft
         "options": opts.to_dict(),
         "workload": workload.to_dict(),
         "drafter": {"kind": opts.drafter, "path": drafter.info.path, "n_ref": drafter.default_n_ref,
-                    **({} if getattr(drafter, "pointer", None) is None else {"copy_pointer": drafter.pointer.to_dict()})},
+                    **pointer_record(drafter)},
         "num_draft": num_draft,
         "bins": [[b * opts.bin_size, min((b + 1) * opts.bin_size, opts.new_tokens)] for b in range(bins)],
         "prompts": [{"id": p.id, "prompt_tokens": u["prompt_tokens"], "output_tokens": u["target"]["tokens"],

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ..errors import UserError
 
-__all__ = ["ASSETS", "DEFAULT_DRAFTERS", "DrafterKind", "KINDS", "AUX_READINGS", "aux_offset", "default_drafter_path", "drafter_kind",
-           "drafts_in_parallel", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
+__all__ = ["ASSETS", "DEFAULT_DRAFTERS", "DrafterKind", "KINDS", "AUX_READINGS", "aux_offset", "default_drafter_path",
+           "drafter_kind", "drafts_in_parallel", "kind_names", "load_drafter", "resolve_device", "resolve_dtype"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ KINDS: dict[str, DrafterKind] = {
 }
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # the built-in drafters' folders
 # what --drafter-path's absence means, for the commands' help
-DEFAULT_DRAFTERS = ("for eagle3, dflash and pard the SmolLM2 head with its copy pointer, calibrate/assets/KIND-smollm2-copy; "
-                    "the head alone is calibrate/assets/KIND-smollm2")
+DEFAULT_DRAFTERS = ("for eagle3, dflash and pard the SmolLM2 head with its copy pointer, "
+                    "calibrate/assets/KIND-smollm2-copy; the head alone is calibrate/assets/KIND-smollm2")
 _DTYPES = ("float32", "bfloat16", "float16")
 # How engines read the auxiliary layer ids k written in a drafter's config.json: hidden_states[k + aux_offset(...)].
 # vLLM: k as is. SGLang (through which SpecForge trains) since its PR #25454: k + 1 only when the first id is 1

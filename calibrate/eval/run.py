@@ -39,7 +39,7 @@ from .decode import prompt_seed, speculative_buckets, speculative_record
 from .options import EvalOptions, refuse_online_pointer
 from .variants import LOOKUP_VARIANTS, check_on_drafter, default_spec, describe_spec, variant_specs, with_lookup
 
-__all__ = ["run_eval", "evaluate", "draft_length", "BLOCK_ANCHORS"]
+__all__ = ["run_eval", "evaluate", "draft_length", "pointer_record", "BLOCK_ANCHORS"]
 
 
 def run_eval(opts: EvalOptions, *, progress=None) -> dict:
@@ -202,9 +202,9 @@ def evaluate(drafter, opts: EvalOptions, *, reference=None, saved: SavedUnits | 
     if reference is not None:
         _recovered(buckets, names)
     return {
-        "drafter": {"kind": drafter.kind, "path": drafter.info.path, "n_ref": n_ref, **_pointer(drafter)},
+        "drafter": {"kind": drafter.kind, "path": drafter.info.path, "n_ref": n_ref, **pointer_record(drafter)},
         "reference": None if reference is None else {"kind": reference.kind, "path": reference.info.path,
-                                                     **_pointer(reference)},
+                                                     **pointer_record(reference)},
         "corpus": opts.corpus, "skip": opts.skip, "sequences": len(texts), "sequence_length": int(edges[-1]),
         "top_k": spec.top_k, "temperature": opts.temperature,
         "bootstrap": {"unit": "sequence", "resamples": RESAMPLES, "level": 0.95},
@@ -322,7 +322,7 @@ def _oracle(tallies, grid, edges: np.ndarray, n_ref: int) -> dict | None:
     return {"buckets": [int(edges[b]) for b in past], "weights": "equal", "gains": gains, "best": best}
 
 
-def _pointer(drafter) -> dict:
+def pointer_record(drafter) -> dict:
     """``{"copy_pointer": its four numbers}`` for a head drafting with a copy pointer, else nothing."""
     pointer = drafter.pointer if drafter_kind(drafter.kind).pointer else None
     return {} if pointer is None else {"copy_pointer": pointer.to_dict()}
