@@ -121,6 +121,8 @@ def test_per_sequence_sums_pair_any_two_variants(eagle3_result):
     assert "| spec |" in text and "agreement - window" in text
     with pytest.raises(SystemExit, match="--versus nope"):
         table.table_at(eagle3_result, LENGTHS[-1], ["nope"])
+    with pytest.raises(SystemExit, match="--by-output: this eval has no output bins"):  # not a generated corpus
+        table.output_table(eagle3_result)
 
 
 def test_two_evals_of_the_same_prompts_pair_by_sequence(eagle3_result):

@@ -220,6 +220,8 @@ def test_cli_eval_on_a_generated_corpus_reports_by_output_position(fx, tmp_path)
     # paired it
     from calibrate.eval.tables import output_table
 
+    with pytest.raises(SystemExit, match="--by-output mass: not a metric"):
+        output_table(r, "mass")
     rows = [line for line in output_table(r).splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == len(bins)
     for line, b in zip(rows, bins):

@@ -122,8 +122,10 @@ def output_table(result: dict, metric: str = "expected_acceptance") -> str:
         raise SystemExit("--by-output: this eval has no output bins; run it on a generated corpus "
                          "(--corpus generated:NAME)")
     bins = result["output_bins"]["bins"]
-    if metric not in bins[0]["none"]:
-        raise SystemExit(f"--by-output {metric}: not a metric of this eval; give agreement or expected_acceptance")
+    paired = sorted(bins[0]["none"].get("per_sequence", {}))  # the metrics eval keeps per sequence, to pair
+    if metric not in paired:
+        raise SystemExit(f"--by-output {metric}: not a metric of this eval's output bins; give one of "
+                         f"{', '.join(paired)}")
     others = [v for v in _variants(bins[0]) if v != "none"]
     lines = [f"{TITLES.get(metric, metric)} by output position, {bins[0]['sequences']} sequences of "
              f"{result['corpus']}; copy rows: the share a 3-gram lookup drafts right; paired difference from none, "
