@@ -269,16 +269,15 @@ def check_rank(head: nn.Module, rank: int) -> None:
 
 
 def check_rank_unloaded(kind: str, drafter_path: str | None, rank: int) -> None:
-    """``--online-rank`` against the EAGLE-3 head or DFlash model (``kind``) at ``drafter_path`` (None: the packaged
-    one) before any weight loads: :func:`check_rank` on the model its ``config.json`` describes, built on the meta
+    """``--online-rank`` against the EAGLE-3 head or DFlash model (``kind``) at ``drafter_path`` (None: the kind's
+    built-in drafter, whose pointer names the head) before any weight loads: :func:`check_rank` on the model its ``config.json`` describes, built on the meta
     device. A folder without one is left to the loader, which says what is missing."""
     from .drafters import dflash, eagle3
     from .drafters.pointer import locate
 
-    home, config_of, model_of = (
-        (dflash.DFLASH_HEAD_DIR, dflash.DFlashConfig, dflash.DFlashDraftModel) if kind == "dflash"
-        else (eagle3.DEMO_HEAD_DIR, eagle3.Eagle3Config, eagle3.Eagle3Head))
-    folder = Path(default_drafter_path(kind, drafter_path) or home)
+    config_of, model_of = ((dflash.DFlashConfig, dflash.DFlashDraftModel) if kind == "dflash"
+                           else (eagle3.Eagle3Config, eagle3.Eagle3Head))
+    folder = Path(default_drafter_path(kind, drafter_path))  # both kinds have a built-in drafter
     config = locate(folder)[1] / "config.json" if folder.is_dir() else None
     if config is None or not config.is_file():
         return

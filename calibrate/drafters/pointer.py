@@ -294,8 +294,7 @@ class PointerArm:
             self.inner_columns = torch.searchsorted(support, inner)  # the inner rows' columns, as indices
             self.keys = torch.searchsorted(support, self.tokens.to(support.device))  # the text, as indices
         else:  # the whole vocabulary
-            self.columns, self.keys = None, self.tokens
-            self.inner_columns = None if inner is None else inner
+            self.columns, self.keys, self.inner_columns = None, self.tokens, inner
 
     def __call__(self, spec, tap):
         keys = limits(spec, self.sliding_window)

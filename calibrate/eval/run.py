@@ -24,6 +24,7 @@ from sharpdraft_theory.bootstrap import RESAMPLES
 
 from ..corpus import is_recall, pack, recall_corpus
 from ..drafters import drafter_kind, drafts_in_parallel, load_drafter, resolve_device, resolve_dtype
+from ..drafters.pointer import locate
 from ..errors import UserError
 from ..generated import COPY_ORDER, check_tokenizer, copied_tokens, generated_sequences, is_generated, read_corpus
 from ..measure import (METRICS, Arm, MassMeter, SavedUnits, Tally, gain, partial_dir, scale_grid, summarize,
@@ -95,7 +96,7 @@ def evaluate(drafter, opts: EvalOptions, *, reference=None, saved: SavedUnits | 
         raise ValueError(f"evaluate: the drafter is {drafter.kind}{' with a reference' if reference else ''}, the "
                          f"options are for {opts.drafter}{' with a reference' if opts.reference_drafter_path else ''}")
     if opts.online is not None and getattr(drafter, "pointer", None) is not None:
-        refuse_online_pointer(drafter.info.path, "the head alone")
+        refuse_online_pointer(drafter.info.path, locate(drafter.info.path)[1] if drafter.info.path else "its head")
     kind = drafter_kind(opts.drafter)  # one that evaluates: EvalOptions checked it
     n_ref = drafter.default_n_ref if opts.n_ref is None else int(opts.n_ref)
     spec = default_spec(n_ref, opts.top_k) if opts.spec is None else opts.spec
