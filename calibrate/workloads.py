@@ -171,12 +171,15 @@ def chat_ids(tokenizer, prompt: Prompt) -> list[int]:
 
 
 def check_fits(workload: Workload, tokenizer, context: int, new_tokens: int) -> None:
-    """``UserError`` naming the first prompt whose tokens plus ``new_tokens`` exceed ``context`` (the model's length)."""
-    for prompt in workload.prompts:
-        length = len(chat_ids(tokenizer, prompt))
-        if length + new_tokens > context:
-            room = context - length
-            advice = (f"ask for at most {room} new tokens" if room > 0
-                      else "shorten the prompt")
-            raise UserError(f"--workload {workload.path}: prompt {prompt.id!r} is {length} tokens, and {length} + "
-                            f"{new_tokens} new tokens exceed the model's context of {context}; {advice}")
+    """``UserError`` naming the longest prompt when its tokens plus ``new_tokens`` exceed ``context`` (the model's
+    length), so the number of new tokens it advises fits every prompt."""
+    if not workload.prompts:
+        return
+    lengths = [len(chat_ids(tokenizer, p)) for p in workload.prompts]
+    length = max(lengths)
+    prompt = workload.prompts[lengths.index(length)]
+    if length + new_tokens > context:
+        room = context - length
+        advice = f"ask for at most {room} new tokens" if room > 0 else "shorten the prompt"
+        raise UserError(f"--workload {workload.path}: prompt {prompt.id!r} is {length} tokens, and {length} + "
+                        f"{new_tokens} new tokens exceed the model's context of {context}; {advice}")

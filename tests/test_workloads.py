@@ -112,3 +112,13 @@ def test_chat_template_is_applied_and_a_prompt_longer_than_the_context_is_refuse
         check_fits(workload, tok, context=10, new_tokens=6)
     with pytest.raises(UserError, match="shorten the prompt"):
         check_fits(workload, tok, context=4, new_tokens=1)
+
+
+def test_the_advised_number_of_new_tokens_fits_every_prompt():
+    """Where several prompts are too long, the refusal names the longest, so its advice fits them all."""
+    tok = _Tokenizer()
+    prompts = (Prompt("short", "one"), Prompt("long", "one two three four"), Prompt("mid", "one two"))
+    workload = Workload("w", builtin_path("math"), "train", prompts)
+    with pytest.raises(UserError, match="prompt 'long' is 6 tokens.*ask for at most 4 new tokens"):
+        check_fits(workload, tok, context=10, new_tokens=9)
+    check_fits(workload, tok, context=10, new_tokens=4)
