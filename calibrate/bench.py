@@ -32,6 +32,7 @@ import numpy as np
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.atomic import atomic_path, atomic_write_text
 
+from .drafters import default_drafter_path
 from .errors import UserError
 from .measure import SavedUnits, partial_dir
 from .measure.longgen import acceptance_by_bin, fade, geometric_mean, looped, prompts_by_bin, text_by_bin
@@ -123,6 +124,7 @@ class BenchOptions:
         for name in ("out", "resume", "threads", "plot", "online_every", "online_steps", "online_lr", "online_rank"):
             d.pop(name)
         d["spec"] = None if self.spec is None else str(self.spec)
+        d["drafter_path"] = default_drafter_path(self.drafter, self.drafter_path)  # the drafter as loaded
         d["variants"] = list(self.variants)
         online = self.online()
         if online is not None:

@@ -5,7 +5,8 @@
 ``NAME``
     ``diary``, ``math`` or ``science``: the shipped corpus of the built-in target sampled at temperature 0.8
     (``calibrate/assets/generated/NAME-sampled/``; ``NAME-sampled`` names it too), ``NAME-greedy`` its greedy
-    one; or the path of a run folder written by ``sharpdraft generate``.
+    one, ``NAME-long`` its held-out prompts sampled to the end of the target's context; or the path of a run
+    folder written by ``sharpdraft generate``.
 ``SPLIT``
     ``train`` (default), ``heldout`` or ``all``: the prompts' split in their workload file. A shipped corpus
     takes it from the built-in workload of its name. A run folder takes it from the workload file its
@@ -40,7 +41,8 @@ __all__ = ["COPY_ORDER", "GENERATED", "SHIPPED", "GeneratedCorpus", "GeneratedSe
 
 GENERATED = "generated:"  # prefix of a generated source: generated:NAME[:SPLIT]
 SPLITS = ("train", "heldout", "all")
-SHIPPED = tuple(f"{w}{kind}" for w in ("diary", "math", "science") for kind in ("", "-sampled", "-greedy"))
+SHIPPED_KINDS = ("", "-sampled", "-greedy", "-long")  # a shipped corpus's name: a workload's, then one of these
+SHIPPED = tuple(f"{w}{kind}" for w in ("diary", "math", "science") for kind in SHIPPED_KINDS)
 COPY_ORDER = 3  # a copy row: a 3-gram prompt lookup over the text before it drafts its token right
 
 
@@ -51,7 +53,7 @@ def is_generated(source: str) -> bool:
 
 def shipped_path(name: str) -> Path:
     """The run folder of the shipped corpus ``name`` (``diary`` is ``diary-sampled``)."""
-    folder = name if name.endswith(("-sampled", "-greedy")) else f"{name}-sampled"
+    folder = name if name.endswith(SHIPPED_KINDS[1:]) else f"{name}-sampled"
     return Path(__file__).parent / "assets" / "generated" / folder
 
 
@@ -103,8 +105,7 @@ def read_corpus(source: str) -> GeneratedCorpus:
     folder = shipped_path(name) if shipped else Path(name).expanduser()
     if shipped and not (folder / "run.json").is_file():
         raise UserError(f"--corpus {source}: the shipped corpus {folder.name} is not in this install; write one with "
-                        f"`sharpdraft generate --workload {name.split('-')[0]}:all --out DIR` and name "
-                        "generated:DIR")
+                        f"`sharpdraft generate --workload {_how_written(name)} --out DIR` and name generated:DIR")
     if not shipped and not folder.is_dir():
         raise UserError(f"--corpus {source}: {name!r} is neither a shipped generated corpus "
                         f"({', '.join(SHIPPED)}) nor a folder; name one of those or a `sharpdraft generate` run folder")
@@ -127,6 +128,14 @@ def read_corpus(source: str) -> GeneratedCorpus:
                         "`sharpdraft generate --resume`")
     identity = run.get("tokenizer")
     return GeneratedCorpus(source, folder, split, identity if isinstance(identity, str) else None, chosen)
+
+
+def _how_written(name: str) -> str:
+    """The options of ``sharpdraft generate`` that write a corpus like the shipped ``name``, from ``--workload`` on."""
+    workload, _, kind = name.partition("-")
+    if kind == "long":
+        return f"{workload}:heldout --new-tokens 7890 --min-new-tokens 7890"
+    return f"{workload}:all" + (" --temperature 0" if kind == "greedy" else "")
 
 
 def _splits(recorded: dict, ids: list[str], builtin: str | None) -> dict[str, str]:

@@ -48,7 +48,7 @@ from sharpdraft_theory.laws import MAX_N
 from .collect import DEFAULT_K_MAX, RowCollector, log_grid
 from .corpus import pack
 from .distributed import Ranks
-from .drafters import drafter_kind, load_drafter, resolve_device, resolve_dtype
+from .drafters import default_drafter_path, drafter_kind, load_drafter, resolve_device, resolve_dtype
 from .drafters.pard_smollm2 import cut_from_smollm2
 from .errors import UserError
 from .fit import (LAWS_WRITTEN, MAX_N_PER_N_REF, Collection, FitSettings, check_fit_options, check_max_n, fit_spec,
@@ -196,7 +196,8 @@ def _prepare(opts: CalibrateOptions, folder: Path, device, dtype, drafter) -> _S
     grid = log_grid(max_length, per_octave=GRID_PER_OCTAVE, n_min=_first_sampled_n(opts.top_k))
     notes: list[str] = list(getattr(drafter, "notes", ()))  # what the adapter read and how
 
-    params = {"drafter": opts.drafter, "drafter_path": opts.drafter_path, "target_path": opts.target_path,
+    params = {"drafter": opts.drafter, "drafter_path": default_drafter_path(opts.drafter, opts.drafter_path),
+              "target_path": opts.target_path,  # the drafter as loaded, so a changed default does not resume
               "corpus": opts.corpus, "max_length": max_length, "dtype": str(dtype).removeprefix("torch."),
               "k_max": k_max, "grid": grid.tolist(), "alpha_grid": DEFAULT_ALPHA_GRID.tolist(),
               # the distance profile (predict --stats) is only kept in a statistics file, so it is only

@@ -459,3 +459,17 @@ def test_a_teacher_forced_arm_forms_its_law_over_the_head_columns_and_the_texts_
     assert float((whole[finite].double() - placed[finite].double()).abs().max()) < 1e-5
     assert torch.equal(part.drafted(), whole.argmax(-1))
 
+
+
+def test_a_resumed_run_keys_on_the_drafter_as_loaded(tmp_path):
+    """eval's, bench's and calibrate's resume keys record the built-in default's folder, not an absent
+    --drafter-path: a run saved when the default was another drafter does not resume with this one."""
+    from calibrate.bench import BenchOptions
+    from calibrate.drafters import default_drafter_path
+    from calibrate.eval.options import EvalOptions
+
+    default = default_drafter_path("eagle3", None)
+    assert EvalOptions(drafter="eagle3").to_dict()["drafter_path"] == default
+    assert BenchOptions(out=tmp_path / "b.json").to_dict()["drafter_path"] == default
+    named = "calibrate/assets/eagle3-smollm2"
+    assert EvalOptions(drafter="eagle3", drafter_path=named).to_dict()["drafter_path"] == named
