@@ -270,3 +270,22 @@ def test_calibrate_refuses_another_tokenizer_once_the_drafter_tells_it(fx, tmp_p
                             corpus=f"generated:{run}", max_length=128, sequences=2, n_ref=64, device="cpu")
     with pytest.raises(UserError, match="not the drafter's"):
         run_calibration(opts)
+
+
+@pytest.mark.parametrize("name, split, prompts, tokens", [
+    ("diary", "train", 12, 4096), ("diary", "heldout", 4, 4096), ("math", "heldout", 4, 2048),
+    ("science", "heldout", 4, 2048), ("diary-long", "heldout", 4, 7890),
+])
+def test_the_shipped_corpora_hold_what_the_docs_say(name, split, prompts, tokens):
+    """docs/longgen.md's table of shipped corpora: each split's prompts, every output as long as stated, one
+    tokenizer identity; diary-long is the held-out diaries to the end of the target's context."""
+    from calibrate.generate import tokenizer_and_context, tokenizer_identity
+
+    corpus = read_corpus(f"generated:{name}:{split}")
+    assert len(corpus.generations) == prompts
+    assert corpus.tokenizer == tokenizer_identity(tokenizer_and_context(None)[0])  # the built-in target's
+    assert all(len(g.output_ids) == tokens for g in corpus.generations)
+    if name == "diary-long":
+        assert min(len(g.prompt_ids) + len(g.output_ids) for g in corpus.generations) >= 8176
+        with pytest.raises(UserError, match="no finished generation in the train split"):
+            read_corpus("generated:diary-long")
