@@ -100,8 +100,9 @@ pard-table: $(STAMP)
 # The long-generation tables (docs/results.md "Long generations"): each workload's generated corpus, each
 # drafter kind alone and with its copy pointer, calibrated and selected on the train prompts, checked by
 # output position on the held-out ones (about 5 minutes a calibration and 6 an eval on 2 CPU cores: about
-# 25 minutes a workload and kind). LONGGEN_WORKLOADS / LONGGEN_KINDS narrow it. Writes out/longgen/.
-LONGGEN_WORKLOADS ?= diary math science
+# 25 minutes a workload and kind; diary-long, to the end of the context, 20 more for each kind's two evals).
+# LONGGEN_WORKLOADS / LONGGEN_KINDS narrow it. Writes out/longgen/.
+LONGGEN_WORKLOADS ?= diary math science diary-long
 LONGGEN_KINDS ?= eagle3 dflash pard
 longgen-table: $(STAMP)
 	SD=$(VENV)/bin/sharpdraft PY=$(PY) bash scripts/longgen_table.sh "$(LONGGEN_WORKLOADS)" "$(LONGGEN_KINDS)"
