@@ -775,6 +775,8 @@ GENERATED = [  # generated:NAME[:SPLIT] corpora and --bin-size: refused before a
     Case("eval-generated-empty", EVAL.replace("{fx}/corpus.txt", "generated:"), "generated:"),
     Case("eval-generated-unknown-name", EVAL.replace("{fx}/corpus.txt", "generated:poetry"), "generated:poetry"),
     Case("eval-generated-split-unknown", EVAL.replace("{fx}/corpus.txt", "generated:diary:test"), "unknown split 'test'"),
+    Case("eval-generated-long-train", EVAL.replace("{fx}/corpus.txt", "generated:diary-long"),
+         "no finished generation in the train split"),  # diary-long holds the held-out prompts only
     Case("eval-generated-no-folder", EVAL.replace("{fx}/corpus.txt", "generated:{w}/none"), "neither a shipped"),
     Case("eval-generated-not-a-run", _GEN_EVAL, "is not a generation run", (("g", None),)),
     Case("eval-generated-run-json-array", _GEN_EVAL, "is not a generation run", (("g", None), ("g/run.json", "[1]"))),
