@@ -196,8 +196,9 @@ def _prepare(opts: CalibrateOptions, folder: Path, device, dtype, drafter) -> _S
     grid = log_grid(max_length, per_octave=GRID_PER_OCTAVE, n_min=_first_sampled_n(opts.top_k))
     notes: list[str] = list(getattr(drafter, "notes", ()))  # what the adapter read and how
 
+    # drafter_path: the drafter as loaded (the built-in default's folder), so a changed default does not resume
     params = {"drafter": opts.drafter, "drafter_path": default_drafter_path(opts.drafter, opts.drafter_path),
-              "target_path": opts.target_path,  # the drafter as loaded, so a changed default does not resume
+              "target_path": opts.target_path,
               "corpus": opts.corpus, "max_length": max_length, "dtype": str(dtype).removeprefix("torch."),
               "k_max": k_max, "grid": grid.tolist(), "alpha_grid": DEFAULT_ALPHA_GRID.tolist(),
               # the distance profile (predict --stats) is only kept in a statistics file, so it is only

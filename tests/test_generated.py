@@ -103,9 +103,11 @@ def test_bad_names_are_refused_in_one_line(source, message):
 
 def test_a_shipped_corpus_missing_from_the_install_says_how_to_write_one(monkeypatch, tmp_path):
     monkeypatch.setattr("calibrate.generated.shipped_path", lambda name: tmp_path / name)
-    with pytest.raises(UserError, match="shipped corpus math-greedy is not in this install.*--workload math:all --temperature 0 "):
+    missing = "shipped corpus math-greedy is not in this install.*--workload math:all --temperature 0 "
+    with pytest.raises(UserError, match=missing):
         read_corpus("generated:math-greedy:heldout")
-    with pytest.raises(UserError, match="diary-long is not in this install.*--workload diary:heldout --new-tokens 7890"):
+    missing = "diary-long is not in this install.*--workload diary:heldout --new-tokens 7890"
+    with pytest.raises(UserError, match=missing):
         read_corpus("generated:diary-long:heldout")
 
 

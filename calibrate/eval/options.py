@@ -250,7 +250,8 @@ class EvalOptions:
 
         # the drafter as loaded: a run saved before the built-in default changed does not resume with another
         return {"drafter": self.drafter, "drafter_path": default_drafter_path(self.drafter, self.drafter_path),
-                "target_path": self.target_path, "spec": None if self.spec is None else self.spec.to_dict(), "lengths": list(self.lengths),
+                "target_path": self.target_path, "spec": None if self.spec is None else self.spec.to_dict(),
+                "lengths": list(self.lengths),
                 "corpus": self.corpus, "sequences": self.sequences, "skip": self.skip, "top_k": self.top_k,
                 "speculative": self.speculative, "new_tokens": self.new_tokens, "num_draft": self.num_draft,
                 "variants": list(self.variants), "window": self.window, "sinks": self.sinks, "n_ref": self.n_ref,
