@@ -84,7 +84,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_the_weights_load(tmp
     import calibrate.drafters.target as target
 
     monkeypatch.setattr(target, "load_target", lambda *a, **k: pytest.fail("the model loaded"))
-    with pytest.raises(UserError, match="prompt 'a' is .* exceed the model's context of 4096"):
+    with pytest.raises(UserError, match="prompt 'b' is .* exceed the model's context of 4096"):  # the longest prompt
         run_generation(_opts(tmp_path, tiny, new_tokens=4090))
 
 
