@@ -30,7 +30,8 @@ Corpus = Annotated[str, typer.Option(help="Held-out text: pydoc:heldout, stdlib:
                                           "or a folder; recall:SOURCE (e.g. recall:stdlib:heldout) for SOURCE's text "
                                           "with passages repeated at set distances, reporting copy agreement; "
                                           "generated:NAME[:SPLIT] (the target's own text: diary, math, science, "
-                                          "NAME-greedy, or a `sharpdraft generate` folder), also reported by "
+                                          "diary-long:heldout to 8,176 tokens, NAME-greedy, or a `sharpdraft "
+                                          "generate` folder), also reported by "
                                           "output position.")]
 BinSize = Annotated[Optional[int], typer.Option(
     "--bin-size", help="On a generated corpus: output tokens per bin of the by-output-position report (default 512).")]
