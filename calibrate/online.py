@@ -270,8 +270,9 @@ def check_rank(head: nn.Module, rank: int) -> None:
 
 def check_rank_unloaded(kind: str, drafter_path: str | None, rank: int) -> None:
     """``--online-rank`` against the EAGLE-3 head or DFlash model (``kind``) at ``drafter_path`` (None: the kind's
-    built-in drafter, whose pointer names the head) before any weight loads: :func:`check_rank` on the model its ``config.json`` describes, built on the meta
-    device. A folder without one is left to the loader, which says what is missing."""
+    built-in drafter, whose pointer names the head) before any weight loads: :func:`check_rank` on the model its
+    ``config.json`` describes, built on the meta device. A folder without one is left to the loader, which says
+    what is missing."""
     from .drafters import dflash, eagle3
     from .drafters.pointer import locate
 

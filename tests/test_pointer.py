@@ -460,10 +460,10 @@ def test_a_teacher_forced_arm_forms_its_law_over_the_head_columns_and_the_texts_
     assert torch.equal(part.drafted(), whole.argmax(-1))
 
 
-
 def test_a_resumed_run_keys_on_the_drafter_as_loaded(tmp_path):
-    """eval's, bench's and calibrate's resume keys record the built-in default's folder, not an absent
-    --drafter-path: a run saved when the default was another drafter does not resume with this one."""
+    """eval's and bench's resume keys record the built-in default's folder, not an absent --drafter-path: a run
+    saved when the default was another drafter does not resume with this one (calibrate's key takes the same
+    call in ``calibrate.run._prepare``)."""
     from calibrate.bench import BenchOptions
     from calibrate.drafters import default_drafter_path
     from calibrate.eval.options import EvalOptions
