@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from calibrate.bench import BenchOptions, partial_dir, plot_result, report_tables, run_bench
+from calibrate.bench_tables import markdown, over_none, read_result
 from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.errors import UserError
 from calibrate.online import DECODING_LR
@@ -133,6 +135,23 @@ def test_online_arms_learn_in_the_loop_and_count_their_cost(tmp_path, workload, 
     assert full > lora > 0  # a copy of the head against rank-2 factors
     assert all(torch.equal(head[k], v) for k, v in drafter.head.state_dict().items())
     assert report_tables(result)[1].row_count == 3
+    rows = [line for line in markdown(result).splitlines() if line.startswith("| ")]
+    assert len(rows) == 4 and "updates s (share)" in rows[0] and rows[1].startswith("| none |")
+
+    def per_token(run):
+        return run["decode_seconds"] / run["decode_tokens"]
+
+    paired = [per_token(u["arms"]["none"]) / per_token(u["arms"]["online-full"]) for u in result["units"]]
+    assert over_none(result, "online-full")[0] == pytest.approx(np.exp(np.mean(np.log(paired))), rel=1e-12)
+    assert over_none(result, "none") == [pytest.approx(1.0)] * 3
+
+
+def test_bench_tables_refuse_what_is_not_a_bench_result(tmp_path):
+    (tmp_path / "e.json").write_text(json.dumps({"schema": "sharpdraft.eval/v1", "buckets": []}))
+    with pytest.raises(SystemExit, match="e.json: not a bench result"):
+        read_result(tmp_path / "e.json")
+    with pytest.raises(SystemExit, match="missing.json: cannot read it as JSON"):
+        read_result(tmp_path / "missing.json")
 
 
 def test_sampled_bench_runs_each_arm_from_a_paired_stream(tmp_path, workload, drafter):

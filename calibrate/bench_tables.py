@@ -1,0 +1,98 @@
+"""Markdown tables of ``sharpdraft bench --out`` results, as docs/results.md shows them.
+
+    python scripts/bench_table.py o-diary-eagle3.json o-diary-dflash.json > table.md
+
+One table per result, a row per arm: the acceptance length (tokens per target forward) in each bin of
+output position (pooled over the prompts that reach the bin; their count in the header; with two or
+more prompts there, the 95% interval over them), over the whole output, the speedup over target-only
+per prompt and its geometric mean, the arm's speed over ``none``'s (the geometric mean over prompts of
+``none``'s decode time over the arm's: greedy arms decode the same text, so this is paired), and, where
+an online arm ran, the seconds spent learning (inside the decode time) with their share, the peak
+memory over ``none``'s and the state held beyond the drafter. A last column says whether every greedy
+output equalled target-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .measure.longgen import geometric_mean
+
+__all__ = ["markdown", "read_result"]
+
+
+def _interval(t, digits: int = 2) -> str:
+    if t is None:
+        return "-"
+    text = f"{t[0]:.{digits}f}"
+    return text if t[1] is None else f"{text} [{t[1]:.{digits}f}, {t[2]:.{digits}f}]"
+
+
+def _mib(n) -> str:
+    return "" if n is None else f"{n / 2**20:+.1f}" if n < 0 else f"{n / 2**20:.1f}"
+
+
+def over_none(result: dict, arm: str) -> list[float | None] | None:
+    """``[geometric mean, lo, hi]`` over prompts of ``none``'s decode seconds per token over ``arm``'s (above 1:
+    the arm is faster), paired on each prompt; None without a ``none`` arm."""
+    if "none" not in result["arms"]:
+        return None
+
+    def per_token(run):
+        return run["decode_seconds"] / max(run["decode_tokens"], 1)
+
+    return geometric_mean([per_token(u["arms"]["none"]) / per_token(u["arms"][arm]) for u in result["units"]])
+
+
+def markdown(result: dict) -> str:
+    """One markdown table of a bench result (the module's docstring says what each column holds)."""
+    arms = result["arms"]
+    first = next(iter(arms.values()))
+    counts = first.get("prompts_by_bin") or [None] * len(result["bins"])
+    learning = any(arm.get("updates") for arm in arms.values())
+    head = [f"{lo}-{hi} ({n})" if n is not None else f"{lo}-{hi}" for (lo, hi), n in zip(result["bins"], counts)]
+    head += ["whole", "speedup per prompt", "geomean", "over none"]
+    if learning:
+        head += ["updates s (share)", "peak over none MiB", "extra MiB"]
+    head.append("= target")
+    lines = ["| arm | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    for name, arm in arms.items():
+        cells = [_interval(t) for t in arm["acceptance_by_bin"]]
+        cells.append(f"{arm['acceptance_length']:.2f}")
+        cells.append(" / ".join(f"{s:.2f}" for s in arm["speedup_per_prompt"]))
+        cells.append(_interval(arm["speedup_geomean"]))
+        cells.append("" if name == "none" or "none" not in arms else _interval(over_none(result, name)))
+        if learning:
+            extra = arm.get("extra_bytes")
+            cells.append(f"{arm['update_seconds']:.1f} ({100 * (arm['update_share'] or 0):.1f}%)"
+                         if arm.get("updates") else "")
+            cells.append("" if name == "none" else _mib(arm.get("peak_memory_over_none")))
+            cells.append(_mib(extra and extra["total"]))
+        cells.append("-" if arm["identical"] is None else "yes" if arm["identical"] else "NO")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    prompts = ", ".join(f"{p['id']} {p['output_tokens']}" for p in result["prompts"])
+    title = (f"{result['workload']['name']}, {result['drafter']['kind']} ({result['drafter'].get('path') or 'default'}),"
+             f" {len(result['prompts'])} prompts (output tokens: {prompts}); target only "
+             f"{result['target']['tokens_per_second']} tokens/s")
+    return f"{title}\n\n" + "\n".join(lines)
+
+
+def read_result(path: Path) -> dict:
+    """A bench --out file, or one line naming it and what to give."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SystemExit(f"{path}: cannot read it as JSON ({err.__class__.__name__}); give a bench --out file") from None
+    if not isinstance(result, dict) or result.get("schema") != "sharpdraft.bench/v1":
+        raise SystemExit(f"{path}: not a bench result (schema sharpdraft.bench/v1); give a bench --out file")
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("bench_json", type=Path, nargs="+", help="bench --out files")
+    args = ap.parse_args()
+    results = [read_result(p) for p in args.bench_json]  # every file checked before any table prints
+    print("\n\n".join(markdown(r) for r in results))
