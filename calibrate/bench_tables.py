@@ -73,7 +73,8 @@ def markdown(result: dict) -> str:
         cells.append("-" if arm["identical"] is None else "yes" if arm["identical"] else "NO")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     prompts = ", ".join(f"{p['id']} {p['output_tokens']}" for p in result["prompts"])
-    title = (f"{result['workload']['name']}, {result['drafter']['kind']} ({result['drafter'].get('path') or 'default'}),"
+    folder = Path(result["drafter"].get("path") or "default").name
+    title = (f"{result['workload']['name']}, {result['drafter']['kind']} ({folder}),"
              f" {len(result['prompts'])} prompts (output tokens: {prompts}); target only "
              f"{result['target']['tokens_per_second']} tokens/s")
     return f"{title}\n\n" + "\n".join(lines)
