@@ -3,8 +3,10 @@
 For each prompt of a workload (chat template applied), the target prefills once; then target-only
 decoding and every arm (``none``, ``spec``, ``window``, a distance fix, ``lookup``, ...; the
 variants of ``sharpdraft eval``) decode up to ``new_tokens`` tokens from copies of that prefill,
-stopping early where the target writes its end-of-sequence token. Each run keeps its list of
-accepted drafts per verification, its decode time and its text, so the report gives per arm
+stopping early where the target writes its end-of-sequence token (``min_new_tokens`` bars that token
+until so many are written, as ``sharpdraft generate`` does: a target that answers in a few hundred
+tokens then writes on, which is how a short-answer workload becomes a long generation). Each run keeps
+its list of accepted drafts per verification, its decode time and its text, so the report gives per arm
 (:mod:`calibrate.measure.longgen`): acceptance length per bin of output position with a 95% interval
 over prompts, the fade (last bin over first), tokens/s, the speedup over target-only per prompt and
 its geometric mean over prompts (the paper's headline figure), how many outputs ended in a loop, and
@@ -58,6 +60,7 @@ class BenchOptions:
     workload: str = "diary"
     prompts: int = 2
     new_tokens: int = 2048
+    min_new_tokens: int = 0  # the end-of-sequence token is barred until this many tokens are written
     variants: tuple[str, ...] = DEFAULT_VARIANTS
     window: int | None = None
     num_draft: int | None = None
@@ -80,6 +83,8 @@ class BenchOptions:
         drafter_kind(self.drafter, evaluates=True)
         if not 1 <= self.new_tokens <= MAX_NEW_TOKENS:
             raise UserError(f"--new-tokens {self.new_tokens}: expected 1 to {MAX_NEW_TOKENS}")
+        if not 0 <= self.min_new_tokens <= self.new_tokens:
+            raise UserError(f"--min-new-tokens {self.min_new_tokens}: expected 0 to --new-tokens ({self.new_tokens})")
         if not 1 <= self.bin_size <= self.new_tokens:
             raise UserError(f"--bin-size {self.bin_size}: expected 1 to --new-tokens ({self.new_tokens})")
         if not 1 <= self.prompts <= 10_000:
@@ -126,6 +131,8 @@ class BenchOptions:
         d["spec"] = None if self.spec is None else str(self.spec)
         d["drafter_path"] = default_drafter_path(self.drafter, self.drafter_path)  # the drafter as loaded
         d["variants"] = list(self.variants)
+        if not self.min_new_tokens:
+            d.pop("min_new_tokens")  # the key of runs saved before the option existed
         online = self.online()
         if online is not None:
             d["online"] = online.to_dict()
@@ -209,7 +216,8 @@ def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, 
     def run(spec, name):
         proposer = arm_proposer(drafter, spec, name, eos, online)
         with PeakMemory(drafter.device) as peak:
-            out = decode(drafter, proposer, prompt, opts.new_tokens, num_draft, shared, rule(), eos)
+            out = decode(drafter, proposer, prompt, opts.new_tokens, num_draft, shared, rule(), eos,
+                         opts.min_new_tokens)
         return out, _run(out, opts) | _cost(proposer, peak)
 
     base, unit_target = run(None, None)
@@ -240,13 +248,14 @@ def arm_proposer(drafter, spec, arm: str | None, eos, online: OnlineOptions | No
     return proposer
 
 
-def decode(drafter, proposer, prompt, new_tokens: int, num_draft: int, shared, rule, eos):
+def decode(drafter, proposer, prompt, new_tokens: int, num_draft: int, shared, rule, eos, min_new_tokens: int = 0):
     """One decode of ``proposer`` (:func:`arm_proposer`) through the one loop, from the ``shared`` prefill,
-    stopping after ``eos``; the proposer is closed after it."""
+    stopping after ``eos`` (barred before ``min_new_tokens``); the proposer is closed after it."""
     from .speculative import speculative_generate
 
     try:
-        return speculative_generate(drafter.target, proposer, prompt, new_tokens, num_draft, shared, rule, stop=eos)
+        return speculative_generate(drafter.target, proposer, prompt, new_tokens, num_draft, shared, rule, stop=eos,
+                                    min_new_tokens=min_new_tokens)
     finally:
         proposer.close()
 

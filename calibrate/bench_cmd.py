@@ -36,6 +36,9 @@ def bench(
     prompts: Annotated[int, typer.Option(help="Prompts to decode (the first N of the split).")] = 2,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens to generate per prompt at most (fewer "
                                                                  "where the target ends).")] = 2048,
+    min_new_tokens: Annotated[int, typer.Option("--min-new-tokens", help="Bar the target's end-of-sequence token "
+                                                "until this many tokens are written (0: the target ends where it "
+                                                "would; as sharpdraft generate's).")] = 0,
     variants: Annotated[str, typer.Option(help="Comma-separated arms, as sharpdraft eval names them (none, spec, "
                                                "window, sinks, qwen-logn, clamp, clamp+spec, ..., lookup, "
                                                "lookup+head, online-full, online-lora, online-full+spec, "
@@ -64,6 +67,7 @@ def bench(
     """Speculative decoding through long generations: acceptance by output position, the fade, the speedup."""
     opts = BenchOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path, spec=spec,
                         workload=workload, prompts=prompts, new_tokens=new_tokens,
+                        min_new_tokens=min_new_tokens,
                         variants=tuple(v.strip() for v in variants.split(",") if v.strip()), window=window,
                         num_draft=num_draft, bin_size=bin_size, temperature=temperature, seed=seed, threads=threads,
                         plot=plot, resume=resume, online_every=online_every, online_steps=online_steps,

@@ -183,14 +183,28 @@ def prefill(target, prompt: torch.Tensor, feature_ids=None) -> Prefill:
     return Prefill(cache, logits[-1], feats, ids, time.perf_counter() - t0)
 
 
-def _start(target, prompt, feature_ids, shared: Prefill | None, rule) -> tuple[object, int, torch.Tensor | None, float]:
-    """(cache to decode into, first token by ``rule``, features, prefill seconds) from ``shared`` or a new prefill."""
+def _start(target, prompt, feature_ids, shared: Prefill | None) -> tuple[object, torch.Tensor, torch.Tensor | None, float]:
+    """(cache to decode into, the logits after the prompt, features, prefill seconds) from ``shared`` or a new
+    prefill."""
     if shared is None:
         shared = prefill(target, prompt, feature_ids)
-        return shared.cache, rule.pick(shared.logits)[0], shared.features, shared.seconds
+        return shared.cache, shared.logits, shared.features, shared.seconds
     if feature_ids is not None and shared.feature_ids != tuple(feature_ids):
         raise ValueError(f"the shared prefill holds hidden states {shared.feature_ids}, the drafter reads {feature_ids}")
-    return copy.deepcopy(shared.cache), rule.pick(shared.logits)[0], shared.features, shared.seconds
+    return copy.deepcopy(shared.cache), shared.logits, shared.features, shared.seconds
+
+
+def bar_stop(logits: torch.Tensor, stop: int | None, first: int, min_new_tokens: int) -> torch.Tensor:
+    """``logits`` (T, vocab), whose row ``i`` scores output token ``first + i``, with ``stop`` barred (logit
+    minus infinity: probability 0, never the argmax) in the rows of output tokens before ``min_new_tokens``;
+    the same tensor when no row is barred. The target's law as a generation with a minimum length sees it
+    (transformers' ``min_new_tokens``), for target-only decoding and verification alike."""
+    rows = min_new_tokens - first
+    if stop is None or rows <= 0:
+        return logits
+    logits = logits.clone()
+    logits[:rows, stop] = float("-inf")
+    return logits
 
 
 def new_cache():
@@ -261,11 +275,12 @@ def greedy_generate(target, prompt: torch.Tensor, max_new_tokens: int, shared: P
 @torch.no_grad()
 def speculative_generate(target, proposer, prompt: torch.Tensor, max_new_tokens: int,
                          num_draft: int = 4, shared: Prefill | None = None, rule=GREEDY,
-                         stop: int | None = None) -> SpeculativeResult:
+                         stop: int | None = None, min_new_tokens: int = 0) -> SpeculativeResult:
     """Speculative decoding of ``max_new_tokens`` after ``prompt`` (1, T), up to ``num_draft`` drafts a
     step, verified by ``rule`` (:data:`GREEDY` or a :class:`Sampling`): the module docstring's path.
     ``stop``: a token id (the end-of-sequence token) after which the output ends early; tokens a step
-    committed past it are dropped (None: always ``max_new_tokens``).
+    committed past it are dropped (None: always ``max_new_tokens``). ``min_new_tokens``: ``stop`` is barred
+    until the output holds that many tokens (:func:`bar_stop`), so a target that would end early writes on.
 
     ``proposer`` is a ``Proposer`` (``calibrate.drafters.base``: ``name``, ``feature_ids``,
     ``start(prompt, features, pending)``, ``propose(k, rule)``, ``commit(tokens, features)``). Greedy:
@@ -276,8 +291,9 @@ def speculative_generate(target, proposer, prompt: torch.Tensor, max_new_tokens:
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     device = prompt.device
-    cache, first, feats, prefill_seconds = _start(target, prompt, proposer.feature_ids, shared, rule)
+    cache, after_prompt, feats, prefill_seconds = _start(target, prompt, proposer.feature_ids, shared)
     t0 = time.perf_counter() - prefill_seconds
+    first = rule.pick(bar_stop(after_prompt[None], stop, 0, min_new_tokens)[0])[0]
     tokens = [first]
     proposer.start(prompt, feats, tokens[0])
     verified = getattr(proposer, "verified", None)
@@ -291,6 +307,7 @@ def speculative_generate(target, proposer, prompt: torch.Tensor, max_new_tokens:
         drafting += time.perf_counter() - t
         block = torch.tensor([[tokens[-1], *drafts]], device=device)  # pending token + its drafts
         logits, feats = target_step(target, block, cache, proposer.feature_ids)  # (len + 1, vocab)
+        logits = bar_stop(logits, stop, len(tokens), min_new_tokens)  # row i scores output token len(tokens) + i
         accepted, token = rule.verify(drafts, q, logits)
         new = drafts[:accepted] + [token]
         crop_cache(cache, cache.get_seq_length() - (len(drafts) - accepted))  # keep pending + accepted drafts

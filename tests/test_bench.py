@@ -77,6 +77,17 @@ def test_greedy_bench_reports_every_arm_by_output_position(tmp_path, workload, d
     assert (tmp_path / "b.png").stat().st_size > 0
 
 
+def test_a_minimum_length_makes_every_prompt_write_on(tmp_path, workload, drafter):
+    """``min_new_tokens``: the prompts that end early without it run the whole length, every arm still
+    writing target-only decoding's text; the option is part of the resume key only when set."""
+    assert any(u["target"]["tokens"] < 40 for u in run_bench(_opts(tmp_path, workload), drafter=drafter)["units"])
+    opts = _opts(tmp_path, workload, out=tmp_path / "m.json", min_new_tokens=40)
+    result = run_bench(opts, drafter=drafter)
+    assert [p["output_tokens"] for p in result["prompts"]] == [40, 40, 40]
+    assert all(arm["identical"] is True for arm in result["arms"].values())
+    assert result["options"]["min_new_tokens"] == 40 and "min_new_tokens" not in _opts(tmp_path, workload).to_dict()
+
+
 def test_a_resumed_bench_keeps_the_finished_prompts(tmp_path, workload, drafter, monkeypatch):
     import calibrate.bench as bench
 
@@ -178,6 +189,8 @@ _ONLINE = {"variants": ("none", "online-full"), "window": None}  # the rank's wi
     ({"temperature": float("nan")}, "--temperature nan"),
     ({"temperature": 0.001}, "--temperature 0.001"),
     ({"seed": -1}, "--seed -1"),
+    ({"min_new_tokens": -1}, "--min-new-tokens -1"),
+    ({"min_new_tokens": 41}, "--min-new-tokens 41"),
     ({"variants": ("none", "nonsense")}, "unknown variant 'nonsense'"),
     ({"variants": ("none", "spec"), "window": None}, "--variants spec: pass --spec"),
     ({"variants": ("none", "spec"), "window": 0}, "--window 0"),

@@ -61,6 +61,31 @@ def test_a_stop_token_ends_the_output_where_target_only_decoding_ends_it(target,
     assert first.tokens == full[:1] and first.accepted == []  # the prefill's own token ends it
 
 
+@torch.no_grad()
+def test_a_minimum_length_bars_the_stop_token_until_it_is_reached(target, eagle3):
+    """``min_new_tokens``: the stop token cannot be written before that many tokens; every proposer's output
+    is the greedy output of the barred law, computed here without a cache, one full forward a token."""
+    prompt = prompts(target.config.vocab_size)[2]
+    full = greedy_generate(target, prompt, 24).tokens
+    stop, least = full[2], 12  # a token the target writes early: barred through output token 11
+
+    ids, reference = prompt, []
+    while len(reference) < 24:
+        logits = target(input_ids=ids).logits[0, -1].double()
+        if len(reference) < least:
+            logits[stop] = float("-inf")
+        reference.append(int(logits.argmax()))
+        if reference[-1] == stop:
+            break
+        ids = torch.cat([ids, torch.tensor([[reference[-1]]])], dim=1)
+    assert stop not in reference[:least] and reference != full[:len(reference)]  # the bar changed the output
+    for proposer in (NoProposer(), CausalLMProposer(target), eagle3.proposer(None)):
+        out = speculative_generate(target, proposer, prompt, 24, 4, stop=stop, min_new_tokens=least)
+        assert out.tokens == reference, proposer.name
+    unbarred = speculative_generate(target, NoProposer(), prompt, 24, stop=stop, min_new_tokens=0)
+    assert unbarred.tokens == full[:3]  # 0: the output ends at the first stop token, as without the option
+
+
 def test_draft_seconds_count_the_drafters_calls_and_nothing_else(target):
     """``draft_seconds``: the time in the drafter's draft and commit, a part of the decode time."""
     import time
