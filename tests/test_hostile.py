@@ -714,6 +714,7 @@ BENCH = [
     Case("bench-new-tokens-zero", _BENCH + " --new-tokens 0", "--new-tokens 0"),
     Case("bench-min-new-tokens-negative", _BENCH + " --min-new-tokens -1", "--min-new-tokens -1"),
     Case("bench-min-new-tokens-above-new", _BENCH + " --new-tokens 64 --min-new-tokens 65", "--min-new-tokens 65"),
+    Case("bench-min-new-tokens-text", _BENCH + " --min-new-tokens abc", "--min-new-tokens abc: expected an integer"),
     Case("bench-bin-size-zero", _BENCH + " --bin-size 0", "--bin-size 0"),
     Case("bench-bin-size-past-new-tokens", _BENCH + " --new-tokens 64 --bin-size 65", "--bin-size 65"),
     Case("bench-prompts-zero", _BENCH + " --prompts 0", "--prompts 0"),
