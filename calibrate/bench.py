@@ -55,6 +55,7 @@ class BenchOptions:
     out: Path
     drafter: str = "eagle3"
     drafter_path: str | None = None
+    pointer_unmatched: str | None = None  # the copy pointer's rows matching nothing: scored or masked; None: its file's
     target_path: str | None = None
     spec: Path | None = None
     workload: str = "diary"
@@ -78,9 +79,11 @@ class BenchOptions:
     def check(self) -> Workload:
         """The prompts to decode; ``UserError`` naming the first bad option."""
         from .drafters import drafter_kind
+        from .drafters.pointer import check_unmatched
         from .eval.variants import check_variants
 
         drafter_kind(self.drafter, evaluates=True)
+        check_unmatched(self.pointer_unmatched, default_drafter_path(self.drafter, self.drafter_path))
         if not 1 <= self.new_tokens <= MAX_NEW_TOKENS:
             raise UserError(f"--new-tokens {self.new_tokens}: expected 1 to {MAX_NEW_TOKENS}")
         if not 0 <= self.min_new_tokens <= self.new_tokens:
@@ -131,8 +134,9 @@ class BenchOptions:
         d["spec"] = None if self.spec is None else str(self.spec)
         d["drafter_path"] = default_drafter_path(self.drafter, self.drafter_path)  # the drafter as loaded
         d["variants"] = list(self.variants)
-        if not self.min_new_tokens:
-            d.pop("min_new_tokens")  # the key of runs saved before the option existed
+        for name in ("min_new_tokens", "pointer_unmatched"):
+            if not d[name]:
+                d.pop(name)  # the key of runs saved before the option existed
         online = self.online()
         if online is not None:
             d["online"] = online.to_dict()
@@ -167,7 +171,8 @@ def run_bench(opts: BenchOptions, *, drafter=None, progress=None) -> dict:
         torch.set_num_threads(opts.threads)
     spec = None if opts.spec is None else ScaleSpec.load(opts.spec)
     if drafter is None:
-        drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, torch.device("cpu"), torch.float32)
+        drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, torch.device("cpu"), torch.float32,
+                               pointer_unmatched=opts.pointer_unmatched)
     tokenizer = drafter.tokenizer
     context = int(getattr(drafter.target.config, "max_position_embeddings", 0) or 0)
     if context:

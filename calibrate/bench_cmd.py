@@ -26,6 +26,7 @@ def bench(
     drafter: Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names(evaluates=True))}.")] = "eagle3",
     drafter_path: Annotated[Optional[str], typer.Option("--drafter-path", help="Drafter checkpoint, or a folder with a "
                                               f"copy_pointer.json naming one (default: {DEFAULT_DRAFTERS}).")] = None,
+    pointer_unmatched: flags.PointerUnmatched = None,
     target_path: Annotated[Optional[str], typer.Option("--target-path", help="Target model folder (default: the "
                                                                              "built-in SmolLM2).")] = None,
     spec: Annotated[Optional[Path], typer.Option(help="Scale spec for the spec arm (sharpdraft calibrate --out).")]
@@ -65,7 +66,8 @@ def bench(
     online_rank: flags.OnlineRank = None,
 ) -> None:
     """Speculative decoding through long generations: acceptance by output position, the fade, the speedup."""
-    opts = BenchOptions(out=out, drafter=drafter, drafter_path=drafter_path, target_path=target_path, spec=spec,
+    opts = BenchOptions(out=out, drafter=drafter, drafter_path=drafter_path, pointer_unmatched=pointer_unmatched,
+                        target_path=target_path, spec=spec,
                         workload=workload, prompts=prompts, new_tokens=new_tokens,
                         min_new_tokens=min_new_tokens,
                         variants=tuple(v.strip() for v in variants.split(",") if v.strip()), window=window,

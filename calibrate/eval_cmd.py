@@ -17,6 +17,7 @@ def eval_command(
     *,
     drafter: flags.Drafter = "eagle3",
     drafter_path: flags.DrafterPath = None,
+    pointer_unmatched: flags.PointerUnmatched = None,
     target_path: flags.TargetPath = None,
     spec: flags.Spec = None,
     extra_spec: flags.ExtraSpec = None,

@@ -150,6 +150,37 @@ def test_two_evals_of_the_same_prompts_pair_by_sequence(eagle3_result):
         table.table_against(eagle3_result, fewer, ("mine", "theirs"))
 
 
+def test_the_copy_pointer_control_pairs_the_scaled_pointer_with_the_masked_one(eagle3_result):
+    """eval_table --control: the scored pointer's eval against the same with --pointer-unmatched masked. A masked
+    eval with one hit fewer a sequence for none gives masking alone exactly sequences / rows, the across-run
+    contrast is spec here minus none there, and evals that are not that pair are refused in one line."""
+    table = tables
+    scored = copy.deepcopy(eagle3_result)
+    scored["drafter"]["copy_pointer"] = {"order": 3, "scale": 4.0, "sink": 8.0, "gain": 0.8}
+    masked = copy.deepcopy(scored)
+    masked["drafter"]["copy_pointer"]["unmatched"] = "masked"
+    for row in masked["buckets"]:
+        row["none"]["per_sequence"]["agreement"] = [h - 1 for h in row["none"]["per_sequence"]["agreement"]]
+    text = table.table_control(scored, masked)
+    last, there = scored["buckets"][-1], masked["buckets"][-1]
+    alone = table.contrast(last, "none", "none", "agreement", there)
+    assert alone[0] == pytest.approx(2 / last["rows"], rel=1e-12)
+    across = table.contrast(last, "spec", "none", "agreement", there)
+    assert across[0] == pytest.approx(table.contrast(last, "spec", "none", "agreement")[0] + 2 / last["rows"], rel=1e-9)
+    lines = [line for line in text.splitlines() if line.startswith(f"| {last['n']} |")]
+    assert [line.split(" | ")[1] for line in lines] == ["scored pointer: spec - none", "masked pointer: spec - none",
+                                                        "**scored + spec - masked, none**", "scored, none - masked, none"]
+    assert f"{alone[0]:+.3f}" in lines[3]
+    with pytest.raises(SystemExit, match="this eval's pointer is masked and the other's scored"):
+        table.table_control(masked, scored)
+    other = copy.deepcopy(masked)
+    other["drafter"]["copy_pointer"]["gain"] = 0.5
+    with pytest.raises(SystemExit, match="the pointers' numbers differ"):
+        table.table_control(scored, other)
+    with pytest.raises(SystemExit, match="records no copy_pointer"):
+        table.table_control(eagle3_result, masked)
+
+
 def test_two_drafters_reading_other_rows_pair_their_per_sequence_rates(eagle3_result):
     """A block drafter's anchors are not a chain's rows: --against pairs the rates of each sequence (each
     sequence weighing the same), says so in the table's first line, and pairs acceptance length by prompt."""

@@ -354,6 +354,15 @@ EVAL_CASES += [Case("eval-copy-pointer-hf", EVAL_POINTER.replace("--drafter eagl
 EVAL_CASES += [Case("eval-copy-pointer-head-is-itself", EVAL_POINTER, "has a copy pointer of its own",
                     (("ptr", None), ("ptr/config.json", "{}"), ("ptr/copy_pointer.json", _PTR + '"head": "."}')))]
 
+# --pointer-unmatched: a rule for a copy pointer's rows matching nothing, on a drafter that has one
+EVAL_CASES += [
+    Case("eval-pointer-unmatched-unknown", EVAL + " --pointer-unmatched hidden",
+         "--pointer-unmatched hidden: expected scored or masked"),
+    Case("eval-pointer-unmatched-empty", EVAL + " --pointer-unmatched ", "--pointer-unmatched : expected scored or masked"),
+    Case("eval-pointer-unmatched-no-pointer", EVAL + " --pointer-unmatched masked",
+         "--pointer-unmatched masked: the drafter"),
+]
+
 # scripts/train_pard.py folders (layers and norm only; the embedding from the base model their config names)
 EVAL_CUT = EVAL.replace("--drafter hf --drafter-path {fx}/pard", "--drafter pard --drafter-path {fx}/cut-{how}")
 EVAL_CASES += [Case(f"eval-pard-cut-{how}", EVAL_CUT.replace("{how}", how), fragment) for how, fragment in (
@@ -715,6 +724,10 @@ BENCH = [
     Case("bench-min-new-tokens-negative", _BENCH + " --min-new-tokens -1", "--min-new-tokens -1"),
     Case("bench-min-new-tokens-above-new", _BENCH + " --new-tokens 64 --min-new-tokens 65", "--min-new-tokens 65"),
     Case("bench-min-new-tokens-text", _BENCH + " --min-new-tokens abc", "--min-new-tokens abc: expected an integer"),
+    Case("bench-pointer-unmatched-unknown", _BENCH + " --pointer-unmatched MASKED",
+         "--pointer-unmatched MASKED: expected scored or masked"),
+    Case("bench-pointer-unmatched-no-pointer", _BENCH + f" --drafter-path {ASSETS}/eagle3-smollm2 "
+         "--pointer-unmatched masked", "has no copy pointer"),
     Case("bench-bin-size-zero", _BENCH + " --bin-size 0", "--bin-size 0"),
     Case("bench-bin-size-past-new-tokens", _BENCH + " --new-tokens 64 --bin-size 65", "--bin-size 65"),
     Case("bench-prompts-zero", _BENCH + " --prompts 0", "--prompts 0"),
@@ -1054,7 +1067,8 @@ BEFORE_LOADING = ["calibrate-top-k-huge", "calibrate-top-k-above-half-n-ref", "c
                   "calibrate-top-k-huge-built-in", "calibrate-corpus-empty", "calibrate-corpus-blank",
                   "calibrate-corpus-jsonl-blank", "calibrate-n-ref-small", "calibrate-alpha-max-nan",
                   "eval-corpus-empty", "eval-threads-text", "eval-extra-spec-no-name", "eval-extra-spec-twice",
-                  "eval-extra-spec-missing", "eval-extra-spec-is-out"] + [c.id for c in ONLINE] + [c.id for c in GENERATE + BENCH]
+                  "eval-extra-spec-missing", "eval-extra-spec-is-out", "eval-pointer-unmatched-unknown",
+                  "eval-pointer-unmatched-empty", "eval-pointer-unmatched-no-pointer"] + [c.id for c in ONLINE] + [c.id for c in GENERATE + BENCH]
 BEFORE_LOADING += [c.id for c in GENERATED]
 
 

@@ -295,6 +295,45 @@ def test_a_pointer_folder_loads_its_head(tmp_path, monkeypatch):
     assert load("eagle3", str(head_dir), None, "cpu", torch.float32).pointer is None
 
 
+def test_pointer_unmatched_masks_the_loaded_pointer_as_a_masked_file_would(tmp_path, monkeypatch):
+    """``--pointer-unmatched masked`` (``load_drafter(..., pointer_unmatched=)``) on a scored pointer's folder: the
+    pointer's other numbers kept, its notes saying so, and the forced pass that of an adapter built with the masked
+    pointer; it differs from the scored pointer's (its unmatched keys no longer take mass)."""
+    from dataclasses import replace
+
+    import calibrate.drafters.eagle3 as eagle3
+    from calibrate.drafters import load_drafter
+
+    target = tiny_target(0)
+    write_tiny_eagle3(tmp_path / "head", target, seed=1)
+    write(tmp_path / "copy", POINTER, head="../head")
+    monkeypatch.setattr(eagle3, "load_target", lambda path, device, dtype: (target, None))
+    scored = load_drafter("eagle3", str(tmp_path / "copy"), None, "cpu", torch.float32)
+    masked = load_drafter("eagle3", str(tmp_path / "copy"), None, "cpu", torch.float32, pointer_unmatched="masked")
+    assert masked.pointer == replace(POINTER, unmatched="masked") and scored.pointer == POINTER
+    assert any("rows matching nothing masked" in note for note in masked.notes)
+    assert not any("masked" in note for note in scored.notes)
+    built = Eagle3Adapter(masked.head, target, None, pointer=replace(POINTER, unmatched="masked"))
+    ids = repeating_prompt(40, 2)
+    got, expect = masked.teacher_forced(ids, [(SPEC, None)]), built.teacher_forced(ids, [(SPEC, None)])
+    torch.testing.assert_close(got.accept, expect.accept, rtol=0, atol=0)  # the same computation
+    assert not torch.equal(got.accept, scored.teacher_forced(ids, [(SPEC, None)]).accept)
+    again = load_drafter("eagle3", str(tmp_path / "copy"), None, "cpu", torch.float32, pointer_unmatched="scored")
+    assert again.pointer == POINTER  # scored on a scored file: as it was
+
+
+def test_pointer_unmatched_enters_the_resume_key_only_when_given():
+    from calibrate.bench import BenchOptions
+    from calibrate.eval.options import EvalOptions
+
+    assert "pointer_unmatched" not in EvalOptions().to_dict()
+    assert "pointer_unmatched" not in BenchOptions(out="o.json").to_dict()
+    copy = "calibrate/assets/eagle3-smollm2-copy"
+    assert EvalOptions(drafter_path=copy, pointer_unmatched="masked").to_dict()["pointer_unmatched"] == "masked"
+    assert BenchOptions(out="o.json", drafter_path=copy, pointer_unmatched="masked").to_dict()["pointer_unmatched"] \
+        == "masked"
+
+
 def test_eval_runs_every_arm_on_a_pointer_head(drafters, tmp_path):
     """``evaluate`` with a pointer head on text that repeats: every arm measured, every speculative output
     equal to target-only greedy, the pointer recorded. (The random target does not copy, so agreement

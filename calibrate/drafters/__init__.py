@@ -115,24 +115,32 @@ def drafts_in_parallel(drafter) -> bool:
 
 
 def load_drafter(kind: str, drafter_path: str | None, target_path: str | None, device, dtype, *,
-                 aux_layer_reading: str | None = None):
+                 aux_layer_reading: str | None = None, pointer_unmatched: str | None = None):
     """Load a drafter of ``kind`` on ``device`` in ``dtype``; a ``None`` path means the built-in default
     (:func:`default_drafter_path`: for EAGLE-3, DFlash and PARD the SmolLM2 head with its copy pointer).
 
     ``aux_layer_reading`` (``--aux-layer-reading``; None: the checkpoint's own framework decides)
     says which engine's reading of auxiliary layer ids applies, for kinds that read target layers.
+    ``pointer_unmatched`` (``--pointer-unmatched``, checked by ``calibrate.drafters.pointer.check_unmatched``;
+    None: as the file says) sets how the copy pointer counts rows that match nothing.
     """
     entry = drafter_kind(kind)
     drafter_path = default_drafter_path(kind, drafter_path)
     module = importlib.import_module(f"{__name__}.{entry.module}")
     if aux_layer_reading is None:
-        return module.load(kind, drafter_path, target_path, device, dtype)
-    if aux_layer_reading not in AUX_READINGS:
+        drafter = module.load(kind, drafter_path, target_path, device, dtype)
+    elif aux_layer_reading not in AUX_READINGS:
         raise UserError(f"--aux-layer-reading {aux_layer_reading}: expected one of {', '.join(AUX_READINGS)}")
-    if not entry.reads_aux_layers:
+    elif not entry.reads_aux_layers:
         names = [name for name, k in KINDS.items() if k.reads_aux_layers]
         raise UserError(f"--aux-layer-reading applies to --drafter {', '.join(names)} only, not {kind}")
-    return module.load(kind, drafter_path, target_path, device, dtype, aux_layer_reading=aux_layer_reading)
+    else:
+        drafter = module.load(kind, drafter_path, target_path, device, dtype, aux_layer_reading=aux_layer_reading)
+    if pointer_unmatched is not None:
+        from .pointer import set_unmatched
+
+        set_unmatched(drafter, pointer_unmatched)
+    return drafter
 
 
 def resolve_device(device: str):

@@ -49,9 +49,9 @@ from sharpdraft_runtime import causal_mask
 from ..errors import UserError
 from .base import BlockProposer, ChainProposer, pick_rows
 
-__all__ = ["FILE", "FORMAT", "MAX_ORDER", "CopyPointer", "PointerArm", "PointerBlockProposer", "PointerChainProposer",
-           "alpha", "block_mix", "describe", "keeping_slope", "limits", "locate", "matches", "read", "spec_block_mix",
-           "unwrap", "with_pointer", "write"]
+__all__ = ["FILE", "FORMAT", "MAX_ORDER", "UNMATCHED", "CopyPointer", "PointerArm", "PointerBlockProposer",
+           "PointerChainProposer", "alpha", "block_mix", "check_unmatched", "describe", "keeping_slope", "limits",
+           "locate", "matches", "read", "set_unmatched", "spec_block_mix", "unwrap", "with_pointer", "write"]
 
 FILE = "copy_pointer.json"
 FORMAT = "sharpdraft-copy-pointer"
@@ -412,6 +412,33 @@ def locate(folder: str | Path) -> tuple[CopyPointer | None, Path]:
     names, else ``folder`` itself (:func:`read`'s errors)."""
     found = read(folder)
     return (None, Path(folder)) if found is None else found
+
+
+def check_unmatched(rule: str | None, folder: str | Path | None) -> str | None:
+    """``--pointer-unmatched RULE`` for the drafter at ``folder``, before any model loads: None (the pointer as its
+    file says), or one of :data:`UNMATCHED` for a folder with a copy pointer; ``UserError`` in one line otherwise."""
+    if rule is None:
+        return None
+    if rule not in UNMATCHED:
+        raise UserError(f"--pointer-unmatched {rule}: expected {' or '.join(UNMATCHED)} (scored: a row matching "
+                        "nothing is a key of logit 0; masked: it is no key)")
+    if folder is None or not Path(folder).is_dir() or read(folder) is None:
+        raise UserError(f"--pointer-unmatched {rule}: the drafter {folder or '(the kind default)'} has no copy pointer "
+                        f"({FILE}); name a folder with one, e.g. calibrate/assets/eagle3-smollm2-copy, or drop the option")
+    return rule
+
+
+def set_unmatched(adapter, rule: str | None) -> None:
+    """Give the loaded ``adapter``'s copy pointer the rule ``rule`` for rows matching nothing (None: leave it), its
+    notes saying so; the pointer's other numbers as its file has them."""
+    if rule is None:
+        return
+    old = getattr(adapter, "pointer", None)
+    if old is None:
+        raise ValueError(f"{type(adapter).__name__} has no copy pointer to set rows matching nothing on")
+    adapter.pointer = replace(old, unmatched=rule)
+    if hasattr(adapter, "notes"):
+        adapter.notes = [note.replace(describe(old), describe(adapter.pointer)) for note in adapter.notes]
 
 
 def write(folder: str | Path, pointer: CopyPointer, head: str | None = None, record: dict | None = None) -> Path:

@@ -17,6 +17,11 @@ Drafter = Annotated[str, typer.Option(help=f"Drafter kind: {', '.join(kind_names
 DrafterPath = Annotated[Optional[str], typer.Option(
     "--drafter-path", help="Drafter checkpoint, or a folder with a copy_pointer.json naming one (default: "
                            f"{DEFAULT_DRAFTERS}).")]
+PointerUnmatched = Annotated[Optional[str], typer.Option(
+    "--pointer-unmatched", help="With a drafter that has a copy pointer: how its rows that match nothing count, "
+                                "scored (a key of logit 0, which dilutes the pointer as the context grows) or masked "
+                                "(no key: prompt lookup's rule); the pointer's other numbers as its file has them "
+                                "(default: as the file says).")]
 TargetPath = Annotated[Optional[str], typer.Option(
     "--target-path", help="Target model folder (default: built-in SmolLM2).")]
 Spec = Annotated[Optional[Path], typer.Option(help="Scale spec JSON to evaluate (default: log-linear, slope 0.2, "

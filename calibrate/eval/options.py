@@ -20,7 +20,7 @@ import numpy as np
 
 from sharpdraft_theory import ScaleSpec
 
-from ..drafters import drafter_kind
+from ..drafters import default_drafter_path, drafter_kind
 from ..errors import UserError
 from ..generated import is_generated
 from ..lookup import MAX_NGRAM, LookupSettings
@@ -93,6 +93,7 @@ class EvalOptions:
     drafter: str = "eagle3"  # a kind of calibrate.drafters.KINDS that evaluates
     drafter_path: str | None = None  # checkpoint, or a folder with a copy_pointer.json naming one; None: built-in
     target_path: str | None = None  # target model folder; None: built-in SmolLM2
+    pointer_unmatched: str | None = None  # the copy pointer's rows matching nothing: scored or masked; None: its file's
     spec: ScaleSpec | None = None  # the spec under test, read; None: log-linear, slope 0.2, at the drafter's n_ref
     spec_file: Path | None = None  # where spec was read (--spec)
     extra_specs: Mapping[str, ScaleSpec] = field(default_factory=dict)  # {"spec:NAME": spec} on the same passes
@@ -156,6 +157,9 @@ class EvalOptions:
                 and self.drafter == "eagle3"):
             raise UserError(f"--reference-drafter-path {self.reference_drafter_path}: no such folder")
         self._check_counts()
+        from ..drafters.pointer import check_unmatched
+
+        check_unmatched(self.pointer_unmatched, default_drafter_path(self.drafter, self.drafter_path))
         settle("online", online_options(self.variants, kind=self.drafter, every=self.online_every,
                                         steps=self.online_steps, lr=self.online_lr, rank=self.online_rank,
                                         carry=self.online_carry, speculative=self.speculative, resume=self.resume))
@@ -189,7 +193,6 @@ class EvalOptions:
     def check_online_drafter(self) -> None:
         """Before the drafter loads: eval's online arms adapt and score an EAGLE-3 head alone, so a drafter folder
         with a copy pointer (the built-in default among them) is refused (:func:`refuse_online_pointer`)."""
-        from ..drafters import default_drafter_path
         from ..drafters.pointer import locate
 
         path = default_drafter_path(self.drafter, self.drafter_path)
@@ -246,7 +249,6 @@ class EvalOptions:
     def to_dict(self) -> dict:
         """The run's parameters as ``<out>.partial/run.json`` keeps them: ``--resume`` goes on only with the same."""
         looked = set(LOOKUP_VARIANTS) & set(with_lookup(self.variants, self.corpus))
-        from ..drafters import default_drafter_path
 
         # the drafter as loaded: a run saved before the built-in default changed does not resume with another
         return {"drafter": self.drafter, "drafter_path": default_drafter_path(self.drafter, self.drafter_path),
@@ -261,7 +263,8 @@ class EvalOptions:
                 "seed": self.seed, "lookup": self.lookup.to_dict() if looked else None,
                 "online": None if self.online is None else self.online.to_dict(),
                 "extra_specs": {name: extra.to_dict() for name, extra in self.extra_specs.items()} or None,
-                **({"bin_size": self.bin_size} if self.bin_size is not None else {})}
+                **({"bin_size": self.bin_size} if self.bin_size is not None else {}),
+                **({"pointer_unmatched": self.pointer_unmatched} if self.pointer_unmatched is not None else {})}
 
     @classmethod
     def from_cli(cls, *, lengths: str, variants: str, slopes: str | None, alphas: str | None,

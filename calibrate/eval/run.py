@@ -55,7 +55,8 @@ def run_eval(opts: EvalOptions, *, progress=None) -> dict:
         torch.set_num_threads(opts.threads)
     opts.check_online_drafter()
     with torch.inference_mode() if opts.online is None else torch.no_grad():  # online arms learn: autograd on
-        drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, device, dtype)
+        drafter = load_drafter(opts.drafter, opts.drafter_path, opts.target_path, device, dtype,
+                               pointer_unmatched=opts.pointer_unmatched)
         reference = None if opts.reference_drafter_path is None else load_drafter(
             opts.drafter, opts.reference_drafter_path, opts.target_path, device, dtype)
         result = evaluate(drafter, opts, reference=reference, saved=saved, progress=progress)

@@ -16,6 +16,11 @@ With ``--against OTHER.json`` (another drafter's eval on the same corpus, length
 per bucket and variant both hold, each metric for this drafter, the other, and their difference paired
 over the same rows and prompts (two drafters, or two trainings of one, compared as eval compares variants).
 
+With ``--control MASKED.json`` (the same eval with ``--pointer-unmatched masked``; this one the pointer as
+shipped): per bucket, the copy pointer control's four contrasts, each paired over the same rows and sequences:
+the spec on each pointer (spec - none), the scaled pointer against the masked one unscaled (spec here - none
+there: does the scale beat masking?) and masking alone (none here - none there).
+
 With ``--by-output METRIC`` (an eval on a generated corpus, ``--corpus generated:NAME``): a row per bin of the
 output's position, the share of its rows a 3-gram lookup drafts right (how much the text repeats itself),
 ``none``'s METRIC and every other variant's paired difference from it.
@@ -208,6 +213,52 @@ def table_against(result: dict, other: dict, names: tuple[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pointer_rule(result: dict) -> str:
+    """How a result's copy pointer counted rows matching nothing ("scored", "masked"); refused without one."""
+    pointer = (result.get("drafter") or {}).get("copy_pointer")
+    if not isinstance(pointer, dict):
+        raise SystemExit("--control: both evals must be of a drafter with a copy pointer (their drafter records "
+                         "no copy_pointer)")
+    return pointer.get("unmatched", "scored")
+
+
+def table_control(result: dict, other: dict) -> str:
+    """The copy pointer control: ``result`` the pointer that scores rows matching nothing, ``other`` the same
+    numbers with them masked (``--pointer-unmatched masked``), both with ``none`` and ``spec``. A row per bucket
+    and contrast (module docstring), each metric's paired difference with its 95% interval over sequences."""
+    rules = _pointer_rule(result), _pointer_rule(other)
+    if rules != ("scored", "masked"):
+        raise SystemExit(f"--control: this eval's pointer is {rules[0]} and the other's {rules[1]}; give the scored "
+                         "pointer's eval first and the masked one's (--pointer-unmatched masked) to --control")
+    mine = {k: v for k, v in result["drafter"]["copy_pointer"].items() if k != "unmatched"}
+    theirs = {k: v for k, v in other["drafter"]["copy_pointer"].items() if k != "unmatched"}
+    if mine != theirs:
+        raise SystemExit(f"--control: the pointers' numbers differ ({mine} here, {theirs} there); the control keeps "
+                         "them and masks the rows matching nothing only")
+    for r in (result, other):
+        if not all(v in r["buckets"][0] for v in ("none", "spec")):
+            raise SystemExit("--control: both evals need the variants none and spec")
+    rows_too = same_rows(result, other)
+    first = result["buckets"][0]
+    metrics = [m for m in ("agreement", "copy_agreement", "expected_acceptance", "acceptance_length")
+               if first["none"].get(m) is not None]
+    contrasts = (("scored pointer: spec - none", "spec", "none", "here"),
+                 ("masked pointer: spec - none", "spec", "none", "there"),
+                 ("**scored + spec - masked, none**", "spec", "none", "across"),
+                 ("scored, none - masked, none", "none", "none", "across"))
+    lines = [f"{result['sequences']} sequences of {result['corpus']}; the copy pointer as shipped (scored) against "
+             "its rows matching nothing masked, on the same prompts; differences paired, 95% interval over sequences "
+             "(bold: excludes 0)" + ("" if rows_too else "; other rows of each sequence: differences of rates"), ""]
+    head = ["n", "contrast"] + [TITLES[m] for m in metrics]
+    lines += ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * len(metrics)]
+    for here, there in zip(result["buckets"], other["buckets"]):
+        for label, variant, versus, where in contrasts:
+            a, b = {"here": (here, None), "there": (there, None), "across": (here, there)}[where]
+            cells = [f"{here['n']}", label] + [_delta(contrast(a, variant, versus, m, b), bracket=False) for m in metrics]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def read_result(path: Path, option: str) -> dict:
     """An eval --out file, or one line naming ``option``'s bad value and what to give."""
     try:
@@ -230,9 +281,13 @@ def main() -> None:
                                                           "expected_acceptance) by output position")
     ap.add_argument("--against", type=Path, help="another drafter's eval --out file over the same prompts: "
                                                  "this one's metrics, that one's and the paired differences")
+    ap.add_argument("--control", type=Path, help="the same eval with --pointer-unmatched masked (this one the "
+                                                 "pointer as shipped): the copy pointer control's paired contrasts")
     args = ap.parse_args()
     result = read_result(args.eval_json, "eval_json")
-    if args.by_output is not None:
+    if args.control is not None:
+        print(table_control(result, read_result(args.control, "--control")))
+    elif args.by_output is not None:
         print(output_table(result, args.by_output))
     elif args.against is not None:
         other = read_result(args.against, "--against")
