@@ -219,7 +219,7 @@ def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, 
     shared = prefill(drafter.target, prompt, drafter.feature_ids)
 
     def run(spec, name):
-        proposer = arm_proposer(drafter, spec, name, eos, online)
+        proposer = arm_proposer(drafter, spec, name, eos, online, num_draft)
         with PeakMemory(drafter.device) as peak:
             out = decode(drafter, proposer, prompt, opts.new_tokens, num_draft, shared, rule(), eos,
                          opts.min_new_tokens)
@@ -233,10 +233,11 @@ def _one_prompt(drafter, arms: dict, prompt_ids: list[int], opts: BenchOptions, 
     return unit
 
 
-def arm_proposer(drafter, spec, arm: str | None, eos, online: OnlineOptions | None = None):
+def arm_proposer(drafter, spec, arm: str | None, eos, online: OnlineOptions | None = None, num_draft: int = 4):
     """The proposer of one arm: target-only when ``arm`` is None, else the adapter's proposer under ``spec``
     (``lookup``: prompt lookup alone; ``lookup+head``: lookup before the proposer; an online arm: that proposer
-    learning as it drafts, ``calibrate.online.OnlineProposer``, from the checkpoint each time)."""
+    learning as it drafts, ``calibrate.online.OnlineProposer``, from the checkpoint each time; a PARD drafter
+    learns the ``num_draft`` rows it drafts a forward)."""
     from .eval.variants import LOOKUP_VARIANTS
     from .lookup import LookupProposer, LookupSettings
     from .online import online_proposer
@@ -245,7 +246,7 @@ def arm_proposer(drafter, spec, arm: str | None, eos, online: OnlineOptions | No
     if arm is None:
         return NoProposer()
     if arm in ONLINE_VARIANTS:
-        return online_proposer(drafter, arm.removesuffix("+spec"), spec, online)
+        return online_proposer(drafter, arm.removesuffix("+spec"), spec, online, num_draft)
     proposer = drafter.proposer(spec) if arm != "lookup" else None
     if arm in LOOKUP_VARIANTS:
         vocab = drafter.target.get_output_embeddings().weight.shape[0]

@@ -31,8 +31,9 @@ checkpoint's weights are never changed: ``online-full`` trains a copy, ``online-
 **While decoding** (``sharpdraft bench``): :class:`OnlineProposer` wraps an EAGLE-3 chain or DFlash
 blocks in the one speculative loop and learns from the target's verified positions every ``every``
 (T) of them, after Test-Time Speculation (arXiv 2605.09329: online distillation during the
-generation), with the same learner and loss; an EAGLE-3 head's rows or a DFlash model's blocks
-(:class:`ChainRows`, :class:`BlockRows`), LoRA on every layer's projections for DFlash.
+generation), with the same learner and loss; an EAGLE-3 head's rows, a DFlash model's blocks or a PARD
+model's mask rows (:class:`ChainRows`, :class:`BlockRows`, :class:`ParallelRows`), LoRA on every layer's
+projections for DFlash and PARD.
 
 Memory: :func:`extra_bytes` counts, from the tensors themselves, what an arm holds beyond the
 drafter: its trainable weights (the copy for ``online-full``, ``A`` and ``B`` for ``online-lora``),
@@ -66,7 +67,8 @@ from .training.loss import distillation_loss
 
 __all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "DECODING_LR", "OnlineOptions", "OnlineArm", "online_options",
            "online_arms", "check_rank", "check_rank_unloaded", "Learner", "OnlineSequence", "online_pass",
-           "OnlineProposer", "OnlineChainProposer", "OnlineBlockProposer", "ChainRows", "BlockRows", "online_proposer",
+           "OnlineProposer", "OnlineChainProposer", "OnlineBlockProposer", "ChainRows", "BlockRows", "ParallelRows",
+           "online_proposer",
            "learning", "tally_online", "extra_bytes", "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
@@ -83,8 +85,12 @@ DECODING_LR = {"online-full": 1e-4, "online-lora": 1e-2}
 DEFAULT_RANK = 8  # r: the common LoRA rank (PEFT's default)
 BETAS = (0.9, 0.95)  # AdamW as the demo head was trained (scripts/train_demo_eagle3.py), no weight decay
 MAX_EVERY, MAX_STEPS, MAX_LR, MAX_RANK = 8192, 64, 1.0, 256  # bounds past which a value is a typo
-# adapted projections: an EAGLE-3 head's midlayer, each layer of a DFlash model
-LORA_MODULES = re.compile(r"(midlayer|layers\.\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
+# adapted projections: an EAGLE-3 head's midlayer, each layer of a DFlash model or of a PARD causal LM
+LORA_MODULES = re.compile(r"(model\.)?(midlayer|layers\.\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
+# never learnt: the embedding a head shares with the target; a PARD model's LM head too (the target's token space,
+# frozen in PARD's training as in calibrate.training.pard)
+SHARED = re.compile(r"(.*\.)?embed_tokens\..*")
+SHARED_PARD = re.compile(r"(.*\.)?(embed_tokens|lm_head)\..*")
 LORA_SEED = 0  # A's initialisation is drawn from this seed: runs repeat exactly
 
 
@@ -136,8 +142,8 @@ def online_options(names, *, kind: str, every: int | None = None, steps: int | N
             raise UserError(f"{given[0]}: no online arm to apply it to; add online-full or online-lora to --variants")
         return None
     if decoding and not drafter_kind(kind).online_decoding:  # the kinds registry says which adapt where
-        raise UserError(f"--variants {asked[0]}: online adaptation while decoding is for EAGLE-3 and DFlash "
-                        f"drafters only for now (--drafter eagle3 or dflash), not {kind}")
+        raise UserError(f"--variants {asked[0]}: online adaptation while decoding is for EAGLE-3, DFlash and PARD "
+                        f"drafters only (--drafter eagle3, dflash or pard), not {kind}")
     if not decoding and not drafter_kind(kind).online:
         raise UserError(f"--variants {asked[0]}: online adaptation is for EAGLE-3 heads only for now "
                         f"(--drafter eagle3), not {kind}")
@@ -172,24 +178,25 @@ def online_arms(names, spec: ScaleSpec) -> list[OnlineArm]:
 # ----------------------------------------------------------------------------------------------
 
 class Learner:
-    """The trainable state of one online arm on an EAGLE-3 head (or a DFlash model), and the head run with it.
+    """The trainable state of one online arm on an EAGLE-3 head (or a DFlash or PARD model), and the head run
+    with it.
 
-    ``online-full``: a copy of every head parameter but the shared embedding, run in place of the
-    head's own (:meth:`Learner.applied`). ``online-lora``: ``A`` (r, in) drawn as
+    ``online-full``: a copy of every head parameter but the shared embedding (``shared``: the names not
+    learnt; a PARD model's LM head too), run in place of the head's own (:meth:`Learner.applied`). ``online-lora``: ``A`` (r, in) drawn as
     ``nn.Linear`` draws a weight and ``B`` (out, r) zero for each projection of
     :data:`LORA_MODULES`, added to the projection's output by a forward hook for the length of
     each call, ``y = W x + B (A x)`` (scale 1, i.e. LoRA's alpha = r), in float32. The head's
     own tensors are only read.
     """
 
-    def __init__(self, head: nn.Module, method: str, options: OnlineOptions):
+    def __init__(self, head: nn.Module, method: str, options: OnlineOptions, shared: re.Pattern = SHARED):
         if method not in ONLINE_METHODS:
             raise ValueError(f"method {method!r}: expected one of {ONLINE_METHODS}")
         self.head, self.method = head, method
         self.lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if method == "online-full":
             self.full = {name: p.detach().clone().requires_grad_(True) for name, p in head.named_parameters()
-                         if not name.startswith("embed_tokens")}
+                         if not shared.fullmatch(name)}
             params = list(self.full.values())
         else:
             self.full = None
@@ -269,21 +276,30 @@ def check_rank(head: nn.Module, rank: int) -> None:
 
 
 def check_rank_unloaded(kind: str, drafter_path: str | None, rank: int) -> None:
-    """``--online-rank`` against the EAGLE-3 head or DFlash model (``kind``) at ``drafter_path`` (None: the kind's
-    built-in drafter, whose pointer names the head) before any weight loads: :func:`check_rank` on the model its
-    ``config.json`` describes, built on the meta device. A folder without one is left to the loader, which says
-    what is missing."""
+    """``--online-rank`` against the EAGLE-3 head, DFlash model or PARD causal LM (``kind``) at ``drafter_path``
+    (None: the kind's built-in drafter, whose pointer names the head) before any weight loads: :func:`check_rank`
+    on the model its ``config.json`` describes, built on the meta device. A folder without one is left to the
+    loader, which says what is missing."""
     from .drafters import dflash, eagle3
     from .drafters.pointer import locate
 
-    config_of, model_of = ((dflash.DFlashConfig, dflash.DFlashDraftModel) if kind == "dflash"
-                           else (eagle3.Eagle3Config, eagle3.Eagle3Head))
-    folder = Path(default_drafter_path(kind, drafter_path))  # both kinds have a built-in drafter
+    folder = Path(default_drafter_path(kind, drafter_path))  # the three kinds have a built-in drafter
     config = locate(folder)[1] / "config.json" if folder.is_dir() else None
     if config is None or not config.is_file():
         return
+    if kind == "pard":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        def build():
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.parent))
+    else:
+        config_of, model_of = ((dflash.DFlashConfig, dflash.DFlashDraftModel) if kind == "dflash"
+                               else (eagle3.Eagle3Config, eagle3.Eagle3Head))
+
+        def build():
+            return model_of(config_of.from_json(config))
     with torch.device("meta"):
-        model = model_of(config_of.from_json(config))
+        model = build()
     check_rank(model, rank)
 
 
@@ -466,8 +482,10 @@ class OnlineProposer:
         """Commit through ``inner``, keep the verified positions, and learn from each full chunk of them."""
         with self.learner.applied():
             self.inner.commit(new, features)
-        self.tokens.append(torch.tensor(new, device=features.device))
-        self.features.append(features[0])
+        device = self.tokens[0].device
+        self.tokens.append(torch.tensor(new, device=device))
+        # a drafter that reads no target features (PARD) keeps an empty one per position, to count them
+        self.features.append(torch.empty(len(new), 0, device=device) if features is None else features[0])
         self.buffer_bytes = max(self.buffer_bytes, sum(t.nbytes for t in (*self.tokens, *self.features, *self.laws)))
         tokens, feats, laws = (torch.cat(x) for x in (self.tokens, self.features, self.laws))
         ready = min(len(feats), len(laws) - self.rows.lead)
@@ -508,8 +526,8 @@ class OnlineChainProposer(OnlineProposer):
 
 
 class OnlineBlockProposer(OnlineProposer):
-    """DFlash blocks that learn (:class:`OnlineProposer`), still a ``BlockProposer``: a copy pointer mixes
-    the rows the learnt weights draft."""
+    """DFlash blocks or PARD's parallel drafts that learn (:class:`OnlineProposer`), still a ``BlockProposer``: a
+    copy pointer mixes the rows the learnt weights draft."""
 
     def draft_logits(self, k: int) -> torch.Tensor:
         with self.learner.applied():
@@ -571,20 +589,82 @@ class BlockRows:
         return distillation_loss(logits.float(), teacher).mean()
 
 
-def online_proposer(drafter, method: str, spec: ScaleSpec | None, options: OnlineOptions) -> OnlineProposer:
-    """The adapter's proposer under ``spec`` learning as it drafts (an EAGLE-3 chain, DFlash blocks), with a fresh
-    :class:`Learner` (``method``), so every decode starts from the checkpoint."""
+def online_proposer(drafter, method: str, spec: ScaleSpec | None, options: OnlineOptions,
+                    draft: int | None = None) -> OnlineProposer:
+    """The adapter's proposer under ``spec`` learning as it drafts (an EAGLE-3 chain, DFlash blocks, PARD's parallel
+    drafts: ``draft`` of them a forward, the rows it learns), with a fresh :class:`Learner` (``method``), so every
+    decode starts from the checkpoint."""
     if not drafter_kind(drafter.kind).online_decoding:
-        raise UserError(f"{method}: online adaptation while decoding is for EAGLE-3 and DFlash drafters only for "
-                        f"now, not {drafter.kind}")
+        raise UserError(f"{method}: online adaptation while decoding is for EAGLE-3, DFlash and PARD drafters only, "
+                        f"not {drafter.kind}")
     from .drafters.pointer import unwrap, with_pointer
 
-    blocks = drafter.kind == "dflash"
     inner, pointer = unwrap(drafter.proposer(spec))  # a copy pointer stays around the learner: it has no weights
-    rows = (BlockRows if blocks else ChainRows)(inner)
-    online = (OnlineBlockProposer if blocks else OnlineChainProposer)(
-        rows, Learner(drafter.model if blocks else drafter.head, method, options), options)
+    if drafter.kind == "eagle3":
+        online = OnlineChainProposer(ChainRows(inner), Learner(drafter.head, method, options), options)
+    elif drafter.kind == "dflash":
+        online = OnlineBlockProposer(BlockRows(inner), Learner(drafter.model, method, options), options)
+    else:
+        if draft is None:
+            raise ValueError("a PARD drafter learns the rows it drafts: give draft, the drafts per forward")
+        online = OnlineBlockProposer(ParallelRows(inner, draft), Learner(drafter.model, method, options, SHARED_PARD),
+                                     options)
     return online if pointer is None else with_pointer(online, pointer, spec)
+
+
+class ParallelRows:
+    """What PARD's parallel drafts (``calibrate.drafters.parallel.PardParallelProposer``) learn from: the forward
+    anchored at each position ``p`` (token ``x_p``, then ``K - 1`` mask tokens; ``K = draft``), row ``c`` guessing
+    token ``p + c + 1``, taught by the law after ``p + c``; so a position waits for the laws ``K - 1`` further on.
+    The many anchors go in one forward in PARD's training layout (``calibrate.drafters.pard_recipe``: each row sees
+    the real tokens up to its anchor and its anchor's masks up to itself, what it sees when drafting), after the
+    drafter's own cache of the positions before ``first``. The model shares the target's vocabulary (the laws are
+    over all of it); its embedding and the LM head tied to it do not learn. A spec's scale applies as when
+    drafting (the tap counts each row's visible keys from that mask); a spec's window does not restrict the
+    learning forward, whose mask is PARD's own."""
+
+    columns = None  # the target's whole vocabulary
+
+    def __init__(self, parallel, draft: int):
+        if draft < 1:
+            raise ValueError(f"draft {draft}: a PARD drafter drafts at least one token a forward")
+        self.inner, self.draft = parallel, int(draft)
+        self.lead = self.draft - 1
+
+    def layout(self, first: int, tokens: torch.Tensor, rows: int):
+        """The learning forward's ``(input_ids, position_ids, attention_mask, law_index)`` for the anchors ``first ..
+        first + rows - 1``: copy 0 (their real tokens), then each mask copy; the (1, 1, R, first + R) bool mask
+        (every row sees the ``first`` cached positions); row ``(c, p)``'s teacher is the law after ``p + c``, at
+        index ``p - first + c`` of the laws from ``first``."""
+        from .drafters.pard_recipe import visible
+
+        device = tokens.device
+        offset = torch.arange(rows, device=device)
+        copy = torch.arange(self.draft, device=device).repeat_interleave(rows)  # (K rows,) copy of each row
+        anchor = offset.repeat(self.draft) + first
+        ids = torch.where(copy == 0, tokens[:rows].repeat(self.draft), torch.full_like(copy, self.inner.pard_token))
+        seen = torch.cat((torch.ones(len(copy), first, dtype=torch.bool, device=device), visible(copy, anchor)), 1)
+        return ids, anchor + copy, seen[None, None], anchor - first + copy
+
+    def loss(self, learner: Learner, first: int, tokens: torch.Tensor, features: torch.Tensor,
+             laws: torch.Tensor) -> torch.Tensor:
+        """The mean distillation loss of every row of the forwards anchored at ``first .. first + r - 1``: ``tokens``
+        (> r,) ``x_first ..``, ``features`` (1, r, 0) (one per position, none read), ``laws`` (>= r + K - 1, vocab)
+        after ``first ..``; the positions before ``first`` from the drafter's cache, not written to."""
+        from transformers import DynamicCache
+
+        from .speculative import cached_forward
+        from .taps import ScalingTap, attention_tap
+
+        parallel, r = self.inner, features.shape[1]
+        model = parallel.model
+        ids, positions, mask, index = self.layout(first, tokens, r)
+        past = DynamicCache()  # the cached positions before first, as views: the forward's update concatenates
+        for i, layer in enumerate(parallel.cache.layers):
+            past.update(layer.keys[:, :, :first], layer.values[:, :, :first], i)
+        with learner.applied(), attention_tap(model, ScalingTap(parallel.spec)):
+            logits = cached_forward(model, ids[None], past, position_ids=positions[None], attention_mask=mask).logits[0]
+        return distillation_loss(logits.float(), laws[index]).mean()
 
 
 def learning(proposer) -> OnlineProposer | None:

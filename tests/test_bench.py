@@ -203,7 +203,9 @@ _ONLINE = {"variants": ("none", "online-full"), "window": None}  # the rank's wi
     (_ONLINE | {"variants": ("none", "online-lora"), "online_rank": 0}, "--online-rank 0"),
     (_ONLINE | {"variants": ("none", "online-lora"), "online_rank": 200}, "--online-rank 200: above the width"),
     ({"variants": ("none", "window"), "online_lr": 1e-3}, "--online-lr: no online arm"),
-    (_ONLINE | {"drafter": "pard"}, "online-full: online adaptation while decoding is for EAGLE-3 and DFlash"),
+    (_ONLINE | {"drafter": "hf"}, "online-full: online adaptation while decoding is for EAGLE-3, DFlash and PARD"),
+    (_ONLINE | {"drafter": "pard", "variants": ("none", "online-lora"), "online_rank": 200},
+     "--online-rank 200: above the width"),  # the built-in PARD model's config (192)
 ])
 def test_bad_options_are_refused_before_any_model_loads(tmp_path, workload, over, fragment):
     with pytest.raises(UserError, match=fragment.replace("+", r"\+")):

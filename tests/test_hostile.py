@@ -767,9 +767,10 @@ BENCH = [
     Case("bench-online-rank-above-width", _BENCH_ONLINE + " --online-rank 200", "--online-rank 200"),
     Case("bench-online-rank-above-width-of-the-head", _BENCH_ONLINE + " --drafter-path {fx}/eagle3 --online-rank 40",
          "--online-rank 40"),
+    Case("bench-online-rank-above-width-of-a-pard-model", _BENCH_ONLINE + " --drafter pard --drafter-path {fx}/pard "
+         "--online-rank 40", "--online-rank 40"),
+    Case("bench-online-drafter-hf", _BENCH_ONLINE + " --drafter hf --drafter-path {fx}/pard", "online-full"),
     Case("bench-online-option-without-arm", _BENCH + " --online-lr 0.001", "--online-lr"),
-    Case("bench-online-drafter-pard", _BENCH_ONLINE.replace("--workload", "--drafter pard --workload"),
-         "--variants online-full"),
     Case("bench-online-rank-above-the-dflash-width", _BENCH_ONLINE + " --drafter dflash --online-rank 200",
          "--online-rank 200"),
 ]

@@ -45,8 +45,8 @@ class DrafterKind:
 KINDS: dict[str, DrafterKind] = {
     "hf": DrafterKind("hf", "any causal LM (default: the embedded SmolLM2)", evaluates=True, causal_lm=True),
     "pard": DrafterKind("hf", "a PARD drafter: K drafts from one forward over its mask tokens (default: the SmolLM2 "
-                        "one with its copy pointer)", evaluates=True, causal_lm=True, parallel=True, pointer=True,
-                        default="pard-smollm2-copy"),
+                        "one with its copy pointer)", evaluates=True, causal_lm=True, parallel=True, online_decoding=True,
+                        pointer=True, default="pard-smollm2-copy"),
     "eagle3": DrafterKind("eagle3", "target features, then the EAGLE-3 head (default: the SmolLM2 demo head with its "
                           "copy pointer)", evaluates=True, reads_aux_layers=True, online=True, online_decoding=True,
                           pointer=True, default="eagle3-smollm2-copy"),
