@@ -10,6 +10,13 @@ per prompt and its geometric mean, the arm's speed over ``none``'s (the geometri
 an online arm ran, the seconds spent learning (inside the decode time) with their share, the peak
 memory over ``none``'s and the state held beyond the drafter. A last column says whether every greedy
 output equalled target-only.
+
+    python scripts/bench_table.py --summary o-*.json > summary.md
+
+``--summary``: one table over several results, a row per result and arm (workload, drafter, arm): the
+acceptance length in the first and last bins and over the whole output, the fade (last bin over first,
+its interval over the prompts that reach the last bin), the speedup's geometric mean, the speed over
+``none``'s, the state held and the peak over ``none``'s; the arms of a run are compared within its rows.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from pathlib import Path
 
 from .measure.longgen import geometric_mean
 
-__all__ = ["markdown", "read_result"]
+__all__ = ["markdown", "summary", "read_result"]
 
 
 def _interval(t, digits: int = 2) -> str:
@@ -80,6 +87,27 @@ def markdown(result: dict) -> str:
     return f"{title}\n\n" + "\n".join(lines)
 
 
+def summary(results: list[dict]) -> str:
+    """One markdown table over ``results``, a row per result and arm (the module's docstring, ``--summary``)."""
+    head = ["workload", "drafter", "arm", "first bin", "last bin", "whole", "fade", "speedup (geomean)",
+            "over none", "extra MiB", "peak over none MiB", "= target"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for result in results:
+        folder = Path(result["drafter"].get("path") or "default").name
+        outputs = "/".join(str(p["output_tokens"]) for p in result["prompts"])
+        for name, arm in result["arms"].items():
+            cells = [f"{result['workload']['name']} ({outputs})", f"{result['drafter']['kind']} ({folder})", name,
+                     _interval(arm["acceptance_by_bin"][0]), _interval(arm["acceptance_by_bin"][-1]),
+                     f"{arm['acceptance_length']:.2f}", _interval(arm.get("fade")),
+                     _interval(arm["speedup_geomean"]),
+                     "" if name == "none" or "none" not in result["arms"] else _interval(over_none(result, name)),
+                     _mib((arm.get("extra_bytes") or {}).get("total", 0)),
+                     "" if name == "none" else _mib(arm.get("peak_memory_over_none")),
+                     "-" if arm["identical"] is None else "yes" if arm["identical"] else "NO"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def read_result(path: Path) -> dict:
     """A bench --out file, or one line naming it and what to give."""
     try:
@@ -94,6 +122,8 @@ def read_result(path: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench_json", type=Path, nargs="+", help="bench --out files")
+    ap.add_argument("--summary", action="store_true",
+                    help="one table over the files, a row per file and arm (first and last bins, whole, fade, speed)")
     args = ap.parse_args()
     results = [read_result(p) for p in args.bench_json]  # every file checked before any table prints
-    print("\n\n".join(markdown(r) for r in results))
+    print(summary(results) if args.summary else "\n\n".join(markdown(r) for r in results))

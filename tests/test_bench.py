@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from calibrate.bench import BenchOptions, partial_dir, plot_result, report_tables, run_bench
-from calibrate.bench_tables import markdown, over_none, read_result
+from calibrate.bench_tables import markdown, over_none, read_result, summary
 from calibrate.drafters.eagle3 import Eagle3Adapter, load_eagle3_head
 from calibrate.errors import UserError
 from calibrate.online import DECODING_LR
@@ -148,6 +148,13 @@ def test_online_arms_learn_in_the_loop_and_count_their_cost(tmp_path, workload, 
     assert report_tables(result)[1].row_count == 3
     rows = [line for line in markdown(result).splitlines() if line.startswith("| ")]
     assert len(rows) == 4 and "updates s (share)" in rows[0] and rows[1].startswith("| none |")
+    lines = summary([result, result]).splitlines()  # a row per result and arm
+    assert len(lines) == 2 + 2 * 3
+    cells = [c.strip() for c in lines[3].split("|")[1:-1]]
+    full = result["arms"]["online-full"]
+    assert cells[2] == "online-full" and cells[5] == f"{full['acceptance_length']:.2f}"
+    assert cells[8] == "{:.2f} [{:.2f}, {:.2f}]".format(*over_none(result, "online-full"))
+    assert cells[9] == f"{full['extra_bytes']['total'] / 2**20:.1f}" and cells[11] == "yes"
 
     def per_token(run):
         return run["decode_seconds"] / run["decode_tokens"]
