@@ -22,6 +22,7 @@ its interval over the prompts that reach the last bin), the speedup's geometric 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -109,10 +110,13 @@ def summary(results: list[dict]) -> str:
 
 
 def read_result(path: Path) -> dict:
-    """A bench --out file, or one line naming it and what to give."""
+    """A bench --out file (or its gzip, ``.json.gz``, as benchmarks/results ships them), or one line naming it
+    and what to give."""
     try:
-        result = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        opened = gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else path.open(encoding="utf-8")
+        with opened as f:
+            result = json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SystemExit(f"{path}: cannot read it as JSON ({err.__class__.__name__}); give a bench --out file") from None
     if not isinstance(result, dict) or result.get("schema") != "sharpdraft.bench/v1":
         raise SystemExit(f"{path}: not a bench result (schema sharpdraft.bench/v1); give a bench --out file")

@@ -3,6 +3,7 @@ target-only, the by-position report adds up, and a resumed run keeps its finishe
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
@@ -170,6 +171,14 @@ def test_bench_tables_refuse_what_is_not_a_bench_result(tmp_path):
         read_result(tmp_path / "e.json")
     with pytest.raises(SystemExit, match="missing.json: cannot read it as JSON"):
         read_result(tmp_path / "missing.json")
+    (tmp_path / "cut.json.gz").write_bytes(gzip.compress(b'{"schema": "sharpdraft.bench/v1"}')[:-6])
+    with pytest.raises(SystemExit, match="cut.json.gz: cannot read it as JSON"):
+        read_result(tmp_path / "cut.json.gz")
+    (tmp_path / "plain.json.gz").write_text("{}")  # not gzip at all
+    with pytest.raises(SystemExit, match="plain.json.gz: cannot read it as JSON"):
+        read_result(tmp_path / "plain.json.gz")
+    (tmp_path / "b.json.gz").write_bytes(gzip.compress(b'{"schema": "sharpdraft.bench/v1", "arms": {}}'))
+    assert read_result(tmp_path / "b.json.gz")["arms"] == {}
 
 
 def test_sampled_bench_runs_each_arm_from_a_paired_stream(tmp_path, workload, drafter):
