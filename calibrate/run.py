@@ -54,7 +54,7 @@ from .errors import UserError
 from .fit import (LAWS_WRITTEN, MAX_N_PER_N_REF, Collection, FitSettings, check_fit_options, check_max_n, fit_spec,
                   plausibility_notes, record_meta)
 from .generated import check_tokenizer, is_generated
-from .measure.saved import check_params
+from .measure.saved import check_params, partial_dir
 from .preflight import check_corpus, check_outputs, local_inputs
 from .smollm2 import SMOLLM2_N_REF
 
@@ -114,12 +114,6 @@ class CalibrateResult:
     world_size: int = 1  # processes that collected
     notes: list[str] = field(default_factory=list)  # things the user should know
     selection: dict | None = None  # calibrate --select: the candidates, the choice and its seconds
-
-
-def partial_dir(out: Path) -> Path:
-    """Folder of an interrupted run's saved sequences: ``<out>.partial``."""
-    out = Path(out)
-    return out.with_name(out.name + ".partial")
 
 
 def run_calibration(opts: CalibrateOptions, *, drafter=None,
