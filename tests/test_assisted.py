@@ -186,10 +186,10 @@ def test_assistant_must_differ_from_the_target(target):
         transformers_generate(target, prompts()[0], 4, tiny_target(0), 0)
 
 
-def test_eval_cli_decodes_hf_in_the_one_loop(tmp_path):
-    """``sharpdraft eval --drafter hf --speculative`` on tiny checkpoints, lookup included: the drafter is the
-    target's copy with n_ref 64, so the unscaled variant accepts every draft (the prefill's token, then 7 in
-    forwards of at most 4)."""
+
+def copy_drafter_eval(tmp_path) -> list[str]:
+    """Tiny checkpoints for ``sharpdraft eval --drafter hf --speculative``: the target, the drafter (the target's copy
+    with n_ref 64, so unscaled it accepts every draft) and a corpus; the eval arguments that name them."""
     target = tiny_target(0, vocab_size=VOCAB)
     target.save_pretrained(tmp_path / "target")
     _write_tokenizer(tmp_path / "target")
@@ -199,11 +199,17 @@ def test_eval_cli_decodes_hf_in_the_one_loop(tmp_path):
     rng = random.Random(0)
     words = ["query", "key", "mass", "attention", "drafter", "token", "the", "of", "a", "long", "context"]
     (tmp_path / "corpus.txt").write_text(" ".join(rng.choice(words) for _ in range(200)))
+    return ["eval", "--drafter", "hf", "--drafter-path", str(tmp_path / "drafter"), "--target-path",
+            str(tmp_path / "target"), "--corpus", str(tmp_path / "corpus.txt"), "--lengths", "32,64,128",
+            "--sequences", "2", "--speculative", "--new-tokens", "8", "--num-draft", "3", "--device", "cpu",
+            "--threads", "1"]
+
+def test_eval_cli_decodes_hf_in_the_one_loop(tmp_path):
+    """``sharpdraft eval --drafter hf --speculative`` on tiny checkpoints, lookup included: the drafter is the
+    target's copy with n_ref 64, so the unscaled variant accepts every draft (the prefill's token, then 7 in
+    forwards of at most 4)."""
     result = CliRunner().invoke(app, [
-        "eval", "--drafter", "hf", "--drafter-path", str(tmp_path / "drafter"), "--target-path",
-        str(tmp_path / "target"), "--corpus", str(tmp_path / "corpus.txt"), "--lengths", "32,64,128",
-        "--sequences", "2", "--speculative", "--new-tokens", "8", "--num-draft", "3", "--device", "cpu",
-        "--threads", "1", "--variants", "none,spec,qwen-logn,window,sinks,lookup,lookup+head", "--json",
+        *copy_drafter_eval(tmp_path), "--variants", "none,spec,qwen-logn,window,sinks,lookup,lookup+head", "--json",
         "--out", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output
     r = json.loads((tmp_path / "eval.json").read_text())

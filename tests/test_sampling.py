@@ -34,7 +34,7 @@ from sharpdraft_theory.sampling import (acceptance_rate, accept_probability, emi
                                         softmax)
 
 from assisted_generation import transformers_generate
-from test_calibrate import VOCAB, _write_tokenizer
+from test_assisted import copy_drafter_eval
 from test_eval import LENGTHS, ByteTokenizer
 from tiny_checkpoints import tiny_target, write_tiny_eagle3
 
@@ -397,20 +397,8 @@ def test_evaluate_samples_with_paired_streams(eagle3, corpus):
 def test_eval_cli_samples_an_hf_drafter(tmp_path):
     """``sharpdraft eval --drafter hf --speculative --sample``: the drafter is a copy of the target, so
     q = p and every draft is kept (K + 1 per forward) where no variant changes it."""
-    target = tiny_target(0, vocab_size=VOCAB)
-    target.save_pretrained(tmp_path / "target")
-    _write_tokenizer(tmp_path / "target")
-    copy = tiny_target(0, vocab_size=VOCAB)
-    copy.config.max_position_embeddings = 64  # the hf drafter's n_ref
-    copy.save_pretrained(tmp_path / "drafter")
-    rng = random.Random(0)
-    words = ["query", "key", "mass", "attention", "drafter", "token", "the", "of", "a", "long", "context"]
-    (tmp_path / "corpus.txt").write_text(" ".join(rng.choice(words) for _ in range(200)))
     result = CliRunner().invoke(app, [
-        "eval", "--drafter", "hf", "--drafter-path", str(tmp_path / "drafter"), "--target-path",
-        str(tmp_path / "target"), "--corpus", str(tmp_path / "corpus.txt"), "--lengths", "32,64,128",
-        "--sequences", "2", "--speculative", "--sample", "--temperature", "0.7", "--seed", "3",
-        "--new-tokens", "8", "--num-draft", "3", "--device", "cpu", "--threads", "1", "--variants", "none,window",
+        *copy_drafter_eval(tmp_path), "--sample", "--temperature", "0.7", "--seed", "3", "--variants", "none,window",
         "--out", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output
     assert "sampling at temperature 0.7, seed 3" in result.output
