@@ -68,8 +68,7 @@ from .training.loss import distillation_loss
 __all__ = ["ONLINE_METHODS", "ONLINE_VARIANTS", "DECODING_LR", "OnlineOptions", "OnlineArm", "online_options",
            "online_arms", "check_rank", "check_rank_unloaded", "Learner", "OnlineSequence", "online_pass",
            "OnlineProposer", "OnlineChainProposer", "OnlineBlockProposer", "ChainRows", "BlockRows", "ParallelRows",
-           "online_proposer",
-           "learning", "tally_online", "extra_bytes", "PeakMemory"]
+           "online_proposer", "learning", "tally_online", "extra_bytes", "PeakMemory"]
 
 ONLINE_METHODS = ("online-full", "online-lora")
 ONLINE_VARIANTS = (*ONLINE_METHODS, *(f"{m}+spec" for m in ONLINE_METHODS))  # alone and with the spec
@@ -182,8 +181,8 @@ class Learner:
     with it.
 
     ``online-full``: a copy of every head parameter but the shared embedding (``shared``: the names not
-    learnt; a PARD model's LM head too), run in place of the head's own (:meth:`Learner.applied`). ``online-lora``: ``A`` (r, in) drawn as
-    ``nn.Linear`` draws a weight and ``B`` (out, r) zero for each projection of
+    learnt; a PARD model's LM head too), run in place of the head's own (:meth:`Learner.applied`).
+    ``online-lora``: ``A`` (r, in) drawn as ``nn.Linear`` draws a weight and ``B`` (out, r) zero for each projection of
     :data:`LORA_MODULES`, added to the projection's output by a forward hook for the length of
     each call, ``y = W x + B (A x)`` (scale 1, i.e. LoRA's alpha = r), in float32. The head's
     own tensors are only read.
