@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test vllm test-vllm table pard-table longgen-table bench notebooks clean
+.PHONY: demo test vllm test-vllm table pard-table longgen-table online-table bench notebooks clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -106,6 +106,16 @@ LONGGEN_WORKLOADS ?= diary math science diary-long
 LONGGEN_KINDS ?= eagle3 dflash pard
 longgen-table: $(STAMP)
 	SD=$(VENV)/bin/sharpdraft PY=$(PY) bash scripts/longgen_table.sh "$(LONGGEN_WORKLOADS)" "$(LONGGEN_KINDS)"
+
+# The end-to-end online-adaptation table (docs/results.md "End to end on the three workloads (4,096 tokens)"):
+# sharpdraft bench, 2 held-out prompts x 4,096 tokens, none / spec / online-full / online-lora, each workload and
+# kind (60 to 125 minutes a run on one thread of 2 shared CPU cores: 6 to 10 hours for the six run one after
+# another; a stopped run resumes).
+# ONLINE_WORKLOADS / ONLINE_KINDS narrow it. Writes out/online/.
+ONLINE_WORKLOADS ?= diary math science
+ONLINE_KINDS ?= eagle3 dflash
+online-table: $(STAMP)
+	SD=$(VENV)/bin/sharpdraft PY=$(PY) bash scripts/online_table.sh "$(ONLINE_WORKLOADS)" "$(ONLINE_KINDS)"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_theory.py
