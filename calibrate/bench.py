@@ -34,6 +34,7 @@ import numpy as np
 from sharpdraft_theory import ScaleSpec
 from sharpdraft_theory.atomic import atomic_path, atomic_write_text
 
+from .bench_tables import same_as_target
 from .drafters import default_drafter_path
 from .errors import UserError
 from .measure import SavedUnits, partial_dir
@@ -396,7 +397,7 @@ def report_tables(result: dict):
         speed.add_row(name, f"{arm['acceptance_length']:.2f}", fade_cell, str(arm["tokens_per_second"]),
                       cell(arm["speedup_geomean"]), *updates, mib(arm.get("peak_memory")), *held,
                       f"{arm['looped']}/{len(result['prompts'])}",
-                      "-" if arm["identical"] is None else "yes" if arm["identical"] else "NO")
+                      same_as_target(arm))
     return by_bin, speed
 
 

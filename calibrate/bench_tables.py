@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .measure.longgen import geometric_mean
 
-__all__ = ["markdown", "summary", "read_result"]
+__all__ = ["markdown", "summary", "read_result", "same_as_target"]
 
 
 def _interval(t, digits: int = 2) -> str:
@@ -40,6 +40,15 @@ def _interval(t, digits: int = 2) -> str:
 
 def _mib(n) -> str:
     return "" if n is None else f"{n / 2**20:+.1f}" if n < 0 else f"{n / 2**20:.1f}"
+
+
+def same_as_target(arm: dict) -> str:
+    """Whether every greedy output of ``arm`` equalled target-only: yes, NO, or - (sampled: nothing to claim)."""
+    return "-" if arm["identical"] is None else "yes" if arm["identical"] else "NO"
+
+
+def _folder(result: dict) -> str:
+    return Path(result["drafter"].get("path") or "default").name
 
 
 def over_none(result: dict, arm: str) -> list[float | None] | None:
@@ -78,11 +87,10 @@ def markdown(result: dict) -> str:
                          if arm.get("updates") else "")
             cells.append("" if name == "none" else _mib(arm.get("peak_memory_over_none")))
             cells.append(_mib(extra and extra["total"]))
-        cells.append("-" if arm["identical"] is None else "yes" if arm["identical"] else "NO")
+        cells.append(same_as_target(arm))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     prompts = ", ".join(f"{p['id']} {p['output_tokens']}" for p in result["prompts"])
-    folder = Path(result["drafter"].get("path") or "default").name
-    title = (f"{result['workload']['name']}, {result['drafter']['kind']} ({folder}),"
+    title = (f"{result['workload']['name']}, {result['drafter']['kind']} ({_folder(result)}),"
              f" {len(result['prompts'])} prompts (output tokens: {prompts}); target only "
              f"{result['target']['tokens_per_second']} tokens/s")
     return f"{title}\n\n" + "\n".join(lines)
@@ -94,17 +102,16 @@ def summary(results: list[dict]) -> str:
             "over none", "extra MiB", "peak over none MiB", "= target"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for result in results:
-        folder = Path(result["drafter"].get("path") or "default").name
         outputs = "/".join(str(p["output_tokens"]) for p in result["prompts"])
         for name, arm in result["arms"].items():
-            cells = [f"{result['workload']['name']} ({outputs})", f"{result['drafter']['kind']} ({folder})", name,
+            cells = [f"{result['workload']['name']} ({outputs})", f"{result['drafter']['kind']} ({_folder(result)})", name,
                      _interval(arm["acceptance_by_bin"][0]), _interval(arm["acceptance_by_bin"][-1]),
                      f"{arm['acceptance_length']:.2f}", _interval(arm.get("fade")),
                      _interval(arm["speedup_geomean"]),
                      "" if name == "none" or "none" not in result["arms"] else _interval(over_none(result, name)),
                      _mib((arm.get("extra_bytes") or {}).get("total", 0)),
                      "" if name == "none" else _mib(arm.get("peak_memory_over_none")),
-                     "-" if arm["identical"] is None else "yes" if arm["identical"] else "NO"]
+                     same_as_target(arm)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

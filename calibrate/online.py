@@ -286,19 +286,15 @@ def check_rank_unloaded(kind: str, drafter_path: str | None, rank: int) -> None:
     config = locate(folder)[1] / "config.json" if folder.is_dir() else None
     if config is None or not config.is_file():
         return
-    if kind == "pard":
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        def build():
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.parent))
-    else:
-        config_of, model_of = ((dflash.DFlashConfig, dflash.DFlashDraftModel) if kind == "dflash"
-                               else (eagle3.Eagle3Config, eagle3.Eagle3Head))
-
-        def build():
-            return model_of(config_of.from_json(config))
     with torch.device("meta"):
-        model = build()
+        if kind == "pard":
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.parent))
+        elif kind == "dflash":
+            model = dflash.DFlashDraftModel(dflash.DFlashConfig.from_json(config))
+        else:
+            model = eagle3.Eagle3Head(eagle3.Eagle3Config.from_json(config))
     check_rank(model, rank)
 
 

@@ -270,7 +270,7 @@ def test_lora_adapts_every_layer_of_a_pard_model_and_full_keeps_its_token_space(
 
 
 @pytest.mark.parametrize("spec", [None, SPEC], ids=["alone", "spec"])
-def test_pards_learning_forward_gives_the_rows_drafting_gives(drafters, spec):
+def test_pards_learning_forward_gives_the_rows_drafting_gives(drafters, spec, monkeypatch):
     """The learning forward (``ParallelRows``: every anchor's real token and mask tokens in one call, in PARD's
     training layout, after the drafter's cache of the positions before ``first``) gives each row the logits that
     drafting from its anchor gives (one uncached forward over the text to the anchor and K - 1 masks), scale
@@ -293,16 +293,10 @@ def test_pards_learning_forward_gives_the_rows_drafting_gives(drafters, spec):
         captured["logits"] = logits
         return torch.zeros(())
 
-    import calibrate.online as online
-
-    real = online.distillation_loss
-    online.distillation_loss = capture
-    try:
-        laws = torch.arange(r + PARD_DRAFTS - 1)  # stands for the laws: which one each row reads
-        rows.loss(Learner(drafter.model, "online-lora", OnlineOptions(rank=2)), first, text[first:],
-                  torch.empty(1, r, 0), laws[:, None].float())
-    finally:
-        online.distillation_loss = real
+    monkeypatch.setattr("calibrate.online.distillation_loss", capture)
+    laws = torch.arange(r + PARD_DRAFTS - 1)  # stands for the laws: which one each row reads
+    rows.loss(Learner(drafter.model, "online-lora", OnlineOptions(rank=2)), first, text[first:],
+              torch.empty(1, r, 0), laws[:, None].float())
     assert proposer.cache.get_seq_length() == first  # the drafter's cache is read, not written to
     learnt = captured["logits"].view(PARD_DRAFTS, r, -1)
     for p in range(r):
