@@ -14,8 +14,21 @@ contexts needs it to keep writing; the end marker still stops a generation. A pr
 generation finished, so a run stopped half-way never leaves a half-written generation to be read as
 whole; ``--resume`` continues a run with the same settings and skips the prompts already written.
 
+``--lengthen RUN`` writes a longer corpus from a finished one: every generation of ``RUN`` that ran to its
+``--new-tokens`` is continued, prompt and output as the prefix, to the new ``--new-tokens``; those that
+ended (end-of-sequence token or end marker) are kept as they are. ``RUN`` is only read, and must have been
+written with the same options but ``new_tokens`` (more now) and ``min_new_tokens`` (at least as many now),
+so the longer text is a draw from the law a single run with the new options samples: sampling depends on
+the text so far only, and the end-of-sequence token is barred up to the new ``min_new_tokens``. The first
+tokens stay those of ``RUN``, so what was measured on them holds. A continuation batch is seeded from its
+first prompt's seed with the number of tokens already written (not replaying ``RUN``'s draws); the new
+``run.json`` records ``RUN``'s lengths under ``lengthened_from``.
+
 Generation is batched (``batch`` prompts decode together, left-padded) with transformers' own
-``generate`` (plain target decoding: no drafter). Sampling (the default, temperature 0.8, nucleus
+``generate`` (plain target decoding: no drafter) over a static cache, allocated once for the whole
+generation: the default cache grows by concatenation, copying every layer's keys and values at each step,
+which made a step at 2,048 tokens of context 2.8 times slower for a batch of 16 (0.64 s against 0.23 s, 1
+thread; ``benchmarks/bench_generate.py`` measures it). Sampling (the default, temperature 0.8, nucleus
 ``top_p``) draws from a generator seeded by the run's seed and the batch's first prompt, so a batch
 gives the same text whether a run is resumed or not (a batch's files are written together once it is
 done; a prompt whose file was removed decodes in a smaller batch, from the same law but another
@@ -58,6 +71,7 @@ class GenerateOptions:
     target_path: str | None = None
     threads: int | None = None  # CPU threads for torch (None: torch's default)
     resume: bool = False
+    lengthen: Path | None = None  # a finished run whose generations this one continues (only read)
 
     def check(self) -> Workload:
         """The workload's prompts, after every option is checked; ``UserError`` naming the first bad one."""
@@ -84,16 +98,21 @@ class GenerateOptions:
         workload = load_workload(self.workload)
         if self.prompts is not None:
             workload = Workload(workload.name, workload.path, workload.split, workload.prompts[:self.prompts])
+        if self.lengthen is not None:
+            _check_lengthen(self, workload)
         _check_resume(self, workload)
         return workload
 
     def settings(self, workload: Workload) -> dict:
         """What a resumed run must match: every option but ``out`` and ``resume``, and the prompts' ids."""
         d = asdict(self)
-        for name in ("out", "resume", "workload", "prompts", "threads"):
+        for name in ("out", "resume", "workload", "prompts", "threads", "lengthen"):
             d.pop(name)
         d["greedy"] = self.temperature == 0
         d["workload"] = workload.to_dict()
+        if self.lengthen is not None:
+            before = _recorded(self.lengthen, "--lengthen")["settings"]
+            d["lengthened_from"] = {k: before.get(k) for k in ("new_tokens", "min_new_tokens")}
         return d
 
 
@@ -118,6 +137,23 @@ def tokenizer_identity(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+def _recorded(run: Path, option: str, advice: str = "name a folder written by `sharpdraft generate`") -> dict:
+    """``run``'s run.json, checked to be a dict holding settings; ``UserError`` naming ``option`` otherwise."""
+    try:
+        recorded = json.loads((run / "run.json").read_text())
+        if not isinstance(recorded.get("settings"), dict):
+            raise TypeError
+    except (OSError, ValueError, AttributeError, TypeError):
+        raise UserError(f"{option} {run}: its run.json cannot be read; {advice}") from None
+    return recorded
+
+
+def _differs(before: dict, now: dict, skip: tuple[str, ...] = ()) -> str | None:
+    """The first setting (sorted by name) ``before`` and ``now`` disagree on, ``skip`` aside; None if none."""
+    changed = sorted(k for k in set(before) | set(now) if k not in skip and before.get(k) != now.get(k))
+    return changed[0] if changed else None
+
+
 def _check_resume(opts: GenerateOptions, workload: Workload) -> None:
     run = opts.out / "run.json"
     if not run.exists():
@@ -125,16 +161,43 @@ def _check_resume(opts: GenerateOptions, workload: Workload) -> None:
     if not opts.resume:
         raise UserError(f"--out {opts.out}: a generation run is already there; pass --resume to continue it, "
                         "or name another folder")
-    try:
-        before = json.loads(run.read_text())["settings"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(f"--out {opts.out}: its run.json cannot be read; name another folder") from None
+    before = _recorded(opts.out, "--out", "name another folder")["settings"]
     now = json.loads(json.dumps(opts.settings(workload)))
-    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
-    if changed:
-        raise UserError(f"--resume: {changed[0]} differs from the run in {opts.out} "
-                        f"({before.get(changed[0])!r} there, {now.get(changed[0])!r} now); rerun with its options "
+    key = _differs(before, now)
+    if key is not None:
+        raise UserError(f"--resume: {key} differs from the run in {opts.out} "
+                        f"({before.get(key)!r} there, {now.get(key)!r} now); rerun with its options "
                         "or name another folder")
+
+
+def _check_lengthen(opts: GenerateOptions, workload: Workload) -> None:
+    """``--lengthen RUN``: a finished run of the same options, shorter, holding every prompt; read only."""
+    run = opts.lengthen
+    if not (run / "run.json").is_file():
+        raise UserError(f"--lengthen {run}: not a generation run (no run.json); name a folder written by "
+                        "`sharpdraft generate`")
+    if run.resolve() == opts.out.resolve():
+        raise UserError(f"--lengthen {run} is --out: the run lengthened is only read; name another --out")
+    before = _recorded(run, "--lengthen")["settings"]
+    now = json.loads(json.dumps(opts.settings(workload)))
+    key = _differs(before, now, skip=("new_tokens", "min_new_tokens", "lengthened_from"))
+    if key is not None:
+        raise UserError(f"--lengthen {run}: {key} differs ({before.get(key)!r} there, {now.get(key)!r} now); "
+                        "pass the options it was generated with")
+    if not isinstance(before.get("new_tokens"), int) or not isinstance(before.get("min_new_tokens"), int):
+        raise UserError(f"--lengthen {run}: its run.json records no token counts; name a folder written by "
+                        "`sharpdraft generate`")
+    if opts.new_tokens <= before["new_tokens"]:
+        raise UserError(f"--new-tokens {opts.new_tokens}: --lengthen continues {run}'s generations past its "
+                        f"{before['new_tokens']} tokens; expected more")
+    if opts.min_new_tokens < before["min_new_tokens"]:
+        raise UserError(f"--min-new-tokens {opts.min_new_tokens}: {run} barred the end-of-sequence token for "
+                        f"{before['min_new_tokens']} tokens; expected at least that")
+    written = {g.id for g in read_generations(run)}
+    missing = [p.id for p in workload.prompts if p.id not in written]
+    if missing:
+        raise UserError(f"--lengthen {run}: {missing[0]} has no finished generation there; finish the run with "
+                        "--resume first")
 
 
 def run_generation(opts: GenerateOptions, *, model=None, tokenizer=None, progress=None) -> list[Generation]:
@@ -168,13 +231,30 @@ def run_generation(opts: GenerateOptions, *, model=None, tokenizer=None, progres
     elif json.loads(run.read_text()).get("tokenizer") != identity:
         raise UserError(f"--resume: the target's tokenizer is not the one {opts.out} was generated with; "
                         "rerun with the same --target-path or name another folder")
+    earlier = {}
+    if opts.lengthen is not None:
+        if _recorded(opts.lengthen, "--lengthen").get("tokenizer") != identity:
+            raise UserError(f"--lengthen {opts.lengthen}: generated with another tokenizer than the target's; "
+                            "pass the --target-path it was generated with")
+        earlier = {g.id: g for g in read_generations(opts.lengthen)}
     todo = [(i, p) for i, p in enumerate(workload.prompts) if not _file(opts.out, p).exists()]
     done = len(workload.prompts) - len(todo)
     batches = {}
     for i, p in todo:  # batches fixed by prompt order, so a resumed run decodes the same batches
         batches.setdefault(i // opts.batch, []).append(p)
     for first, prompts in batches.items():
-        for g in _generate(model, tokenizer, prompts, opts, seed=opts.seed + first * opts.batch):
+        seed = opts.seed + first * opts.batch
+        if not earlier:
+            finished = _generate(model, tokenizer, prompts, opts, seed)
+        else:  # kept as they ended, or continued in groups of as many tokens written
+            finished = [earlier[p.id] for p in prompts if earlier[p.id].stopped != "length"]
+            going = {}
+            for p in prompts:
+                if earlier[p.id].stopped == "length":
+                    going.setdefault(len(earlier[p.id].output_ids), []).append(p)
+            for had, group in going.items():
+                finished += _generate(model, tokenizer, group, opts, seed ^ (had << 40), [earlier[p.id] for p in group])
+        for g in finished:
             atomic_write_text(_file(opts.out, Prompt(g.id, "x")), json.dumps(asdict(g)))
         done += len(prompts)
         if progress is not None:
@@ -202,38 +282,45 @@ def _file(out: Path, prompt: Prompt) -> Path:
     return out / "prompts" / f"{prompt.id}.json"
 
 
-def _generate(model, tokenizer, prompts: list[Prompt], opts: GenerateOptions, seed: int) -> list[Generation]:
-    """One batch, left-padded; each output cut at its end-of-sequence token or end marker."""
+def _generate(model, tokenizer, prompts: list[Prompt], opts: GenerateOptions, seed: int,
+              written: list[Generation] | None = None) -> list[Generation]:
+    """One batch, left-padded; each output cut at its end-of-sequence token or end marker.
+
+    ``written``: the batch's earlier generations (``--lengthen``), each as long, continued after its output.
+    """
     import torch
 
     from .drafters.target import eos_token_id
 
     ids = [chat_ids(tokenizer, p) for p in prompts]
-    width = max(map(len, ids))
+    before = [g.output_ids for g in written] if written else [[] for _ in prompts]
+    width = max(len(x) + len(b) for x, b in zip(ids, before))
     eos = eos_token_id(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    input_ids = torch.tensor([[pad] * (width - len(x) - len(b)) + x + b for x, b in zip(ids, before)])
+    mask = torch.tensor([[0] * (width - len(x) - len(b)) + [1] * (len(x) + len(b)) for x, b in zip(ids, before)])
     sample = opts.temperature > 0
     extra = {"temperature": opts.temperature, "top_p": opts.top_p, "top_k": 0} if sample else {}
     ends = sorted({p.end for p in prompts if p.end})
     if ends:
         extra.update(stop_strings=ends, tokenizer=tokenizer)
+    had = len(before[0])
     torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=opts.new_tokens,
-                             min_new_tokens=opts.min_new_tokens, do_sample=sample, pad_token_id=pad, eos_token_id=eos,
-                             num_beams=1, **extra)
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=opts.new_tokens - had,
+                             min_new_tokens=max(0, opts.min_new_tokens - had), do_sample=sample, pad_token_id=pad,
+                             eos_token_id=eos, num_beams=1, cache_implementation="static", **extra)
     seconds = (time.perf_counter() - start) / len(prompts)
     result = []
     for row, (p, x) in enumerate(zip(prompts, ids)):
-        output, stopped = _cut(out[row, width:].tolist(), p, tokenizer, eos, opts.new_tokens)
-        result.append(Generation(p.id, x, output, tokenizer.decode(output), stopped, round(seconds, 3)))
+        output, stopped = _cut(before[row] + out[row, width:].tolist(), p, tokenizer, eos)
+        spent = seconds + (written[row].seconds if written else 0.0)
+        result.append(Generation(p.id, x, output, tokenizer.decode(output), stopped, round(spent, 3)))
     return result
 
 
-def _cut(output: list[int], prompt: Prompt, tokenizer, eos: int | None, limit: int) -> tuple[list[int], str]:
+def _cut(output: list[int], prompt: Prompt, tokenizer, eos: int | None) -> tuple[list[int], str]:
     """``output`` up to and including its end-of-sequence token or the token that completes the end marker.
 
     Whichever comes first; what follows it in a batch is padding. The marker is found by bisection on

@@ -41,11 +41,15 @@ def generate(
     threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a run in --out with the same options, "
                                                           "skipping finished prompts.")] = False,
+    lengthen: Annotated[Optional[Path], typer.Option("--lengthen", help="A finished run (read only) whose "
+                                                     "generations this one continues to --new-tokens, generated with "
+                                                     "the same options but fewer tokens; what ended stays as it is.")]
+        = None,
 ) -> None:
     """Write what the target generates for a workload's prompts: the corpus of its own long text."""
     opts = GenerateOptions(workload=workload, out=out, new_tokens=new_tokens, min_new_tokens=min_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, batch=batch, prompts=prompts, target_path=target_path, threads=threads,
-                           resume=resume)
+                           resume=resume, lengthen=lengthen)
     total = len(opts.check().prompts)  # every bad value refused before the model loads
     columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:

@@ -65,6 +65,62 @@ def test_greedy_batched_generation_equals_each_prompt_decoded_alone(tmp_path, ti
         assert g.stopped in ("length", "eos", "end")
 
 
+def test_a_lengthened_run_continues_each_generation_and_reads_the_shorter_run_only(tmp_path, tiny):
+    short = _opts(tmp_path, tiny, new_tokens=5, min_new_tokens=5)
+    first = run_generation(short)
+    kept = {p: p.read_bytes() for p in sorted(short.out.rglob("*.json"))}
+    longer = _opts(tmp_path, tiny, new_tokens=12, min_new_tokens=9, out=tmp_path / "long", lengthen=short.out)
+    done = run_generation(longer)
+    assert {p: p.read_bytes() for p in sorted(short.out.rglob("*.json"))} == kept  # the shorter run is only read
+    for before, after in zip(first, done):
+        assert after.prompt_ids == before.prompt_ids
+        assert after.output_ids[:len(before.output_ids)] == before.output_ids  # its tokens stay those measured
+        if before.stopped == "length":
+            assert len(after.output_ids) == 12 or after.stopped != "length"
+            assert after.seconds >= before.seconds
+        else:
+            assert after == before
+    run = json.loads((longer.out / "run.json").read_text())["settings"]
+    assert run["lengthened_from"] == {"new_tokens": 5, "min_new_tokens": 5} and run["new_tokens"] == 12
+    (longer.out / "prompts" / "c.json").unlink()
+    again = run_generation(GenerateOptions(**(vars(longer) | {"resume": True})))[2]
+    assert again.output_ids == done[2].output_ids  # the same seed again
+
+
+def test_a_greedy_run_lengthened_equals_the_longer_run(tmp_path, tiny):
+    workload = _workload(tmp_path) + ":all"
+    short = run_generation(_opts(tmp_path, tiny, temperature=0.0, new_tokens=4, workload=workload))
+    lengthened = run_generation(_opts(tmp_path, tiny, temperature=0.0, new_tokens=12, workload=workload,
+                                      out=tmp_path / "l", lengthen=tmp_path / "g"))
+    whole = run_generation(_opts(tmp_path, tiny, temperature=0.0, new_tokens=12, workload=workload,
+                                 out=tmp_path / "w"))
+    assert any(g.stopped == "length" for g in short)  # something was continued
+    assert [(g.output_ids, g.stopped) for g in lengthened] == [(g.output_ids, g.stopped) for g in whole]
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"new_tokens": 5}, "--new-tokens 5: --lengthen continues"),
+    ({"min_new_tokens": 2}, "--min-new-tokens 2: .* barred the end-of-sequence token for 3"),
+    ({"temperature": 0.5}, "--lengthen .*: temperature differs"),
+    ({"seed": 1}, "--lengthen .*: seed differs"),
+    ({"out": None}, "is --out: the run lengthened is only read"),
+])
+def test_lengthen_refuses_what_would_not_continue_the_same_law(tmp_path, tiny, over, message):
+    short = _opts(tmp_path, tiny, new_tokens=5, min_new_tokens=3)
+    run_generation(short)
+    longer = {"new_tokens": 8, "min_new_tokens": 3, "out": tmp_path / "long", "lengthen": short.out}
+    with pytest.raises(UserError, match=message):
+        _opts(tmp_path, tiny, **(longer | {k: (short.out if v is None else v) for k, v in over.items()})).check()
+
+
+def test_lengthen_refuses_a_run_missing_a_prompt(tmp_path, tiny):
+    short = _opts(tmp_path, tiny, new_tokens=5)
+    run_generation(short)
+    (short.out / "prompts" / "b.json").unlink()
+    with pytest.raises(UserError, match="b has no finished generation there; finish the run with --resume"):
+        _opts(tmp_path, tiny, new_tokens=8, out=tmp_path / "long", lengthen=short.out).check()
+
+
 class _Bytes:
     """Decodes each id as one character (ids 0-25 are a-z)."""
 
@@ -74,10 +130,10 @@ class _Bytes:
 
 def test_an_output_is_cut_where_the_end_marker_completes_or_at_eos():
     p = Prompt("x", "p", end="zz")
-    assert _cut([0, 1, 25, 25, 3, 4], p, _Bytes(), eos=None, limit=6) == ([0, 1, 25, 25], "end")
-    assert _cut([0, 1, 2, 7, 25, 25], p, _Bytes(), eos=7, limit=6) == ([0, 1, 2, 7], "eos")
-    assert _cut([0, 1, 2], p, _Bytes(), eos=7, limit=3) == ([0, 1, 2], "length")
-    assert _cut([0, 7, 7], Prompt("y", "p"), _Bytes(), eos=7, limit=3) == ([0, 7], "eos")
+    assert _cut([0, 1, 25, 25, 3, 4], p, _Bytes(), eos=None) == ([0, 1, 25, 25], "end")
+    assert _cut([0, 1, 2, 7, 25, 25], p, _Bytes(), eos=7) == ([0, 1, 2, 7], "eos")
+    assert _cut([0, 1, 2], p, _Bytes(), eos=7) == ([0, 1, 2], "length")
+    assert _cut([0, 7, 7], Prompt("y", "p"), _Bytes(), eos=7) == ([0, 7], "eos")
 
 
 def test_a_prompt_longer_than_the_context_is_refused_before_the_weights_load(tmp_path, tiny, monkeypatch):

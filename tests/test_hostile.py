@@ -715,6 +715,14 @@ GENERATE = [
          (("g", None), ("g/run.json", "{"))),
     Case("generate-resume-other-settings", "generate --out {w}/g --workload math --resume --seed 3", "differs from the run",
          (("g", None), ("g/run.json", json.dumps({"settings": {"seed": 0}})))),
+    Case("generate-lengthen-not-a-run", _GEN + " --lengthen {w}/s", "--lengthen", (("s", None),)),
+    Case("generate-lengthen-missing", _GEN + " --lengthen {w}/none", "--lengthen"),
+    Case("generate-lengthen-unreadable-run", _GEN + " --lengthen {w}/s", "cannot be read",
+         (("s", None), ("s/run.json", "["))),
+    Case("generate-lengthen-other-settings", _GEN + " --new-tokens 64 --lengthen {w}/s", "differs",
+         (("s", None), ("s/run.json", json.dumps({"settings": {"seed": 3}})))),
+    Case("generate-lengthen-is-out", "generate --out {w}/g --workload math:heldout --lengthen {w}/g",
+         "is --out", (("g", None), ("g/run.json", json.dumps({"settings": {"seed": 0}})))),
 ]
 
 _BENCH = "bench --out {w}/b.json --workload math --variants none,window"
