@@ -135,7 +135,7 @@ def _how_written(name: str) -> str:
     workload, _, kind = name.partition("-")
     if kind == "long":
         return f"{workload}:heldout --new-tokens 7890 --min-new-tokens 7890"
-    return f"{workload}:all" + (" --temperature 0" if kind == "greedy" else "")
+    return f"{workload}:all --new-tokens 4096 --min-new-tokens 4096" + (" --temperature 0" if kind == "greedy" else "")
 
 
 def _splits(recorded: dict, ids: list[str], builtin: str | None) -> dict[str, str]:

@@ -6,7 +6,8 @@
 # generated tokens for every arm, by output position: the head alone and with its copy pointer. Writes
 # out/longgen/: each eval's JSON and its table by output position (.md).
 # diary-long (the held-out diaries to the end of the target's context, held out only) is checked with the
-# calibration of the diary's train prompts, to 8,176 tokens.
+# calibration of the diary's train prompts, to 8,176 tokens; a greedy corpus (diary-greedy, ...) with the
+# calibration of its workload's sampled train prompts.
 # Usage: scripts/longgen_table.sh [WORKLOADS] [KINDS] (about 5 minutes a calibration and 6 an eval on 2 CPU cores,
 # 9 an eval of diary-long).
 set -euo pipefail
@@ -16,9 +17,9 @@ SD=${SD:-.venv/bin/sharpdraft}
 OUT=${OUT:-out/longgen}
 mkdir -p "$OUT"
 for w in $WORKLOADS; do
-  # the shipped corpora: diary 4,096 tokens a prompt, math and science 2,048, diary-long 7,890 (8,176 with the prompt)
-  case $w in diary) lengths=512,2048,4096 ;; diary-long) lengths=512,2048,4096,8176 ;; *) lengths=512,1024,2048 ;; esac
-  train=${w%-long}  # the corpus whose train prompts calibrate it
+  # the shipped corpora: 4,096 tokens a prompt, sampled and greedy; diary-long 7,890 (8,176 with the prompt)
+  case $w in diary-long) lengths=512,2048,4096,8176 ;; *) lengths=512,2048,4096 ;; esac
+  train=${w%-long}; train=${train%-greedy}  # the sampled corpus whose train prompts calibrate it
   for kind in $KINDS; do
     base="$OUT/$train-$kind"
     [ -f "$base-select.json" ] || $SD calibrate --drafter "$kind" --drafter-path "calibrate/assets/$kind-smollm2" \

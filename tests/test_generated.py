@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,11 +21,11 @@ from calibrate.cli import app
 from calibrate.corpus import documents, pack
 from calibrate.drafters import load_drafter
 from calibrate.errors import UserError
-from calibrate.generate import GenerateOptions, run_generation
+from calibrate.generate import GenerateOptions, read_generations, run_generation
 from calibrate.generated import copied_tokens, generated_sequences, read_corpus
 from calibrate.measure import Arm, Tally, tally_sequence
 from calibrate.measure.forced import _per_bucket
-from calibrate.measure.longgen import output_edges, regroup, summarize_bins
+from calibrate.measure.longgen import looped, output_edges, regroup, summarize_bins
 from calibrate.preflight import check_corpus
 from calibrate.run import CalibrateOptions, run_calibration
 
@@ -103,12 +105,28 @@ def test_bad_names_are_refused_in_one_line(source, message):
 
 def test_a_shipped_corpus_missing_from_the_install_says_how_to_write_one(monkeypatch, tmp_path):
     monkeypatch.setattr("calibrate.generated.shipped_path", lambda name: tmp_path / name)
-    missing = "shipped corpus math-greedy is not in this install.*--workload math:all --temperature 0 "
+    missing = ("shipped corpus math-greedy is not in this install.*--workload math:all --new-tokens 4096 "
+               "--min-new-tokens 4096 --temperature 0 ")
     with pytest.raises(UserError, match=missing):
         read_corpus("generated:math-greedy:heldout")
     missing = "diary-long is not in this install.*--workload diary:heldout --new-tokens 7890"
     with pytest.raises(UserError, match=missing):
         read_corpus("generated:diary-long:heldout")
+
+
+def test_corpus_text_describes_a_run_and_refuses_a_folder_that_is_not_one(fx, tmp_path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "corpus_text.py"
+    run = lambda *a: subprocess.run([sys.executable, str(script), *map(str, a)], capture_output=True, text=True)  # noqa: E731
+    done = run(fx / "run", "--bin-size", 60)
+    assert done.returncode == 0, done.stderr
+    periods = [looped(g.output_ids) for g in read_generations(fx / "run")]
+    assert done.stdout.startswith(f"run: 4 prompts, {NEW}-{NEW} tokens (4 to the limit, 0 at the end marker, 0 ended); "
+                                  f"{sum(p is not None for p in periods)} end in a loop")
+    assert "distinct 4-grams first 60 tokens" in done.stdout and "last 60" in done.stdout
+    (tmp_path / "empty").mkdir()
+    for bad, message in ((tmp_path / "empty", "not a generation run"), (fx / "run", "--bin-size 0")):
+        refused = run(bad, "--bin-size", 0 if bad == fx / "run" else 512)
+        assert refused.returncode == 1 and message in refused.stderr and len(refused.stderr.splitlines()) == 1
 
 
 def test_a_folder_that_is_not_a_run_and_a_half_written_generation_are_refused(fx, tmp_path):
