@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test vllm test-vllm table pard-table longgen-table online-table bench notebooks clean
+.PHONY: demo test vllm test-vllm table pard-table longgen-table corpora online-table bench notebooks clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -106,6 +106,12 @@ LONGGEN_WORKLOADS ?= diary math science diary-long
 LONGGEN_KINDS ?= eagle3 dflash pard
 longgen-table: $(STAMP)
 	SD=$(VENV)/bin/sharpdraft PY=$(PY) bash scripts/longgen_table.sh "$(LONGGEN_WORKLOADS)" "$(LONGGEN_KINDS)"
+
+# The shipped generated corpora written again, into out/corpora/ (scripts/corpora.sh: about 35 minutes a
+# 4,096-token corpus of 16 prompts on one thread; some 5 hours for all, resumable). CORPORA_WORKLOADS narrows it.
+CORPORA_WORKLOADS ?= diary math science
+corpora: $(STAMP)
+	SD=$(VENV)/bin/sharpdraft bash scripts/corpora.sh "$(CORPORA_WORKLOADS)"
 
 # The end-to-end online-adaptation table (docs/results.md "End to end on the three workloads (4,096 tokens)"):
 # sharpdraft bench, 2 held-out prompts x 4,096 tokens, none / spec / online-full / online-lora, each workload and

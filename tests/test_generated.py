@@ -293,8 +293,10 @@ def test_calibrate_refuses_another_tokenizer_once_the_drafter_tells_it(fx, tmp_p
 
 
 @pytest.mark.parametrize("name, split, prompts, tokens", [
-    ("diary", "train", 12, 4096), ("diary", "heldout", 4, 4096), ("math", "heldout", 4, 2048),
-    ("science", "heldout", 4, 2048), ("diary-long", "heldout", 4, 7890),
+    ("diary", "train", 12, 4096), ("diary", "heldout", 4, 4096), ("math", "train", 12, 4096),
+    ("math", "heldout", 4, 4096), ("science", "train", 12, 4096), ("science", "heldout", 4, 4096),
+    ("diary-greedy", "all", 16, 4096), ("math-greedy", "all", 16, 4096),
+    ("diary-long", "heldout", 4, 7890),
 ])
 def test_the_shipped_corpora_hold_what_the_docs_say(name, split, prompts, tokens):
     """docs/longgen.md's table of shipped corpora: each split's prompts, every output as long as stated, one
@@ -305,6 +307,9 @@ def test_the_shipped_corpora_hold_what_the_docs_say(name, split, prompts, tokens
     assert len(corpus.generations) == prompts
     assert corpus.tokenizer == tokenizer_identity(tokenizer_and_context(None)[0])  # the built-in target's
     assert all(len(g.output_ids) == tokens for g in corpus.generations)
+    if name.endswith("-greedy"):  # greedy: settings recorded, and each split as the workload has it
+        assert json.loads((corpus.folder / "run.json").read_text())["settings"]["greedy"] is True
+        assert len(read_corpus(f"generated:{name}:heldout").generations) == 4
     if name == "diary-long":
         assert min(len(g.prompt_ids) + len(g.output_ids) for g in corpus.generations) >= 8176
         with pytest.raises(UserError, match="no finished generation in the train split"):
