@@ -295,7 +295,7 @@ def test_calibrate_refuses_another_tokenizer_once_the_drafter_tells_it(fx, tmp_p
 @pytest.mark.parametrize("name, split, prompts, tokens", [
     ("diary", "train", 12, 4096), ("diary", "heldout", 4, 4096), ("math", "train", 12, 4096),
     ("math", "heldout", 4, 4096), ("science", "train", 12, 4096), ("science", "heldout", 4, 4096),
-    ("diary-greedy", "all", 16, 4096), ("math-greedy", "all", 16, 4096),
+    ("diary-greedy", "all", 16, 4096), ("math-greedy", "all", 16, 4096), ("science-greedy", "all", 16, 4096),
     ("diary-long", "heldout", 4, 7890),
 ])
 def test_the_shipped_corpora_hold_what_the_docs_say(name, split, prompts, tokens):
