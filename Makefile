@@ -100,9 +100,10 @@ pard-table: $(STAMP)
 # The long-generation tables (docs/results.md "Long generations"): each workload's generated corpus, each
 # drafter kind alone and with its copy pointer, calibrated and selected on the train prompts, checked by
 # output position on the held-out ones (about 5 minutes a calibration and 6 an eval on 2 CPU cores: about
-# 25 minutes a workload and kind; diary-long, to the end of the context, 20 more for each kind's two evals).
+# 25 minutes a workload and kind; diary-long, to the end of the context, 20 more for each kind's two evals;
+# the greedy corpora, checked with the sampled train prompts' calibration, 6 to 8 minutes each for EAGLE-3).
 # LONGGEN_WORKLOADS / LONGGEN_KINDS narrow it. Writes out/longgen/.
-LONGGEN_WORKLOADS ?= diary math science diary-long
+LONGGEN_WORKLOADS ?= diary math science diary-long diary-greedy math-greedy science-greedy
 LONGGEN_KINDS ?= eagle3 dflash pard
 longgen-table: $(STAMP)
 	SD=$(VENV)/bin/sharpdraft PY=$(PY) bash scripts/longgen_table.sh "$(LONGGEN_WORKLOADS)" "$(LONGGEN_KINDS)"

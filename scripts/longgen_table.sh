@@ -11,7 +11,7 @@
 # Usage: scripts/longgen_table.sh [WORKLOADS] [KINDS] (about 5 minutes a calibration and 6 an eval on 2 CPU cores,
 # 9 an eval of diary-long).
 set -euo pipefail
-WORKLOADS=${1:-diary math science diary-long}
+WORKLOADS=${1:-diary math science diary-long diary-greedy math-greedy science-greedy}
 KINDS=${2:-eagle3 dflash pard}
 SD=${SD:-.venv/bin/sharpdraft}
 OUT=${OUT:-out/longgen}
