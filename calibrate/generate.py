@@ -286,13 +286,14 @@ def _generate(model, tokenizer, prompts: list[Prompt], opts: GenerateOptions, se
               written: list[Generation] | None = None) -> list[Generation]:
     """One batch, left-padded; each output cut at its end-of-sequence token or end marker.
 
-    ``written``: the batch's earlier generations (``--lengthen``), each as long, continued after its output.
+    ``written``: the batch's earlier generations (``--lengthen``), each as long, continued after its prompt and
+    output as they were written.
     """
     import torch
 
     from .drafters.target import eos_token_id
 
-    ids = [chat_ids(tokenizer, p) for p in prompts]
+    ids = [g.prompt_ids for g in written] if written else [chat_ids(tokenizer, p) for p in prompts]
     before = [g.output_ids for g in written] if written else [[] for _ in prompts]
     width = max(len(x) + len(b) for x, b in zip(ids, before))
     eos = eos_token_id(tokenizer)
