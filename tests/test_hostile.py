@@ -717,6 +717,7 @@ GENERATE = [
          (("g", None), ("g/run.json", json.dumps({"settings": {"seed": 0}})))),
     Case("generate-lengthen-not-a-run", _GEN + " --lengthen {w}/s", "--lengthen", (("s", None),)),
     Case("generate-lengthen-missing", _GEN + " --lengthen {w}/none", "--lengthen"),
+    Case("generate-lengthen-a-file", _GEN + " --lengthen {w}/f", "not a generation run", (("f", "x"),)),
     Case("generate-lengthen-unreadable-run", _GEN + " --lengthen {w}/s", "cannot be read",
          (("s", None), ("s/run.json", "["))),
     Case("generate-lengthen-other-settings", _GEN + " --new-tokens 64 --lengthen {w}/s", "differs",
